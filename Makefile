@@ -1,0 +1,28 @@
+# The two commands: `make up` runs the whole stack, `make test` runs the tests.
+# Both build the virtual environment first (once, and again when pyproject.toml changes).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ENGINES ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: up test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch first: an open range alone could pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,engine]'
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/dpcoord up --engines $(ENGINES)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

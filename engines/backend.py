@@ -1,0 +1,89 @@
+"""The interface between the engine runtime (NATS side) and a model backend.
+
+The runtime owns the protocol: it decodes routed requests, streams partials, batches
+replies, tracks epochs and obeys control signals. A backend only schedules and generates:
+``add`` requests, ``step`` to advance every running request by (at most) one token, and
+report new tokens, the text they complete, and why a request finished.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from service.wire import FinishReason, SubmitRequest
+
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str | list[int]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = 0  # 0: off
+    top_p: float = DEFAULT_TOP_P
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def from_submit(cls, request_id: str, submit: SubmitRequest) -> GenerationRequest:
+        params = submit.sampling_params
+        return cls(
+            request_id=request_id,
+            prompt=submit.prompt,
+            max_tokens=params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS,
+            temperature=params.temperature if params.temperature is not None else DEFAULT_TEMPERATURE,
+            top_k=params.top_k or 0,
+            top_p=params.top_p if params.top_p is not None else DEFAULT_TOP_P,
+            seed=params.seed,
+            stop=tuple(params.stop or ()),
+        )
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """What one step produced for one request; ``text`` is the newly completed text only."""
+
+    request_id: str
+    new_tokens: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+class Backend(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def add(self, request: GenerationRequest) -> None:
+        """Queue a request; raise WireError (400, 413) for one this backend cannot serve."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free what it holds; False if unknown."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def step(self) -> list[TokenOutput]:
+        """Advance every running request; must not block the event loop for long."""
+
+    async def suspend(self) -> None:
+        """Release accelerator memory; requests in flight must survive until ``resume``."""
+
+    async def resume(self) -> None:
+        """Take back what ``suspend`` released."""
+
+    def start_profiler(self) -> str:
+        """Start profiling; returns a detail for the ack (a trace path, say)."""
+        return f"{self.name} backend has no profiler"
+
+    def stop_profiler(self) -> str:
+        return f"{self.name} backend has no profiler"
+
+    async def close(self) -> None:
+        """Free everything; the runtime calls it once on exit."""

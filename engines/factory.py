@@ -1,0 +1,14 @@
+"""Builds the backend a setting names; torch is imported only when it is chosen."""
+
+from __future__ import annotations
+
+from engines.backend import Backend
+from service.settings import Settings
+
+
+def make_backend(settings: Settings, model: str | None = None) -> Backend:
+    if settings.backend == "echo":
+        from engines.echo import EchoBackend
+
+        return EchoBackend(token_delay_ms=settings.token_delay_ms)
+    raise ValueError(f"backend {settings.backend!r} is not available in this build")

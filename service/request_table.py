@@ -1,0 +1,65 @@
+"""Requests the coordinator has accepted and not yet answered with a terminal reply.
+
+Popping an entry is the right to send its terminal reply: whoever pops it answers, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from service.wire import ClientRequestId, Encoding, ReturnPath, RoutedReply
+
+ClientKey = tuple[str | None, ClientRequestId]
+
+
+@dataclass(slots=True, eq=False)
+class InflightRequest:
+    route: ReturnPath
+    encoding: Encoding
+    body: bytes
+    client_key: ClientKey | None
+    engine_id: str | None = None
+    streamed: bool = False
+    attempts: int = 0
+    deadline: asyncio.TimerHandle | None = None
+    partials_delivered: int = 0
+    parked_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self._by_id: dict[str, InflightRequest] = {}
+        self._by_client: dict[ClientKey, str] = {}
+
+    def add(self, entry: InflightRequest) -> None:
+        self._by_id[entry.route.request_id] = entry
+        if entry.client_key is not None:
+            self._by_client[entry.client_key] = entry.route.request_id
+
+    def get(self, request_id: str) -> InflightRequest | None:
+        return self._by_id.get(request_id)
+
+    def find_client(self, key: ClientKey) -> InflightRequest | None:
+        request_id = self._by_client.get(key)
+        return None if request_id is None else self._by_id.get(request_id)
+
+    def pop(self, request_id: str) -> InflightRequest | None:
+        entry = self._by_id.pop(request_id, None)
+        if entry is None:
+            return None
+        if entry.deadline is not None:
+            entry.deadline.cancel()
+        if entry.client_key is not None:
+            self._by_client.pop(entry.client_key, None)
+        return entry
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[InflightRequest]:
+        return iter(list(self._by_id.values()))

@@ -1,0 +1,57 @@
+"""The one settings model: environment variables ``DPCOORD_<FIELD>``, CLI flags ``--field``,
+and Helm values all map onto these fields."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DPCOORD_", extra="ignore")
+
+    # NATS connection
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
+    subject_prefix: str = Field("dpcoord", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", description="First subject tokens")
+    nats_user: str | None = Field(None, description="NATS user name")
+    nats_password: str | None = Field(None, description="NATS password")
+    nats_token: str | None = Field(None, description="NATS auth token")
+    nats_nkey_seed_file: str | None = Field(None, description="Path to an nkey seed file")
+    nats_creds_file: str | None = Field(None, description="Path to a NATS .creds file (JWT + nkey)")
+    nats_tls_ca_file: str | None = Field(None, description="CA bundle to verify the NATS server")
+    nats_tls_cert_file: str | None = Field(None, description="Client certificate for mutual TLS")
+    nats_tls_key_file: str | None = Field(None, description="Client key for mutual TLS")
+    nats_connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt")
+
+    # Coordinator
+    coordinator_id: str | None = Field(None, description="Coordinator replica id; random when unset")
+    queue_group: str = Field("dpcoord-coordinators", description="Queue group shared by coordinator replicas")
+    routing_policy: Literal["least_loaded", "round_robin"] = Field("least_loaded", description="How a request picks an engine")
+    max_inflight_per_engine: int = Field(256, ge=1, description="Requests in flight per engine before queueing")
+    max_queued_requests: int = Field(4096, ge=0, description="Requests held by the coordinator before 429")
+    max_payload_bytes: int = Field(1024 * 1024, ge=1024, description="Largest accepted message body (413 beyond)")
+    request_timeout_s: float = Field(300.0, gt=0, description="Default request deadline (504 after it)")
+    control_timeout_s: float = Field(5.0, gt=0, description="How long engines have to confirm a control signal")
+    heartbeat_timeout_s: float = Field(3.0, gt=0, description="Engines silent this long are removed")
+    max_retries: int = Field(2, ge=0, description="Re-dispatches of a request whose engine died before streaming")
+
+    # Engine
+    engine_id: str | None = Field(None, description="Engine id; random when unset")
+    backend: Literal["echo", "torch"] = Field("echo", description="Engine backend")
+    token_delay_ms: float = Field(0.0, ge=0, description="Echo backend: delay per generated token")
+    engine_capacity: int = Field(256, ge=1, description="Requests an engine accepts at once")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Engine heartbeat period")
+    stream_interval: int = Field(1, ge=1, description="Tokens per streamed partial")
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
+
+    @model_validator(mode="after")
+    def _heartbeat_fits_timeout(self) -> Settings:
+        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be below heartbeat_timeout_s "
+                f"({self.heartbeat_timeout_s}), or live engines get removed"
+            )
+        return self

@@ -1,0 +1,83 @@
+"""``dpcoord up``: an embedded nats-server (unless a NATS URL is given), one coordinator and N
+engines as child processes, stopped together on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from service.client import ClientError, DpcoordClient
+from service.nats_server import EmbeddedNatsServer
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def _child_env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    for name in settings.model_fields_set:
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"DPCOORD_{name.upper()}"] = str(value)
+    return env
+
+
+async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> DpcoordClient:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            return await DpcoordClient.connect(settings, timeout=2.0)
+        except (ClientError, TimeoutError):
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
+    server: EmbeddedNatsServer | None = None
+    if "nats_url" not in settings.model_fields_set:
+        server = EmbeddedNatsServer().start()
+        settings = settings.model_copy(update={"nats_url": server.url})
+        settings.model_fields_set.add("nats_url")
+    env = _child_env(settings)
+    python = [sys.executable, "-m", "service"]
+    engine_args = ["--model", model] if model else []
+    children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env)]
+    children += [await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env) for _ in range(engines)]
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    coordinator_exit = asyncio.ensure_future(children[0].wait())
+    coordinator_exit.add_done_callback(lambda _: stop.set())
+    try:
+        client = await _wait_for_coordinator(settings)
+        await client.close()
+        prefix = settings.subject_prefix
+        sys.stdout.write(
+            f"dpcoord is up: coordinator + {engines} {settings.backend} engine(s)\n"
+            f"NATS: {settings.nats_url}\n"
+            f"Submit: dpcoord submit 'Hello' --stream --nats-url {settings.nats_url}\n"
+            f"   or: nats request -s {settings.nats_url} {prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
+            "Ctrl-C stops everything.\n"
+        )
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
+            try:
+                await asyncio.wait_for(child.wait(), 15)
+            except TimeoutError:
+                child.kill()
+                await child.wait()
+        if server is not None:
+            server.stop()
+    return 0

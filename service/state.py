@@ -1,0 +1,60 @@
+"""Coordinator states and the declarative table of control-signal transitions.
+
+Each signal names the states it may leave, the state it moves to, and the states in which
+a repeat is acknowledged without change. Every (state, signal) pair outside the table is
+refused with 409.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from service.errors import ErrorCode, WireError
+from service.subjects import Header
+
+
+class CoordinatorState(enum.StrEnum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUSPENDED = "suspended"
+    STOPPING = "stopping"
+
+
+_ALL_STATES = frozenset(CoordinatorState)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    allowed_from: frozenset[CoordinatorState]
+    new_state: CoordinatorState | None  # None: the signal changes no state
+    idempotent_in: frozenset[CoordinatorState] = frozenset()
+
+
+S = CoordinatorState
+TRANSITIONS: dict[Header, Transition] = {
+    Header.PAUSE: Transition(frozenset({S.RUNNING}), S.PAUSED, idempotent_in=frozenset({S.PAUSED, S.SUSPENDED})),
+    Header.UNPAUSE: Transition(frozenset({S.PAUSED}), S.RUNNING),
+    Header.SUSPEND: Transition(frozenset({S.PAUSED}), S.SUSPENDED),
+    Header.RESUME: Transition(frozenset({S.SUSPENDED}), S.PAUSED),
+    Header.STOP: Transition(frozenset({S.PAUSED, S.SUSPENDED}), S.STOPPING),
+    Header.SET_GENERATION_EPOCH: Transition(_ALL_STATES, None),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a signal does in a state: ``changes`` is False for an idempotent repeat."""
+
+    changes: bool
+    new_state: CoordinatorState
+
+
+def decide(state: CoordinatorState, signal: Header) -> Decision:
+    """Raises WireError(409) when the table forbids ``signal`` in ``state``."""
+    transition = TRANSITIONS[signal]
+    if state in transition.idempotent_in:
+        return Decision(changes=False, new_state=state)
+    if state not in transition.allowed_from:
+        raise WireError(ErrorCode.CONFLICT, f"{signal} is not allowed in state {state}")
+    return Decision(changes=True, new_state=transition.new_state or state)

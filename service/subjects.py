@@ -1,0 +1,71 @@
+"""Message headers and the NATS subjects they become.
+
+A header ``h`` is served by the coordinator on ``<prefix>.<h>``. Engines listen on
+``<prefix>.engine.<engine_id>.<h>`` for messages routed to them and on
+``<prefix>.engines.<h>`` for broadcasts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Header(enum.StrEnum):
+    # From clients.
+    CONNECT = "connect"
+    SUBMIT_REQUEST = "submit_request"
+    ABORT_REQUEST = "abort_request"
+    PAUSE = "pause"
+    UNPAUSE = "unpause"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    STOP = "stop"
+    SET_GENERATION_EPOCH = "set_generation_epoch"
+    START_CUDA_PROFILER = "start_cuda_profiler"
+    STOP_CUDA_PROFILER = "stop_cuda_profiler"
+    SHUTDOWN = "shutdown"
+    # From engines.
+    REGISTER = "register"
+    HEARTBEAT = "heartbeat"
+    ENGINE_REPLY = "engine_reply"
+    ENGINE_REPLY_PARTIAL = "engine_reply_partial"
+    DISCONNECT = "disconnect"
+
+
+CONTROL_HEADERS: frozenset[Header] = frozenset(
+    {Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH}
+)
+PROFILER_HEADERS: frozenset[Header] = frozenset({Header.START_CUDA_PROFILER, Header.STOP_CUDA_PROFILER})
+
+# Every coordinator replica must see these: each keeps its own view of the engine pool and
+# of the requests it routed. All other subjects are shared by the replicas in a queue group.
+FANOUT_HEADERS: frozenset[Header] = frozenset(
+    {Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Builds every subject from one prefix, so no module formats subjects by hand."""
+
+    prefix: str = "dpcoord"
+
+    def coordinator(self, header: str) -> str:
+        return f"{self.prefix}.{header}"
+
+    def engine(self, engine_id: str, header: str) -> str:
+        return f"{self.prefix}.engine.{engine_id}.{header}"
+
+    def engine_wildcard(self, engine_id: str) -> str:
+        return f"{self.prefix}.engine.{engine_id}.*"
+
+    def broadcast(self, header: str) -> str:
+        return f"{self.prefix}.engines.{header}"
+
+    def broadcast_wildcard(self) -> str:
+        return f"{self.prefix}.engines.*"
+
+    def header_of(self, subject: str) -> str:
+        """The last token of a subject: the header it carries."""
+        return subject.rpartition(".")[2]
