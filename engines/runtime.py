@@ -45,6 +45,7 @@ from service.wire import (
     RoutedAbort,
     RoutedReply,
     RoutedRequest,
+    RoutedRequestBatch,
     SubmitRequest,
     encode,
     encode_msgpack,
@@ -54,7 +55,7 @@ from service.wire import (
 
 log = logging.getLogger(__name__)
 
-_routed_decoder = msgpack_decoder(RoutedRequest)
+_routed_decoder = msgpack_decoder(RoutedRequestBatch)
 _abort_decoder = msgpack_decoder(RoutedAbort)
 _control_decoder = msgpack_decoder(ControlSignal)
 _register_ack_decoder = msgpack_decoder(RegisterAck)
@@ -220,7 +221,8 @@ class EngineRuntime:
         header = self.subjects.header_of(msg.subject)
         try:
             if header == Header.SUBMIT_REQUEST:
-                await self._on_submit(_routed_decoder.decode(msg.data))
+                for routed in _routed_decoder.decode(msg.data).requests:
+                    await self._on_submit(routed)
             elif header == Header.ABORT_REQUEST:
                 await self._on_abort(_abort_decoder.decode(msg.data))
             else:
@@ -234,7 +236,9 @@ class EngineRuntime:
         try:
             encoding = Encoding(route.encoding)
         except ValueError:
-            raise WireError(ErrorCode.MALFORMED, f"unknown encoding {route.encoding!r}") from None
+            self.counters["malformed"] += 1
+            log.warning("engine_id=%s request_id=%s: unknown encoding %r; dropped", self.engine_id, route.request_id, route.encoding)
+            return
         if route.request_id in self._active:
             log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, route.request_id)
             return

@@ -9,7 +9,7 @@ from handlers.registry import message_handler
 from service import PROTOCOL_VERSION
 from service.errors import ErrorCode, WireError
 from service.subjects import Header
-from service.wire import AbortRequest, Ack, ConnectAck, ConnectRequest, Empty, SubmitRequest
+from service.wire import AbortRequest, Ack, ConnectAck, ConnectRequest, Empty, SubmitEnvelope, SubmitRequest
 
 if TYPE_CHECKING:
     from service.coordinator import Coordinator, Sender
@@ -23,8 +23,11 @@ async def handle_connect(coordinator: Coordinator, sender: Sender, payload: Conn
 
 
 @message_handler(Header.SUBMIT_REQUEST)
-async def handle_submit_request(coordinator: Coordinator, sender: Sender, payload: SubmitRequest) -> None:
-    """Route a client request to an engine, or hold it while paused or while every engine is full."""
+async def handle_submit_request(coordinator: Coordinator, sender: Sender, payload: SubmitRequest | SubmitEnvelope) -> None:
+    """Route a client request to an engine, or hold it while paused or while every engine is full.
+
+    A plain body is validated whole here; the client library's envelope is routed by its own
+    fields and its body is validated by the engine, so the coordinator never decodes a prompt."""
     await coordinator.admit(sender, payload)
 
 

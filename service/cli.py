@@ -15,6 +15,7 @@ from typing import Any, get_args
 import msgspec
 from pydantic import ValidationError
 
+from service import event_loop
 from service.settings import Settings
 from service.subjects import Header
 
@@ -166,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "coordinator":
-            return asyncio.run(_run_coordinator(settings))
+            return event_loop.run(_run_coordinator(settings), settings.event_loop)
         if args.command == "engine":
-            return asyncio.run(_run_engine(settings, args.model))
+            return event_loop.run(_run_engine(settings, args.model), settings.event_loop)
         if args.command == "up":
             from service.stack import run_stack
 

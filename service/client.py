@@ -31,6 +31,7 @@ from service.wire import (
     Partial,
     Reply,
     SamplingParams,
+    SubmitEnvelope,
     SubmitRequest,
     encode_msgpack,
 )
@@ -85,8 +86,10 @@ class DpcoordClient:
         await self.close()
 
     def _submission(self, prompt: str | list[int], stream: bool, client_request_id: ClientRequestId | None, sampling: dict[str, Any]) -> bytes:
+        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
-        return encode_msgpack(SubmitRequest(prompt, params, stream, client_request_id, self.client_id))
+        body = encode_msgpack(SubmitRequest(prompt, params, stream, client_request_id, self.client_id))
+        return encode_msgpack(SubmitEnvelope(1, body, stream, client_request_id, self.client_id, None, params.timeout_s))
 
     async def submit(
         self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any

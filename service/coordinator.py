@@ -34,6 +34,7 @@ from service.routing import make_policy
 from service.settings import Settings
 from service.state import CoordinatorState
 from service.subjects import FANOUT_HEADERS, Header, Subjects
+from service.timers import CoarseTimers
 from service.wire import (
     ControlSignal,
     Encoding,
@@ -42,6 +43,8 @@ from service.wire import (
     RoutedAbort,
     RoutedReply,
     RoutedRequest,
+    RoutedRequestBatch,
+    SubmitEnvelope,
     SubmitRequest,
     detect_encoding,
     encode,
@@ -51,6 +54,11 @@ from service.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+# Bytes a routed request adds to its body and reply subject (the rest of its return path,
+# msgpack framing), and bytes of framing per batch: generous bounds, used to split batches.
+_ROUTE_OVERHEAD = 128
+_BATCH_OVERHEAD = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +85,9 @@ class Coordinator:
         self._handlers = handlers
         self._policy = make_policy(settings.routing_policy)
         self._held: deque[InflightRequest] = deque()
+        self._deadlines = CoarseTimers()
+        self._outbox: dict[str, list[InflightRequest]] = {}
+        self._outbox_ready = asyncio.Event()
         self._sequence = itertools.count()
         self._subscriptions: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -101,6 +112,7 @@ class Coordinator:
             )
         await self.nc.flush()
         self.spawn(self._watch_heartbeats())
+        self.spawn(self._route_outbox())
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -186,12 +198,17 @@ class Coordinator:
 
     # ------------------------------------------------------------ requests
 
-    async def admit(self, sender: Sender, submit: SubmitRequest) -> None:
+    async def admit(self, sender: Sender, submit: SubmitRequest | SubmitEnvelope) -> None:
+        """Route or hold a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
         reply_to = submit.reply_to or sender.reply
         if reply_to is None:
             self.counters["submit_without_reply"] += 1
             log.warning("submission without reply subject dropped (client_request_id=%s)", submit.client_request_id)
             return
+        if isinstance(submit, SubmitEnvelope):
+            body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
+        else:
+            body, encoding, timeout_s = sender.body, sender.encoding, submit.sampling_params.timeout_s
         client_key = None
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
@@ -205,10 +222,9 @@ class Coordinator:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self.settings.max_queued_requests} held)")
 
         request_id = f"{self.id}-{next(self._sequence)}"
-        route = ReturnPath(request_id, self.id, reply_to, sender.encoding.value, submit.stream, submit.client_request_id)
-        entry = InflightRequest(route, sender.encoding, sender.body, client_key)
-        timeout_s = submit.sampling_params.timeout_s or self.settings.request_timeout_s
-        entry.deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
+        route = ReturnPath(request_id, self.id, reply_to, encoding.value, submit.stream, submit.client_request_id)
+        entry = InflightRequest(route, encoding, body, client_key)
+        entry.deadline = self._deadlines.call_later(timeout_s or self.settings.request_timeout_s, self._expire, request_id)
         self.requests.add(entry)
         self.counters["submitted"] += 1
         if engine is None:
@@ -217,11 +233,61 @@ class Coordinator:
             await self._send(entry, engine)
 
     async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
+        """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
         entry.engine_id = engine.engine_id
         entry.attempts += 1
         engine.requests.add(entry.route.request_id)
-        subject = self.subjects.engine(engine.engine_id, Header.SUBMIT_REQUEST)
-        await self.nc.publish(subject, encode_msgpack(RoutedRequest(entry.route, entry.body)))
+        batch = self._outbox.get(engine.engine_id)
+        if batch is None:
+            self._outbox[engine.engine_id] = [entry]
+            self._outbox_ready.set()
+        else:
+            batch.append(entry)
+
+    async def _route_outbox(self) -> None:
+        """Publish each engine's routed requests as one message per loop turn rather than one each.
+
+        Requests are picked up after the message callbacks of this turn ran, so under load a
+        batch holds everything that arrived in one read from the socket."""
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            outbox, self._outbox = self._outbox, {}
+            for engine_id, entries in outbox.items():
+                try:
+                    await self._publish_routed(engine_id, entries)
+                except Exception:
+                    log.exception("engine_id=%s: routing %d requests failed", engine_id, len(entries))
+
+    async def _publish_routed(self, engine_id: str, entries: list[InflightRequest]) -> None:
+        subject = self.subjects.engine(engine_id, Header.SUBMIT_REQUEST)
+        limit = self.nc.max_payload - _BATCH_OVERHEAD
+        batch: list[RoutedRequest] = []
+        size = 0
+        for entry in entries:
+            if entry.engine_id != engine_id or entry.route.request_id not in self.requests:
+                continue  # answered or re-routed while it waited for this turn
+            route = entry.route
+            entry_size = len(entry.body) + len(route.reply_to) + len(str(route.client_request_id)) + _ROUTE_OVERHEAD
+            if entry_size > limit:
+                await self.fail(entry.route.request_id, WireError(
+                    ErrorCode.TOO_LARGE, f"request of {len(entry.body)} bytes does not fit NATS max_payload {self.nc.max_payload} once routed"))
+                continue
+            if batch and size + entry_size > limit:
+                await self._publish_batch(subject, batch)
+                batch, size = [], 0
+            batch.append(RoutedRequest(entry.route, entry.body))
+            size += entry_size
+        if batch:
+            await self._publish_batch(subject, batch)
+
+    async def _publish_batch(self, subject: str, batch: list[RoutedRequest]) -> None:
+        try:
+            await self.nc.publish(subject, encode_msgpack(RoutedRequestBatch(batch)))
+        except Exception as exc:  # the routing task must outlive any one failed publish
+            log.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
+            for routed in batch:
+                await self.fail(routed.route.request_id, WireError(ErrorCode.NO_ENGINE, f"could not route to engine: {exc}"))
 
     async def dispatch_held(self) -> None:
         """Route held requests while the coordinator runs and some engine has room."""

@@ -5,10 +5,10 @@ Popping an entry is the right to send its terminal reply: whoever pops it answer
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from service.timers import CoarseTimer
 from service.wire import ClientRequestId, Encoding, ReturnPath, RoutedReply
 
 ClientKey = tuple[str | None, ClientRequestId]
@@ -23,7 +23,7 @@ class InflightRequest:
     engine_id: str | None = None
     streamed: bool = False
     attempts: int = 0
-    deadline: asyncio.TimerHandle | None = None
+    deadline: CoarseTimer | None = None
     partials_delivered: int = 0
     parked_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
 

@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed partial")
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="Event loop; auto takes uvloop when installed")
 
     @model_validator(mode="after")
     def _heartbeat_fits_timeout(self) -> Settings:

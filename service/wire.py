@@ -11,7 +11,8 @@ fields raise :class:`~service.errors.WireError` with code 400.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal, TypeVar
+import types
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import msgspec
 from msgspec import Meta, Struct
@@ -64,6 +65,25 @@ class SubmitRequest(Struct):
     reply_to: Annotated[str, Meta(min_length=1)] | None = None
 
 
+class SubmitEnvelope(Struct, array_like=True):
+    """The client library's submission: routing fields up front, the contract body as opaque bytes.
+
+    A contract body is a msgpack map or a JSON object, so a msgpack array never is one: the
+    coordinator tells an envelope by its first byte. It routes an envelope without decoding
+    ``body``, which it forwards untouched; the engine validates it (400 to the client as
+    usual). Plain bodies from the ``nats`` CLI keep working exactly as before.
+    Trailing elements a newer client adds are ignored.
+    """
+
+    version: Literal[1]
+    body: bytes
+    stream: bool = False
+    client_request_id: ClientRequestId | None = None
+    client_id: str | None = None
+    reply_to: Annotated[str, Meta(min_length=1)] | None = None
+    timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
+
+
 class ConnectRequest(Struct):
     client_id: str | None = None
 
@@ -90,6 +110,17 @@ class ReturnHints(Struct):
     reply_to: Any = None
     stream: Any = None
     client_request_id: Any = None
+
+
+class EnvelopeHints(Struct, array_like=True):
+    """:class:`ReturnHints` of a :class:`SubmitEnvelope`, read as leniently."""
+
+    version: Any = None
+    body: Any = None
+    stream: Any = None
+    client_request_id: Any = None
+    client_id: Any = None
+    reply_to: Any = None
 
 
 # ---------------------------------------------------------------- to clients
@@ -197,6 +228,12 @@ class RoutedRequest(Struct, array_like=True):
     body: bytes
 
 
+class RoutedRequestBatch(Struct, array_like=True):
+    """Every request routed to one engine in one event-loop turn: one NATS message for many."""
+
+    requests: list[RoutedRequest]
+
+
 class RoutedAbort(Struct):
     request_id: str
 
@@ -236,27 +273,56 @@ _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _lenient_json = msgspec.json.Decoder(ReturnHints)
 _lenient_msgpack = msgspec.msgpack.Decoder(ReturnHints)
+_lenient_envelope = msgspec.msgpack.Decoder(EnvelopeHints)
+
+
+_MSGPACK_ARRAY_FIRST_BYTES = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+
+
+def is_msgpack_array(body: bytes) -> bool:
+    return bool(body) and body[0] in _MSGPACK_ARRAY_FIRST_BYTES
+
+
+def _is_array_like(member: Any) -> bool:
+    config = getattr(member, "__struct_config__", None)
+    return bool(config and config.array_like)
 
 
 class PayloadDecoder:
-    """Decodes one payload type from either encoding, raising WireError(400) on bad input."""
+    """Decodes one payload type from either encoding, raising WireError(400) on bad input.
 
-    __slots__ = ("_json", "_msgpack", "type")
+    The type may be a union of one map-shaped Struct and one ``array_like`` Struct (msgspec
+    would need tags to tell untagged Structs apart); a msgpack array body decodes as the
+    array-shaped member, anything else as the map-shaped one."""
 
-    def __init__(self, payload_type: type[T]) -> None:
+    __slots__ = ("_array", "_json", "_msgpack", "type")
+
+    def __init__(self, payload_type: Any) -> None:
         self.type = payload_type
-        self._json = msgspec.json.Decoder(payload_type)
-        self._msgpack = msgspec.msgpack.Decoder(payload_type)
+        members = get_args(payload_type) if isinstance(payload_type, types.UnionType) else (payload_type,)
+        arrays = [member for member in members if _is_array_like(member)]
+        maps = [member for member in members if not _is_array_like(member)]
+        if len(arrays) > 1 or len(maps) != 1:
+            raise TypeError(f"payload type {payload_type!r}: need one map-shaped type and at most one array_like Struct")
+        self._json = msgspec.json.Decoder(maps[0])
+        self._msgpack = msgspec.msgpack.Decoder(maps[0])
+        self._array = msgspec.msgpack.Decoder(arrays[0]) if arrays else None
 
     def decode(self, body: bytes, encoding: Encoding) -> Any:
         try:
             if encoding is Encoding.JSON:
                 return self._json.decode(body or b"{}")
+            if self._array is not None and is_msgpack_array(body):
+                return self._array.decode(body)
             return self._msgpack.decode(body)
         except msgspec.ValidationError as exc:
-            raise WireError(ErrorCode.MALFORMED, f"invalid {self.type.__name__}: {exc}") from None
+            raise WireError(ErrorCode.MALFORMED, f"invalid {_type_name(self.type)}: {exc}") from None
         except msgspec.DecodeError as exc:
             raise WireError(ErrorCode.MALFORMED, f"undecodable {encoding.value} body: {exc}") from None
+
+
+def _type_name(payload_type: Any) -> str:
+    return getattr(payload_type, "__name__", None) or " | ".join(member.__name__ for member in get_args(payload_type))
 
 
 def encode(message: Struct, encoding: Encoding) -> bytes:
@@ -274,6 +340,9 @@ def return_hints(body: bytes, encoding: Encoding) -> ReturnHints:
     try:
         if encoding is Encoding.JSON:
             return _lenient_json.decode(body or b"{}")
+        if is_msgpack_array(body):
+            envelope = _lenient_envelope.decode(body)
+            return ReturnHints(envelope.reply_to, envelope.stream, envelope.client_request_id)
         return _lenient_msgpack.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError):
         return ReturnHints()
