@@ -124,6 +124,7 @@ class EngineRuntime:
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self._nc: NATS | None = None
         self._controls: dict[str, Callable[[ControlSignal], Awaitable[str]]] = {
             Header.PAUSE: self._pause,
@@ -153,8 +154,8 @@ class EngineRuntime:
         await self.nc.subscribe(self.subjects.engine_wildcard(self.engine_id), cb=self._on_routed)
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
         await self.nc.flush()
-        for loop in (self._register, self._heartbeat, self._step_loop):
-            self._tasks.append(asyncio.create_task(loop()))
+        self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self._tasks = [asyncio.create_task(self._register()), self._heartbeat_task, asyncio.create_task(self._step_loop())]
         log.info("engine_id=%s started with backend %s", self.engine_id, self.backend.name)
 
     async def run_until_stopped(self) -> None:
@@ -354,6 +355,8 @@ class EngineRuntime:
         return ""
 
     async def _stop_serving(self, signal: ControlSignal) -> str:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         async with self._step_lock:
             self.paused = True
             failed = list(self._active.values())

@@ -29,6 +29,8 @@ async def handle_register(coordinator: Coordinator, sender: Sender, payload: Eng
 async def handle_heartbeat(coordinator: Coordinator, sender: Sender, payload: Heartbeat) -> None:
     """Refresh liveness; an unknown engine (say, after a coordinator restart) is adopted."""
     record = coordinator.engines.get(payload.engine_id)
+    if record is None and coordinator.engines.recently_departed(payload.engine_id):
+        return
     if record is None:
         coordinator.add_engine(payload.engine_id, payload.capacity)
         await coordinator.dispatch_held()

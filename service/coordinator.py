@@ -70,7 +70,7 @@ class Coordinator:
         self.subjects = Subjects(settings.subject_prefix)
         self.state = CoordinatorState.RUNNING
         self.epoch: int | None = None
-        self.engines = EnginePool(settings.max_inflight_per_engine)
+        self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
         self.requests = RequestTable()
         self.counters: Counter[str] = Counter()
         self.engines_changed = asyncio.Event()
