@@ -209,7 +209,10 @@ class EngineRuntime:
         log.info("engine_id=%s registered with coordinator %s (state %s)", self.engine_id, ack.coordinator_id, ack.state)
 
     async def _heartbeat(self) -> None:
+        """Beats only once registered: an early beat would make the coordinator adopt, then
+        re-register, this engine. After that, beats let a restarted coordinator adopt it."""
         subject = self.subjects.coordinator(Header.HEARTBEAT)
+        await self.registered.wait()
         while True:
             beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity)
             await self.nc.publish(subject, encode_msgpack(beat))

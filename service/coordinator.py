@@ -18,6 +18,7 @@ import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 
+import msgspec
 from msgspec import Struct
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -29,13 +30,16 @@ from service.control import BroadcastResult, broadcast
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
 from service.nats_connection import connect_nats
+from service.peers import CoordinatorPeers
 from service.request_table import InflightRequest, RequestTable
+from service.result_cache import ResultCache
 from service.routing import make_policy
 from service.settings import Settings
 from service.state import CoordinatorState
 from service.subjects import FANOUT_HEADERS, Header, Subjects
 from service.wire import (
     ControlSignal,
+    CoordinatorHeartbeat,
     Encoding,
     Final,
     ReturnPath,
@@ -51,6 +55,11 @@ from service.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+# How long a final that overtook one of its partials waits for it before going out anyway.
+PARKED_FINAL_WAIT_S = 1.0
+# Most orphan replies buffered while a new replica learns which peers are alive.
+MAX_BUFFERED_ORPHANS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +81,8 @@ class Coordinator:
         self.epoch: int | None = None
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
         self.requests = RequestTable()
+        self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
+        self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
         self.counters: Counter[str] = Counter()
         self.engines_changed = asyncio.Event()
         self._handlers = handlers
@@ -83,6 +94,12 @@ class Coordinator:
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._nc: NATS | None = None
+        self._max_body = settings.max_payload_bytes
+        # Client deliveries wait while NATS is down and for a grace period after it is back,
+        # so that clients have re-subscribed their inboxes before replies reach them.
+        self._deliveries_open = True
+        self._held_deliveries: deque[tuple[str, bytes]] = deque()
+        self._orphans: list[tuple[RoutedReply, bool]] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -93,7 +110,12 @@ class Coordinator:
         return self._nc
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.settings, name=f"dpcoord-coordinator-{self.id}")
+        self._nc = await connect_nats(
+            self.settings, name=f"dpcoord-coordinator-{self.id}",
+            on_disconnect=self._on_bus_down, on_reconnect=self._on_bus_back,
+        )
+        if self.nc.max_payload < self._max_body:
+            self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
             queue = "" if header in FANOUT_HEADERS else self.settings.queue_group
             self._subscriptions.append(
@@ -101,6 +123,8 @@ class Coordinator:
             )
         await self.nc.flush()
         self.spawn(self._watch_heartbeats())
+        self.spawn(self._heartbeat())
+        asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._release_orphans)
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -151,11 +175,8 @@ class Coordinator:
         encoding = detect_encoding(body)
         sender = Sender(spec.header, msg.reply or None, encoding, body)
         try:
-            if len(body) > self.settings.max_payload_bytes:
-                raise WireError(
-                    ErrorCode.TOO_LARGE,
-                    f"{len(body)} bytes exceeds max_payload_bytes={self.settings.max_payload_bytes}",
-                )
+            if len(body) > self._max_body:
+                raise WireError(ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit")
             payload = spec.decoder.decode(body, encoding)
             if await spec.fn(self, sender, payload):
                 self.request_stop()
@@ -195,8 +216,8 @@ class Coordinator:
         client_key = None
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
-            if self.requests.find_client(client_key) is not None:
-                raise WireError(ErrorCode.CONFLICT, f"client_request_id {submit.client_request_id!r} is already in flight")
+            if await self._resubmitted(client_key, reply_to, submit.stream):
+                return
         running = self.state is CoordinatorState.RUNNING
         if running and len(self.engines) == 0:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
@@ -205,7 +226,9 @@ class Coordinator:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self.settings.max_queued_requests} held)")
 
         request_id = f"{self.id}-{next(self._sequence)}"
-        route = ReturnPath(request_id, self.id, reply_to, sender.encoding.value, submit.stream, submit.client_request_id)
+        route = ReturnPath(
+            request_id, self.id, reply_to, sender.encoding.value, submit.stream, submit.client_request_id, submit.client_id
+        )
         entry = InflightRequest(route, sender.encoding, sender.body, client_key)
         timeout_s = submit.sampling_params.timeout_s or self.settings.request_timeout_s
         entry.deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
@@ -215,6 +238,28 @@ class Coordinator:
             self._held.append(entry)
         else:
             await self._send(entry, engine)
+
+    async def _resubmitted(self, client_key: tuple, reply_to: str, stream: bool) -> bool:
+        """A named client's repeated (client_id, client_request_id) is answered, never run twice:
+        a cached result is sent again, a request in flight now answers the new reply subject.
+        Anonymous clients share one namespace, so for them a repeat in flight is refused."""
+        existing = self.requests.find_client(client_key)
+        if client_key[0] is None:
+            if existing is not None:
+                raise WireError(ErrorCode.CONFLICT, f"client_request_id {client_key[1]!r} is already in flight")
+            return False
+        if existing is not None:
+            existing.route = msgspec.structs.replace(existing.route, reply_to=reply_to, stream=stream)
+            self.counters["resubmitted"] += 1
+            return True
+        cached = self.results.get(client_key)
+        if cached is None:
+            return False
+        self.counters["replayed"] += 1
+        await self._publish_to_client(reply_to, cached.body)
+        if stream:
+            await self._publish_to_client(reply_to, b"")
+        return True
 
     async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
         entry.engine_id = engine.engine_id
@@ -249,37 +294,86 @@ class Coordinator:
                 engine.requests.discard(request_id)
         return entry
 
+    async def _publish_to_client(self, subject: str, body: bytes) -> None:
+        if self._deliveries_open:
+            await self.nc.publish(subject, body)
+        else:
+            self._held_deliveries.append((subject, body))
+
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
-        await self.nc.publish(route.reply_to, body)
+        await self._publish_to_client(route.reply_to, body)
         if terminal:
             self.counters["completed"] += 1
+            if route.client_id is not None and route.client_request_id is not None:
+                self.results.put((route.client_id, route.client_request_id), body)
             if route.stream:
-                await self.nc.publish(route.reply_to, b"")
+                await self._publish_to_client(route.reply_to, b"")
 
-    async def on_final(self, reply: RoutedReply) -> None:
-        entry = self.requests.get(reply.route.request_id)
+    async def on_final(self, engine_id: str, reply: RoutedReply) -> None:
+        request_id = reply.route.request_id
+        entry = self.requests.get(request_id)
         if entry is None:
-            if reply.route.coordinator_id == self.id:
-                self.counters["late_replies"] += 1
-                log.info("request_id=%s: engine reply after the request ended", reply.route.request_id)
+            await self._on_orphan(reply, terminal=True)
+            return
+        if entry.engine_id != engine_id:
+            self.counters["stale_engine_replies"] += 1
             return
         if reply.seq > entry.partials_delivered:
             entry.parked_final = reply
+            asyncio.get_running_loop().call_later(PARKED_FINAL_WAIT_S, self._release_parked, request_id)
             return
-        self.take(reply.route.request_id)
-        await self.deliver(reply.route, reply.body, terminal=True)
+        self.take(request_id)
+        await self.deliver(entry.route, reply.body, terminal=True)
 
-    async def on_partial(self, reply: RoutedReply) -> None:
+    async def on_partial(self, engine_id: str, reply: RoutedReply) -> None:
         entry = self.requests.get(reply.route.request_id)
         if entry is None:
+            await self._on_orphan(reply, terminal=False)
+            return
+        if entry.engine_id != engine_id:
+            self.counters["stale_engine_replies"] += 1
             return
         entry.streamed = True
-        await self.deliver(reply.route, reply.body, terminal=False)
+        await self.deliver(entry.route, reply.body, terminal=False)
         entry.partials_delivered += 1
         parked = entry.parked_final
         if parked is not None and parked.seq <= entry.partials_delivered:
             self.take(reply.route.request_id)
-            await self.deliver(parked.route, parked.body, terminal=True)
+            await self.deliver(entry.route, parked.body, terminal=True)
+
+    def _release_parked(self, request_id: str) -> None:
+        entry = self.requests.get(request_id)
+        if entry is not None and entry.parked_final is not None:
+            self.counters["partials_lost"] += 1
+            self.take(request_id)
+            self.spawn(self.deliver(entry.route, entry.parked_final.body, terminal=True))
+
+    async def _on_orphan(self, reply: RoutedReply, terminal: bool) -> None:
+        """A reply for a request this replica does not hold: its own late reply, another live
+        replica's (ignored), or one whose coordinator is gone (delivered by one survivor)."""
+        route = reply.route
+        if route.coordinator_id == self.id:
+            if terminal:
+                self.counters["late_replies"] += 1
+                log.info("request_id=%s: engine reply after the request ended", route.request_id)
+            return
+        if not self.peers.warmed_up:
+            if len(self._orphans) < MAX_BUFFERED_ORPHANS:
+                self._orphans.append((reply, terminal))
+            return
+        if self.peers.should_adopt(route.coordinator_id):
+            self.counters["orphans_delivered"] += 1
+            await self.deliver(route, reply.body, terminal)
+
+    def _release_orphans(self) -> None:
+        orphans, self._orphans = self._orphans, []
+
+        async def deliver_all() -> None:
+            for reply, terminal in orphans:
+                await self._on_orphan(reply, terminal)
+
+        if orphans:
+            self.spawn(deliver_all())
 
     async def fail(self, request_id: str, err: WireError) -> bool:
         """Answer an open request with ``err``; False when it was already answered.
@@ -329,9 +423,9 @@ class Coordinator:
         log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, record.capacity, len(self.engines))
         return record
 
-    async def remove_engine(self, engine_id: str, reason: str) -> None:
+    async def remove_engine(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are routed again, the rest fail."""
-        record = self.engines.remove(engine_id)
+        record = self.engines.remove(engine_id, departed)
         if record is None:
             return
         self.engines_changed.set()
@@ -349,11 +443,45 @@ class Coordinator:
         await self.dispatch_held()
 
     async def _watch_heartbeats(self) -> None:
+        """Engines silent past the timeout are removed, except while this coordinator's own
+        connection is down: then their silence is ours."""
         timeout = self.settings.heartbeat_timeout_s
         while True:
             await asyncio.sleep(timeout / 4)
+            if not self.nc.is_connected:
+                continue
             for record in self.engines.silent_since(time.monotonic() - timeout):
-                await self.remove_engine(record.engine_id, f"no heartbeat for {timeout:g} s")
+                await self.remove_engine(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False)
+
+    async def _heartbeat(self) -> None:
+        subject = self.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
+        beat = encode_msgpack(CoordinatorHeartbeat(self.id))
+        while True:
+            if self.nc.is_connected:
+                await self.nc.publish(subject, beat)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def _on_bus_down(self) -> None:
+        self._deliveries_open = False
+
+    def _on_bus_back(self) -> None:
+        now = time.monotonic()
+        for record in self.engines:
+            record.last_seen = now
+        asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)
+
+    def _open_deliveries(self) -> None:
+        if not self.nc.is_connected:
+            return
+        log.info("delivering %d replies held across the NATS reconnect", len(self._held_deliveries))
+
+        async def flush_in_order() -> None:
+            while self._held_deliveries:
+                subject, body = self._held_deliveries.popleft()
+                await self.nc.publish(subject, body)
+            self._deliveries_open = True
+
+        self.spawn(flush_in_order())
 
     async def wait_for_engines(self, count: int, timeout_s: float = 10.0) -> None:
         async def reached() -> None:

@@ -42,13 +42,16 @@ class EnginePool:
         self.ordered = list(self._engines.values())
         return record
 
-    def remove(self, engine_id: str) -> EngineRecord | None:
+    def remove(self, engine_id: str, departed: bool) -> EngineRecord | None:
+        """``departed``: the engine left on purpose, so its stray heartbeats must not re-add it.
+        An engine removed for silence is taken back by its next heartbeat."""
         record = self._engines.pop(engine_id, None)
         if record is not None:
             self.ordered = list(self._engines.values())
-            now = time.monotonic()
-            self._departed = {e: t for e, t in self._departed.items() if now - t < self._departed_memory_s}
-            self._departed[engine_id] = now
+            if departed:
+                now = time.monotonic()
+                self._departed = {e: t for e, t in self._departed.items() if now - t < self._departed_memory_s}
+                self._departed[engine_id] = now
         return record
 
     def recently_departed(self, engine_id: str) -> bool:

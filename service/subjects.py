@@ -31,6 +31,8 @@ class Header(enum.StrEnum):
     ENGINE_REPLY = "engine_reply"
     ENGINE_REPLY_PARTIAL = "engine_reply_partial"
     DISCONNECT = "disconnect"
+    # Between coordinator replicas.
+    COORDINATOR_HEARTBEAT = "coordinator_heartbeat"
 
 
 CONTROL_HEADERS: frozenset[Header] = frozenset(
@@ -41,7 +43,14 @@ PROFILER_HEADERS: frozenset[Header] = frozenset({Header.START_CUDA_PROFILER, Hea
 # Every coordinator replica must see these: each keeps its own view of the engine pool and
 # of the requests it routed. All other subjects are shared by the replicas in a queue group.
 FANOUT_HEADERS: frozenset[Header] = frozenset(
-    {Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL}
+    {
+        Header.REGISTER,
+        Header.HEARTBEAT,
+        Header.DISCONNECT,
+        Header.ENGINE_REPLY,
+        Header.ENGINE_REPLY_PARTIAL,
+        Header.COORDINATOR_HEARTBEAT,
+    }
 )
 
 

@@ -174,6 +174,10 @@ class Heartbeat(Struct):
     capacity: Annotated[int, Meta(ge=1)] = 256
 
 
+class CoordinatorHeartbeat(Struct):
+    coordinator_id: str
+
+
 class EngineDisconnect(Struct):
     engine_id: str
     reason: str = ""
@@ -188,6 +192,7 @@ class ReturnPath(Struct, array_like=True):
     encoding: str
     stream: bool
     client_request_id: ClientRequestId | None
+    client_id: str | None = None
 
 
 class RoutedRequest(Struct, array_like=True):

@@ -207,15 +207,42 @@ async def test_deadline_gives_504_and_late_engine_reply_is_dropped(
     assert len(coordinator.requests) == 0
 
 
-async def test_duplicate_client_request_id_in_flight_gets_409(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_anonymous_duplicate_in_flight_gets_409(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
     await start_engines(1, token_delay_ms=50)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    body = json.dumps({"prompt": "a", "client_id": "c", "client_request_id": 1, "sampling_params": {"max_tokens": 3}}).encode()
+    body = json.dumps({"prompt": "a", "client_request_id": 1, "sampling_params": {"max_tokens": 3}}).encode()
     await nc.publish(submit_subject(coordinator), body, reply=inbox)
     duplicate = await request(nc, submit_subject(coordinator), body)
     assert duplicate["error"]["code"] == 409
     assert decode_reply((await sub.next_msg(timeout=5)).data)["type"] == "final"
+
+
+async def test_named_resubmission_in_flight_moves_the_reply_and_runs_once(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
+    await start_engines(1, token_delay_ms=30)
+    first_inbox, second_inbox = nc.new_inbox(), nc.new_inbox()
+    first, second = await nc.subscribe(first_inbox), await nc.subscribe(second_inbox)
+    body = json.dumps({"prompt": "a", "client_id": "c", "client_request_id": 1, "sampling_params": {"max_tokens": 3}}).encode()
+    await nc.publish(submit_subject(coordinator), body, reply=first_inbox)
+    await nc.publish(submit_subject(coordinator), body, reply=second_inbox)
+    final = decode_reply((await second.next_msg(timeout=5)).data)
+    assert final["type"] == "final" and final["generated_text"] == "aaa"
+    await request_json(nc, submit_subject(coordinator), {"prompt": "barrier"})
+    assert first.pending_msgs == 0
+    assert (coordinator.counters["submitted"], coordinator.counters["resubmitted"]) == (2, 1)
+
+
+async def test_named_resubmission_after_completion_replays_the_result(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
+    await start_engines(1)
+    body = {"prompt": "once", "client_id": "c", "client_request_id": "k", "stream": True, "sampling_params": {"max_tokens": 4}}
+    original = await request_stream(nc, submit_subject(coordinator), json.dumps(body).encode())
+    replayed = await request_stream(nc, submit_subject(coordinator), json.dumps(body).encode())
+    assert [msg.data for msg in replayed] == [original[-2].data, b""]
+    assert (coordinator.counters["submitted"], coordinator.counters["replayed"]) == (1, 1)
 
 
 async def test_request_ids_unique_across_coordinator_replicas(
