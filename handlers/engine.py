@@ -45,6 +45,9 @@ async def handle_heartbeat(coordinator: Coordinator, sender: Sender, payload: He
         await coordinator.dispatch_held()
         return
     record.last_seen = time.monotonic()
+    active = set(payload.active)
+    if not record.reconciling and not record.requests <= active:
+        coordinator.spawn(coordinator.reconcile(record, active))
 
 
 @message_handler(Header.ENGINE_REPLY)

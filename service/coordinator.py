@@ -23,20 +23,22 @@ from msgspec import Struct
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 
 from handlers import HANDLERS
 from handlers.registry import HandlerRegistry, HandlerSpec
 from service.control import BroadcastResult, broadcast
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
-from service.nats_connection import connect_nats
+from service.log_limit import RateLimitedLog
+from service.nats_connection import close_nats, connect_nats
 from service.peers import CoordinatorPeers
-from service.request_table import InflightRequest, RequestTable
+from service.request_table import ClientKey, InflightRequest, RequestTable
 from service.result_cache import ResultCache
 from service.routing import make_policy
 from service.settings import Settings
 from service.state import CoordinatorState
-from service.subjects import FANOUT_HEADERS, Header, Subjects
+from service.subjects import FANOUT_HEADERS, RESEND_REPLIES, Header, Subjects
 from service.wire import (
     ControlSignal,
     CoordinatorHeartbeat,
@@ -44,6 +46,8 @@ from service.wire import (
     Final,
     ReturnPath,
     RoutedAbort,
+    ResendAnswer,
+    ResendReplies,
     RoutedReply,
     RoutedRequest,
     SubmitRequest,
@@ -51,6 +55,7 @@ from service.wire import (
     encode,
     encode_msgpack,
     error_reply,
+    msgpack_decoder,
     return_hints,
 )
 
@@ -58,8 +63,17 @@ log = logging.getLogger(__name__)
 
 # How long a final that overtook one of its partials waits for it before going out anyway.
 PARKED_FINAL_WAIT_S = 1.0
+_resend_answer_decoder = msgpack_decoder(ResendAnswer)
+
 # Most orphan replies buffered while a new replica learns which peers are alive.
 MAX_BUFFERED_ORPHANS = 10_000
+
+
+@dataclass(slots=True)
+class HeldDelivery:
+    subject: str
+    body: bytes
+    client_key: ClientKey | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +109,12 @@ class Coordinator:
         self._stopped = False
         self._nc: NATS | None = None
         self._max_body = settings.max_payload_bytes
+        self._refusal_log = RateLimitedLog(log)
         # Client deliveries wait while NATS is down and for a grace period after it is back,
         # so that clients have re-subscribed their inboxes before replies reach them.
         self._deliveries_open = True
-        self._held_deliveries: deque[tuple[str, bytes]] = deque()
+        self._held_deliveries: deque[HeldDelivery] = deque()
+        self._held_by_client: dict[ClientKey, list[HeldDelivery]] = {}
         self._orphans: list[tuple[RoutedReply, bool]] = []
 
     # ------------------------------------------------------------ lifecycle
@@ -147,7 +163,7 @@ class Coordinator:
         for task in list(self._tasks):
             task.cancel()
         if self._nc is not None:
-            await self._nc.drain()
+            await close_nats(self._nc)
         log.info("coordinator %s stopped", self.id)
 
     async def __aenter__(self) -> Coordinator:
@@ -191,7 +207,7 @@ class Coordinator:
         hints = return_hints(sender.body, sender.encoding)
         reply_to = hints.reply_to if isinstance(hints.reply_to, str) and hints.reply_to else sender.reply
         client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
-        log.warning(
+        self._refusal_log.warning(
             "refused %s (%d bytes, client_request_id=%s): %s %s",
             sender.header, len(sender.body), client_request_id, err.code, err.message,
         )
@@ -252,18 +268,25 @@ class Coordinator:
             existing.route = msgspec.structs.replace(existing.route, reply_to=reply_to, stream=stream)
             self.counters["resubmitted"] += 1
             return True
+        held = self._held_by_client.get(client_key)
+        if held is not None:
+            for delivery in held:
+                delivery.subject = reply_to
+            self.counters["resubmitted"] += 1
+            return True
         cached = self.results.get(client_key)
         if cached is None:
             return False
         self.counters["replayed"] += 1
-        await self._publish_to_client(reply_to, cached.body)
+        await self._publish_to_client(reply_to, cached.body, client_key)
         if stream:
-            await self._publish_to_client(reply_to, b"")
+            await self._publish_to_client(reply_to, b"", client_key)
         return True
 
     async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
         entry.engine_id = engine.engine_id
         entry.attempts += 1
+        entry.routed_at = time.monotonic()
         engine.requests.add(entry.route.request_id)
         subject = self.subjects.engine(engine.engine_id, Header.SUBMIT_REQUEST)
         await self.nc.publish(subject, encode_msgpack(RoutedRequest(entry.route, entry.body)))
@@ -294,20 +317,28 @@ class Coordinator:
                 engine.requests.discard(request_id)
         return entry
 
-    async def _publish_to_client(self, subject: str, body: bytes) -> None:
+    async def _publish_to_client(self, subject: str, body: bytes, client_key: ClientKey | None) -> None:
+        """Publish now, or hold while NATS is down; a held delivery of a named client follows
+        that client's resubmission to its new reply subject instead of being sent twice."""
         if self._deliveries_open:
             await self.nc.publish(subject, body)
-        else:
-            self._held_deliveries.append((subject, body))
+            return
+        delivery = HeldDelivery(subject, body, client_key)
+        self._held_deliveries.append(delivery)
+        if client_key is not None:
+            self._held_by_client.setdefault(client_key, []).append(delivery)
 
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
-        await self._publish_to_client(route.reply_to, body)
+        client_key = None
+        if route.client_id is not None and route.client_request_id is not None:
+            client_key = (route.client_id, route.client_request_id)
+        await self._publish_to_client(route.reply_to, body, client_key)
         if terminal:
             self.counters["completed"] += 1
-            if route.client_id is not None and route.client_request_id is not None:
-                self.results.put((route.client_id, route.client_request_id), body)
+            if client_key is not None:
+                self.results.put(client_key, body)
             if route.stream:
-                await self._publish_to_client(route.reply_to, b"")
+                await self._publish_to_client(route.reply_to, b"", client_key)
 
     async def on_final(self, engine_id: str, reply: RoutedReply) -> None:
         request_id = reply.route.request_id
@@ -477,11 +508,48 @@ class Coordinator:
 
         async def flush_in_order() -> None:
             while self._held_deliveries:
-                subject, body = self._held_deliveries.popleft()
-                await self.nc.publish(subject, body)
+                delivery = self._held_deliveries.popleft()
+                await self.nc.publish(delivery.subject, delivery.body)
+            self._held_by_client.clear()
             self._deliveries_open = True
 
         self.spawn(flush_in_order())
+
+    async def reconcile(self, record: EngineRecord, active: set[str]) -> None:
+        """Requests routed to an engine a while ago that it no longer holds: their submission or
+        their reply was lost (a NATS restart, say). Ask the engine to send its replies again;
+        what it never received is routed again (or fails, if part of it was streamed)."""
+        settled_before = time.monotonic() - 2 * self.settings.heartbeat_interval_s
+        missing = [
+            request_id for request_id in record.requests
+            if request_id not in active and (entry := self.requests.get(request_id)) is not None
+            and entry.routed_at < settled_before
+        ]
+        if not missing:
+            return
+        subject = self.subjects.engine(record.engine_id, RESEND_REPLIES)
+        record.reconciling = True
+        try:
+            msg = await self.nc.request(subject, encode_msgpack(ResendReplies(missing)), timeout=self.settings.control_timeout_s)
+            unknown = _resend_answer_decoder.decode(msg.data).unknown
+        except (NatsError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("engine_id=%s: resend of %d replies not answered: %s", record.engine_id, len(missing), exc)
+            return
+        finally:
+            record.reconciling = False
+        self.counters["replies_resent"] += len(missing) - len(unknown)
+        for request_id in unknown:
+            entry = self.requests.get(request_id)
+            if entry is None or entry.engine_id != record.engine_id:
+                continue
+            record.requests.discard(request_id)
+            if entry.streamed:
+                await self.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
+                continue
+            self.counters["redispatched"] += 1
+            entry.engine_id = None
+            self._held.appendleft(entry)
+        await self.dispatch_held()
 
     async def wait_for_engines(self, count: int, timeout_s: float = 10.0) -> None:
         async def reached() -> None:

@@ -13,6 +13,7 @@ class EngineRecord:
     capacity: int
     last_seen: float = field(default_factory=time.monotonic)
     requests: set[str] = field(default_factory=set)
+    reconciling: bool = False
 
     @property
     def load(self) -> int:

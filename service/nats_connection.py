@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 
 from service.settings import Settings
 
@@ -80,3 +81,15 @@ async def connect_nats(
     nc = NATS()
     await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect))
     return nc
+
+
+async def close_nats(nc: NATS) -> None:
+    """Drain when connected (flushes what is pending); a connection that is reconnecting or
+    breaks while draining can only be closed."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.drain()
+    except (NatsError, OSError) as exc:
+        log.info("nats connection closed without draining: %s", exc)
+        await nc.close()

@@ -35,6 +35,10 @@ class Header(enum.StrEnum):
     COORDINATOR_HEARTBEAT = "coordinator_heartbeat"
 
 
+# Routed to one engine only (``<prefix>.engine.<id>.resend_replies``): the coordinator asks for
+# replies it missed; there is no coordinator subject of that name.
+RESEND_REPLIES = "resend_replies"
+
 CONTROL_HEADERS: frozenset[Header] = frozenset(
     {Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH}
 )
