@@ -18,7 +18,7 @@ Run: ``dpcoord bench`` (or ``python -m benchmarks.coordinator``); ``--help`` lis
 from __future__ import annotations
 
 import argparse
-import asyncio
+import itertools
 import json
 import logging
 import os
@@ -39,7 +39,7 @@ from benchmarks.progress import Progress
 from benchmarks.stack import BenchStack, StackConfig
 from service import event_loop
 from service.subjects import Header
-from service.wire import SamplingParams, SubmitRequest, encode_msgpack
+from service.wire import SamplingParams, SubmitEnvelope, SubmitRequest, encode_msgpack
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,30 @@ TARGETS = {
 
 
 def submission(prompt: list[int], max_tokens: int, stream: bool = False) -> bytes:
+    """A plain contract body, as a program without the client library (or `nats pub`) sends it."""
     return encode_msgpack(SubmitRequest(prompt, SamplingParams(max_tokens=max_tokens), stream))
 
 
+class Enveloped:
+    """The client library's wire format: each request an envelope with its own client_request_id
+    (named client, so the coordinator does its idempotency bookkeeping) around one encoded body."""
+
+    def __init__(self, body: bytes, stream: bool, client_id: str) -> None:
+        self._body = body
+        self._stream = stream
+        self._client_id = client_id
+        self._ids = itertools.count()
+
+    def __call__(self) -> bytes:
+        return encode_msgpack(SubmitEnvelope(1, self._body, self._stream, next(self._ids), self._client_id))
+
+
+def constant(body: bytes) -> Callable[[], bytes]:
+    return lambda: body
+
+
 def long_prompt(tokens: int, seed: int = 7) -> list[int]:
+    """Token ids drawn from a 32k vocabulary: about 3 bytes each in msgpack."""
     rng = random.Random(seed)
     return [rng.randrange(32000) for _ in range(tokens)]
 
@@ -89,23 +109,28 @@ class Bench:
         self.stack = stack
         self.bodies = bodies
         submit = stack.subjects.coordinator(Header.SUBMIT_REQUEST)
+        # One client id per target: a repeated (client_id, client_request_id) would be answered
+        # from the coordinator's result cache instead of running.
         self.targets = {
-            "raw_2hop": Target(stack.raw.echo, bodies.short),
-            "raw_4hop": Target(stack.raw.relay, bodies.short),
-            "dpcoord": Target(submit, bodies.short),
-            "dpcoord_long_prompt": Target(submit, bodies.long),
-            "raw_relay": Target(stack.raw.stream, bodies.stream),
-            "dpcoord_stream": Target(submit, bodies.stream),
+            "raw_2hop": Target(stack.raw.echo, constant(bodies.short)),
+            "raw_4hop": Target(stack.raw.relay, constant(bodies.short)),
+            "dpcoord": Target(submit, Enveloped(bodies.short, False, "bench-short")),
+            "dpcoord_plain": Target(submit, constant(bodies.short)),
+            "dpcoord_long_prompt": Target(submit, Enveloped(bodies.long, False, "bench-long")),
+            "dpcoord_plain_long_prompt": Target(submit, constant(bodies.long)),
+            "raw_relay": Target(stack.raw.stream, constant(bodies.stream)),
+            "dpcoord_stream": Target(submit, Enveloped(bodies.stream, True, "bench-stream")),
         }
-        self.watch = {name: pid for name, pid in stack.pids.items() if name in ("coordinator", "engine0", "raw_relay", "raw_echo", "raw_stream_relay")}
+        watched = ("coordinator", "engine0", "raw_relay", "raw_echo", "raw_stream_relay", "raw_stream_source")
+        self.watch = {name: pid for name, pid in stack.pids.items() if name in watched}
 
     def steps(self) -> list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]]:
         """(scenario, name, measure) for one round, in a fixed order."""
         args = self.args
         steps: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = []
-        for name in ("raw_2hop", "raw_4hop", "dpcoord"):
+        for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain"):
             steps.append(("sequential", name, lambda name=name: self._sequential(name)))
-        for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_long_prompt"):
+        for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain", "dpcoord_long_prompt", "dpcoord_plain_long_prompt"):
             steps.append(("pipelined", name, lambda name=name: self._pipelined(name)))
         for name in ("raw_relay", "dpcoord_stream"):
             steps.append(("streaming", name, lambda name=name: self._streaming(name)))
@@ -168,29 +193,43 @@ def percentile(sorted_values: list[float], pct: float) -> float:
     return sorted_values[index]
 
 
+# name: (scenario, numerator measurement, denominator measurement or None, field); a
+# denominator of None reports the numerator's field itself (CPU microseconds per message).
+FIGURES: dict[str, tuple[str, str, str | None, str]] = {
+    "pipelined_vs_raw_2hop": ("pipelined", "dpcoord", "raw_2hop", "per_s"),
+    "pipelined_vs_raw_4hop": ("pipelined", "dpcoord", "raw_4hop", "per_s"),
+    "pipelined_plain_vs_raw_2hop": ("pipelined", "dpcoord_plain", "raw_2hop", "per_s"),
+    "long_prompt_vs_short": ("pipelined", "dpcoord_long_prompt", "dpcoord", "per_s"),
+    "long_prompt_plain_vs_short_plain": ("pipelined", "dpcoord_plain_long_prompt", "dpcoord_plain", "per_s"),
+    "sequential_p50_vs_raw_4hop": ("sequential", "dpcoord", "raw_4hop", "p50_us"),
+    "sequential_p50_vs_raw_2hop": ("sequential", "dpcoord", "raw_2hop", "p50_us"),
+    "sequential_plain_p50_vs_raw_4hop": ("sequential", "dpcoord_plain", "raw_4hop", "p50_us"),
+    "streaming_vs_raw_relay": ("streaming", "dpcoord_stream", "raw_relay", "per_s"),
+    "coordinator_cpu_us_per_request": ("pipelined", "dpcoord", None, "cpu_us_per_coordinator"),
+    "coordinator_cpu_us_per_request_plain": ("pipelined", "dpcoord_plain", None, "cpu_us_per_coordinator"),
+    "coordinator_cpu_us_per_request_long_prompt": ("pipelined", "dpcoord_long_prompt", None, "cpu_us_per_coordinator"),
+    "coordinator_cpu_us_per_partial": ("streaming", "dpcoord_stream", None, "cpu_us_per_coordinator"),
+    "raw_relay_cpu_us_per_request": ("pipelined", "raw_4hop", None, "cpu_us_per_raw_relay"),
+    "raw_relay_cpu_us_per_partial": ("streaming", "raw_relay", None, "cpu_us_per_raw_stream_relay"),
+}
+
+
+def _field(measurement: dict[str, Any], name: str) -> float:
+    if name.startswith("cpu_us_per_"):
+        return measurement["cpu_us_per"][name.removeprefix("cpu_us_per_")]
+    return measurement[name]
+
+
 def round_ratios(measured: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
-    """The target figures of one round, from whatever that round measured."""
-    ratios: dict[str, float] = {}
-    pipe = measured.get("pipelined", {})
-    seq = measured.get("sequential", {})
-    stream = measured.get("streaming", {})
-    if "dpcoord" in pipe and "raw_2hop" in pipe:
-        ratios["pipelined_vs_raw_2hop"] = pipe["dpcoord"]["per_s"] / pipe["raw_2hop"]["per_s"]
-    if "dpcoord" in pipe and "raw_4hop" in pipe:
-        ratios["pipelined_vs_raw_4hop"] = pipe["dpcoord"]["per_s"] / pipe["raw_4hop"]["per_s"]
-    if "dpcoord" in pipe:
-        ratios["coordinator_cpu_us_per_request"] = pipe["dpcoord"]["cpu_us_per"]["coordinator"]
-    if "raw_4hop" in pipe:
-        ratios["raw_relay_cpu_us_per_request"] = pipe["raw_4hop"]["cpu_us_per"]["raw_relay"]
-    if "dpcoord_long_prompt" in pipe and "dpcoord" in pipe:
-        ratios["long_prompt_vs_short"] = pipe["dpcoord_long_prompt"]["per_s"] / pipe["dpcoord"]["per_s"]
-    if "dpcoord" in seq and "raw_4hop" in seq:
-        ratios["sequential_p50_vs_raw_4hop"] = seq["dpcoord"]["p50_us"] / seq["raw_4hop"]["p50_us"]
-    if "dpcoord" in seq and "raw_2hop" in seq:
-        ratios["sequential_p50_vs_raw_2hop"] = seq["dpcoord"]["p50_us"] / seq["raw_2hop"]["p50_us"]
-    if "dpcoord_stream" in stream and "raw_relay" in stream:
-        ratios["streaming_vs_raw_relay"] = stream["dpcoord_stream"]["per_s"] / stream["raw_relay"]["per_s"]
-    return ratios
+    """The figures of one round, from whatever that round measured."""
+    figures: dict[str, float] = {}
+    for key, (scenario, numerator, denominator, field_name) in FIGURES.items():
+        results = measured.get(scenario, {})
+        if numerator not in results or (denominator is not None and denominator not in results):
+            continue
+        value = _field(results[numerator], field_name)
+        figures[key] = value if denominator is None else value / _field(results[denominator], field_name)
+    return figures
 
 
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,7 +282,10 @@ def print_report(summary: dict[str, Any], out: Any = sys.stdout) -> None:
         out.write(f"  sequential {name:<22} p50 {entry['p50_us']:8.0f} us   p99 {entry['p99_us']:8.0f} us\n")
     for scenario, unit in (("pipelined", "req/s"), ("streaming", "msg/s")):
         for name, entry in medians.get(scenario, {}).items():
-            cpu = "  ".join(f"{key.removeprefix('cpu_us_per_')} {value:5.1f} us" for key, value in entry.items() if key.startswith("cpu_us_per_"))
+            cpu = "  ".join(
+                f"{key.removeprefix('cpu_us_per_')} {value:.1f} us"
+                for key, value in entry.items() if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
+            )
             errors = f"  ERRORS {entry['errors']}" if entry["errors"] else ""
             out.write(f"  {scenario:<10} {name:<22} {entry['per_s']:10.0f} {unit}   cpu/msg: {cpu}{errors}\n")
     out.write("\nratios (median of per-round ratios, [min, max])\n")

@@ -22,11 +22,10 @@ _ERROR_MARK = b"error"
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where a request goes and what it carries."""
+    """Where a request goes and what it carries; ``body()`` gives the next request's body."""
 
     subject: str
-    body: bytes
-    headers: Mapping[str, str] | None = None
+    body: Callable[[], bytes]
 
 
 @dataclass(slots=True)
@@ -70,10 +69,10 @@ async def sequential(nc: NATS, target: Target, count: int, timeout: float = 10.0
     """Latencies in microseconds of ``count`` requests sent one after another, and how many were errors."""
     latencies: list[float] = []
     errors = 0
-    headers = dict(target.headers) if target.headers else None
     for _ in range(count):
+        body = target.body()
         start = time.perf_counter_ns()
-        msg = await nc.request(target.subject, target.body, timeout=timeout, headers=headers)
+        msg = await nc.request(target.subject, body, timeout=timeout)
         latencies.append((time.perf_counter_ns() - start) / 1000)
         errors += _ERROR_MARK in msg.data
     return latencies, errors
@@ -87,12 +86,11 @@ async def pipelined(
     done = 0
     errors = 0
     running = True
-    headers = dict(target.headers) if target.headers else None
 
     async def worker() -> None:
         nonlocal done, errors
         while running:
-            msg = await nc.request(target.subject, target.body, timeout=timeout, headers=headers)
+            msg = await nc.request(target.subject, target.body(), timeout=timeout)
             done += 1
             errors += _ERROR_MARK in msg.data
 
@@ -126,12 +124,11 @@ async def streaming(
     running = True
     all_closed = asyncio.Event()
     open_streams = 0
-    headers = dict(target.headers) if target.headers else None
 
     async def launch() -> None:
         nonlocal open_streams
         open_streams += 1
-        await nc.publish(target.subject, target.body, reply=f"{inbox}.{next(ids)}", headers=headers)
+        await nc.publish(target.subject, target.body(), reply=f"{inbox}.{next(ids)}")
 
     async def on_message(msg: Msg) -> None:
         nonlocal received, finished, errors, open_streams

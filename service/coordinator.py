@@ -11,6 +11,7 @@ abort, shutdown).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 
 import msgspec
 from msgspec import Struct
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
@@ -28,6 +28,7 @@ from nats.errors import Error as NatsError
 from handlers import HANDLERS
 from handlers.registry import HandlerRegistry, HandlerSpec
 from service.control import BroadcastResult, broadcast
+from service.direct_nats import DirectClient, DirectSubscription
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
 from service.log_limit import RateLimitedLog
@@ -70,6 +71,10 @@ _resend_answer_decoder = msgpack_decoder(ResendAnswer)
 
 # Most orphan replies buffered while a new replica learns which peers are alive.
 MAX_BUFFERED_ORPHANS = 10_000
+
+# The hot path, handled on nats-py's reading task (service/direct_nats.py). Their handlers
+# must never wait for another NATS message; publishing is fine.
+DIRECT_HEADERS: frozenset[str] = frozenset({Header.SUBMIT_REQUEST, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL})
 
 # Bytes a routed request adds to its body and reply subject (the rest of its return path,
 # msgpack framing), and bytes of framing per batch: generous bounds, used to split batches.
@@ -114,11 +119,11 @@ class Coordinator:
         self._outbox: dict[str, list[InflightRequest]] = {}
         self._outbox_ready = asyncio.Event()
         self._sequence = itertools.count()
-        self._subscriptions: list[Subscription] = []
+        self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
-        self._nc: NATS | None = None
+        self._nc: DirectClient | None = None
         self._max_body = settings.max_payload_bytes
         self._refusal_log = RateLimitedLog(log)
         # Client deliveries wait while NATS is down and for a grace period after it is back,
@@ -131,7 +136,7 @@ class Coordinator:
     # ------------------------------------------------------------ lifecycle
 
     @property
-    def nc(self) -> NATS:
+    def nc(self) -> DirectClient:
         if self._nc is None:
             raise RuntimeError("coordinator is not started")
         return self._nc
@@ -145,9 +150,12 @@ class Coordinator:
             self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
             queue = "" if header in FANOUT_HEADERS else self.settings.queue_group
-            self._subscriptions.append(
-                await self.nc.subscribe(self.subjects.coordinator(header), queue=queue, cb=self._callback(spec))
-            )
+            subject = self.subjects.coordinator(header)
+            if header in DIRECT_HEADERS:
+                subscription = await self.nc.subscribe_direct(subject, functools.partial(self._dispatch, spec), queue=queue)
+            else:
+                subscription = await self.nc.subscribe(subject, queue=queue, cb=self._callback(spec))
+            self._subscriptions.append(subscription)
         await self.nc.flush()
         self.spawn(self._watch_heartbeats())
         self.spawn(self._heartbeat())
@@ -194,14 +202,13 @@ class Coordinator:
 
     def _callback(self, spec: HandlerSpec):  # noqa: ANN202 - nats-py callback
         async def on_message(msg: Msg) -> None:
-            await self._dispatch(spec, msg)
+            await self._dispatch(spec, msg.reply, msg.data)
 
         return on_message
 
-    async def _dispatch(self, spec: HandlerSpec, msg: Msg) -> None:
-        body = msg.data
+    async def _dispatch(self, spec: HandlerSpec, reply: str, body: bytes) -> None:
         encoding = detect_encoding(body)
-        sender = Sender(spec.header, msg.reply or None, encoding, body)
+        sender = Sender(spec.header, reply or None, encoding, body)
         try:
             if len(body) > self._max_body:
                 raise WireError(ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit")

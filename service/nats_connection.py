@@ -10,6 +10,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
+from service.direct_nats import DirectClient
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,9 @@ async def connect_nats(
     name: str,
     on_disconnect: ConnectionEvent | None = None,
     on_reconnect: ConnectionEvent | None = None,
-) -> NATS:
+) -> DirectClient:
     """Connect with unbounded reconnects; the optional callbacks run on each disconnect/reconnect."""
-    nc = NATS()
+    nc = DirectClient()
     await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect))
     return nc
 

@@ -1,0 +1,73 @@
+"""nats-py with direct subscriptions, so the hot path skips nats-py's per-message machinery.
+
+nats-py hands each message of a callback subscription to that subscription's own queue and
+task, building a ``Msg`` on the way: about 2.5 us of the coordinator's CPU per message on the
+2-core reference machine, more than routing the request costs (docs/performance.md). A
+direct subscription's handler is awaited by nats-py's reading task as soon as the message is
+parsed, with just the reply subject and the body.
+
+The contract of a direct handler: it must never wait for another NATS message (a request's
+answer, an acknowledgement), because the task that would read that message is the one
+running the handler. Publishing is fine. Messages are handled one at a time in arrival
+order; NATS headers are not passed on. An exception is logged, never raised into the reader.
+
+nats-py has no public hook for this, so :class:`DirectClient` overrides its protected
+``_process_msg`` and reads a subscription's sid; tests/test_direct_nats.py fails if a nats-py
+release changes either. Every other subscription behaves exactly as in nats-py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger(__name__)
+
+DirectHandler = Callable[[str, bytes], Awaitable[None]]
+"""``handler(reply_subject, body)``; the reply subject is ``""`` when the sender gave none."""
+
+
+class DirectSubscription:
+    """What :meth:`DirectClient.subscribe_direct` returns: it can only be unsubscribed."""
+
+    def __init__(self, client: DirectClient, subscription: Subscription) -> None:
+        self._client = client
+        self._subscription = subscription
+
+    @property
+    def subject(self) -> str:
+        return self._subscription.subject
+
+    async def unsubscribe(self) -> None:
+        self._client.forget_direct(self._subscription)
+        await self._subscription.unsubscribe()
+
+
+class DirectClient(NATS):
+    def __init__(self) -> None:
+        super().__init__()
+        self._direct: dict[int, DirectHandler] = {}
+
+    async def subscribe_direct(self, subject: str, handler: DirectHandler, queue: str = "") -> DirectSubscription:
+        """Subscribe ``handler`` (see the module docstring for its contract); it survives reconnects."""
+        subscription = await self.subscribe(subject, queue=queue)
+        self._direct[subscription._id] = handler
+        return DirectSubscription(self, subscription)
+
+    def forget_direct(self, subscription: Subscription) -> None:
+        self._direct.pop(subscription._id, None)
+
+    async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        handler = self._direct.get(sid)
+        if handler is None:
+            await super()._process_msg(sid, subject, reply, data, headers)
+            return
+        self.stats["in_msgs"] += 1
+        self.stats["in_bytes"] += len(data)
+        try:
+            await handler(reply.decode() if reply else "", data)
+        except Exception:
+            log.exception("direct handler for %s failed", subject.decode(errors="replace"))
