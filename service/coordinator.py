@@ -160,7 +160,7 @@ class Coordinator:
         self.spawn(self._watch_heartbeats())
         self.spawn(self._heartbeat())
         self.spawn(self._route_outbox())
-        asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._release_orphans)
+        asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -259,7 +259,8 @@ class Coordinator:
             if await self._resubmitted(client_key, reply_to, submit.stream):
                 return
         running = self.state is CoordinatorState.RUNNING
-        if running and len(self.engines) == 0:
+        if running and len(self.engines) == 0 and self.peers.warmed_up:
+            # A replica just started holds instead: heartbeats are about to introduce the fleet.
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
         engine = self._policy.choose(self.engines.ordered) if running else None
         if engine is None and len(self._held) >= self.settings.max_queued_requests:
@@ -467,15 +468,16 @@ class Coordinator:
             self.counters["orphans_delivered"] += 1
             await self.deliver(route, reply.body, terminal)
 
-    def _release_orphans(self) -> None:
+    def _warmed_up(self) -> None:
+        """Every live engine and peer has been heard by now: settle what waited for that."""
         orphans, self._orphans = self._orphans, []
 
-        async def deliver_all() -> None:
+        async def settle() -> None:
             for reply, terminal in orphans:
                 await self._on_orphan(reply, terminal)
+            await self.dispatch_held()
 
-        if orphans:
-            self.spawn(deliver_all())
+        self.spawn(settle())
 
     async def fail(self, request_id: str, err: WireError) -> bool:
         """Answer an open request with ``err``; False when it was already answered.
