@@ -114,6 +114,8 @@ class Bench:
         self.targets = {
             "raw_2hop": Target(stack.raw.echo, constant(bodies.short)),
             "raw_4hop": Target(stack.raw.relay, constant(bodies.short)),
+            "raw_2hop_long_prompt": Target(stack.raw.echo, constant(bodies.long)),
+            "raw_4hop_long_prompt": Target(stack.raw.relay, constant(bodies.long)),
             "dpcoord": Target(submit, Enveloped(bodies.short, False, "bench-short")),
             "dpcoord_plain": Target(submit, constant(bodies.short)),
             "dpcoord_long_prompt": Target(submit, Enveloped(bodies.long, False, "bench-long")),
@@ -159,9 +161,9 @@ class Bench:
         return found
 
     async def _sequential(self, name: str) -> dict[str, Any]:
-        latencies, errors = await sequential(self.stack.nc, self.targets[name], self.args.sequential_count)
+        latencies, window = await sequential(self.stack.nc, self.targets[name], self.args.sequential_count, self.watch)
         latencies.sort()
-        return {"p50_us": percentile(latencies, 50), "p99_us": percentile(latencies, 99), "count": len(latencies), "errors": errors}
+        return {"p50_us": percentile(latencies, 50), "p99_us": percentile(latencies, 99), **window_result(window)}
 
     async def _pipelined(self, name: str) -> dict[str, Any]:
         window = await pipelined(
@@ -279,7 +281,11 @@ def print_report(summary: dict[str, Any], out: Any = sys.stdout) -> None:
     medians = summary["medians"]
     out.write("\nmedians over rounds\n")
     for name, entry in medians.get("sequential", {}).items():
-        out.write(f"  sequential {name:<22} p50 {entry['p50_us']:8.0f} us   p99 {entry['p99_us']:8.0f} us\n")
+        cpu = "  ".join(
+            f"{key.removeprefix('cpu_us_per_')} {value:.1f} us"
+            for key, value in entry.items() if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
+        )
+        out.write(f"  sequential {name:<25} p50 {entry['p50_us']:6.0f} us  p99 {entry['p99_us']:6.0f} us   cpu/req: {cpu}\n")
     for scenario, unit in (("pipelined", "req/s"), ("streaming", "msg/s")):
         for name, entry in medians.get(scenario, {}).items():
             cpu = "  ".join(
@@ -287,7 +293,7 @@ def print_report(summary: dict[str, Any], out: Any = sys.stdout) -> None:
                 for key, value in entry.items() if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
             )
             errors = f"  ERRORS {entry['errors']}" if entry["errors"] else ""
-            out.write(f"  {scenario:<10} {name:<22} {entry['per_s']:10.0f} {unit}   cpu/msg: {cpu}{errors}\n")
+            out.write(f"  {scenario:<10} {name:<25} {entry['per_s']:10.0f} {unit}   cpu/msg: {cpu}{errors}\n")
     out.write("\nratios (median of per-round ratios, [min, max])\n")
     for key, value in summary["ratios"].items():
         low, high = summary["ratio_range"][key]

@@ -65,17 +65,23 @@ class _Meter:
         return Window(count - start_count, clock - start_clock, {name: cpu[name] - start_cpu[name] for name in cpu})
 
 
-async def sequential(nc: NATS, target: Target, count: int, timeout: float = 10.0) -> tuple[list[float], int]:
-    """Latencies in microseconds of ``count`` requests sent one after another, and how many were errors."""
+async def sequential(
+    nc: NATS, target: Target, count: int, watch: Mapping[str, int], timeout: float = 10.0
+) -> tuple[list[float], Window]:
+    """Latencies in microseconds of ``count`` requests sent one after another, and their window."""
     latencies: list[float] = []
     errors = 0
+    meter = _Meter(lambda: len(latencies), watch)
+    meter.begin()
     for _ in range(count):
         body = target.body()
         start = time.perf_counter_ns()
         msg = await nc.request(target.subject, body, timeout=timeout)
         latencies.append((time.perf_counter_ns() - start) / 1000)
         errors += _ERROR_MARK in msg.data
-    return latencies, errors
+    window = meter.end()
+    window.errors = errors
+    return latencies, window
 
 
 async def pipelined(

@@ -17,13 +17,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
+from service.direct_nats import DirectClient
 from service.errors import ErrorCode, WireError
 from service.log_limit import RateLimitedLog
 from service.nats_connection import close_nats, connect_nats
@@ -137,7 +137,7 @@ class EngineRuntime:
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._nc: NATS | None = None
+        self._nc: DirectClient | None = None
         self._controls: dict[str, Callable[[ControlSignal], Awaitable[str]]] = {
             Header.PAUSE: self._pause,
             Header.UNPAUSE: self._unpause,
@@ -152,7 +152,7 @@ class EngineRuntime:
     # ------------------------------------------------------------ lifecycle
 
     @property
-    def nc(self) -> NATS:
+    def nc(self) -> DirectClient:
         if self._nc is None:
             raise RuntimeError("engine is not started")
         return self._nc
@@ -166,7 +166,8 @@ class EngineRuntime:
             self.settings, name=f"dpcoord-engine-{self.engine_id}",
             on_disconnect=self._connected.clear, on_reconnect=self._on_reconnect,
         )
-        await self.nc.subscribe(self.subjects.engine_wildcard(self.engine_id), cb=self._on_routed)
+        # Routed messages are the hot path: handled on nats-py's reading task (service/direct_nats.py).
+        await self.nc.subscribe_direct(self.subjects.engine_wildcard(self.engine_id), self._on_routed)
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
         await self.nc.flush()
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
@@ -237,21 +238,22 @@ class EngineRuntime:
 
     # ------------------------------------------------------------ requests
 
-    async def _on_routed(self, msg: Msg) -> None:
-        header = self.subjects.header_of(msg.subject)
+    async def _on_routed(self, subject: str, reply: str, data: bytes) -> None:
+        """A direct handler: it publishes, and never waits for another message."""
+        header = self.subjects.header_of(subject)
         try:
             if header == Header.SUBMIT_REQUEST:
-                for routed in _routed_decoder.decode(msg.data).requests:
+                for routed in _routed_decoder.decode(data).requests:
                     await self._on_submit(routed)
             elif header == Header.ABORT_REQUEST:
-                await self._on_abort(_abort_decoder.decode(msg.data))
+                await self._on_abort(_abort_decoder.decode(data))
             elif header == RESEND_REPLIES:
-                await self._on_resend(_resend_decoder.decode(msg.data), msg.reply)
+                await self._on_resend(_resend_decoder.decode(data), reply)
             else:
                 raise WireError(ErrorCode.NOT_FOUND, f"no routed message {header!r}")
         except (msgspec.DecodeError, msgspec.ValidationError, WireError) as exc:
             self.counters["malformed"] += 1
-            self._malformed_log.warning("engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(msg.data), exc)
+            self._malformed_log.warning("engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(data), exc)
 
     async def _on_submit(self, routed: RoutedRequest) -> None:
         route = routed.route

@@ -15,7 +15,7 @@ from typing import Any, get_args
 import msgspec
 from pydantic import ValidationError
 
-from service import event_loop
+from service import event_loop, gc_tuning
 from service.settings import Settings
 from service.subjects import Header
 
@@ -103,6 +103,7 @@ async def _run_coordinator(settings: Settings) -> int:
     from service.coordinator import Coordinator
 
     coordinator = Coordinator(settings)
+    gc_tuning.tune_for_throughput()
     await _serve(coordinator.start, coordinator.run_until_stopped, coordinator.request_stop, coordinator.stop)
     return 0
 
@@ -112,6 +113,7 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     from engines.runtime import EngineRuntime
 
     runtime = EngineRuntime(settings, make_backend(settings, model))
+    gc_tuning.tune_for_throughput()
     await _serve(runtime.start, runtime.run_until_stopped, runtime.request_stop, runtime.stop)
     return 0
 

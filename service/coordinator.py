@@ -202,11 +202,12 @@ class Coordinator:
 
     def _callback(self, spec: HandlerSpec):  # noqa: ANN202 - nats-py callback
         async def on_message(msg: Msg) -> None:
-            await self._dispatch(spec, msg.reply, msg.data)
+            await self._dispatch(spec, msg.subject, msg.reply, msg.data)
 
         return on_message
 
-    async def _dispatch(self, spec: HandlerSpec, reply: str, body: bytes) -> None:
+    async def _dispatch(self, spec: HandlerSpec, subject: str, reply: str, body: bytes) -> None:
+        """Decode, run the handler, answer any failure; ``subject`` is ``spec``'s own, unused."""
         encoding = detect_encoding(body)
         sender = Sender(spec.header, reply or None, encoding, body)
         try:
@@ -275,7 +276,7 @@ class Coordinator:
         if engine is None:
             self._held.append(entry)
         else:
-            await self._send(entry, engine)
+            self._send(entry, engine)
 
     async def _resubmitted(self, client_key: tuple, reply_to: str, stream: bool) -> bool:
         """A named client's repeated (client_id, client_request_id) is answered, never run twice:
@@ -305,7 +306,7 @@ class Coordinator:
             await self._publish_to_client(reply_to, b"", client_key)
         return True
 
-    async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
+    def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
         """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
         entry.engine_id = engine.engine_id
         entry.attempts += 1
@@ -378,7 +379,7 @@ class Coordinator:
             if engine is None:
                 return
             self._held.popleft()
-            await self._send(entry, engine)
+            self._send(entry, engine)
 
     def take(self, request_id: str) -> InflightRequest | None:
         """Pop a request for its terminal reply and free its engine slot."""

@@ -4,7 +4,7 @@ nats-py hands each message of a callback subscription to that subscription's own
 task, building a ``Msg`` on the way: about 2.5 us of the coordinator's CPU per message on the
 2-core reference machine, more than routing the request costs (docs/performance.md). A
 direct subscription's handler is awaited by nats-py's reading task as soon as the message is
-parsed, with just the reply subject and the body.
+parsed, with just the subject, the reply subject and the body.
 
 The contract of a direct handler: it must never wait for another NATS message (a request's
 answer, an acknowledgement), because the task that would read that message is the one
@@ -26,8 +26,8 @@ from nats.aio.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
-DirectHandler = Callable[[str, bytes], Awaitable[None]]
-"""``handler(reply_subject, body)``; the reply subject is ``""`` when the sender gave none."""
+DirectHandler = Callable[[str, str, bytes], Awaitable[None]]
+"""``handler(subject, reply_subject, body)``; the reply subject is ``""`` when the sender gave none."""
 
 
 class DirectSubscription:
@@ -68,6 +68,6 @@ class DirectClient(NATS):
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
         try:
-            await handler(reply.decode() if reply else "", data)
+            await handler(subject.decode(), reply.decode() if reply else "", data)
         except Exception:
             log.exception("direct handler for %s failed", subject.decode(errors="replace"))
