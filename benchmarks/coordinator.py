@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -43,7 +44,7 @@ from service.wire import SamplingParams, SubmitEnvelope, SubmitRequest, encode_m
 
 log = logging.getLogger(__name__)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path("benchmarks") / "results"  # relative to where it runs: the repository root, git-ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,10 +190,11 @@ def window_result(window: Window) -> dict[str, Any]:
 
 
 def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of already sorted values (NaN for none)."""
     if not sorted_values:
         return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * (len(sorted_values) - 1))))
-    return sorted_values[index]
+    rank = math.ceil(pct / 100 * len(sorted_values))
+    return sorted_values[min(len(sorted_values), max(1, rank)) - 1]
 
 
 # name: (scenario, numerator measurement, denominator measurement or None, field); a
@@ -380,7 +382,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.coordinator", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser
+
+
 if __name__ == "__main__":
-    cli = argparse.ArgumentParser(prog="python -m benchmarks.coordinator", description=__doc__.splitlines()[0])
-    add_arguments(cli)
-    sys.exit(main(cli.parse_args()))
+    sys.exit(main(build_parser().parse_args()))

@@ -313,8 +313,11 @@ class EngineRuntime:
             except Exception as exc:
                 log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
                 await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
-                continue
-            await self._publish_outputs(outputs)
+            else:
+                await self._publish_outputs(outputs)
+            # Between steps, let the reader and nats-py's flusher run: a backend's step need not
+            # yield, and yielding after publishing sends this step's replies a loop turn sooner.
+            await asyncio.sleep(0)
 
     async def _fail_all(self, err: WireError) -> list[ActiveRequest]:
         failed = list(self._active.values())

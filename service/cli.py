@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
+    bench = commands.add_parser(
+        "bench", help="coordinator benchmark: dpcoord against raw NATS baselines measured in the same run",
+        description="Starts its own nats-server (unless --nats-url), coordinator, echo engines and raw nats-py peers; "
+        "prints dpcoord/raw ratios and writes JSON results.",
+    )
+    from benchmarks.coordinator import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
     return parser
 
 
@@ -159,6 +167,10 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from benchmarks.coordinator import main as run_bench
+
+        return run_bench(args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:

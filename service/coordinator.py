@@ -118,6 +118,7 @@ class Coordinator:
         self._deadlines = CoarseTimers()
         self._outbox: dict[str, list[InflightRequest]] = {}
         self._outbox_ready = asyncio.Event()
+        self._turn_started = False
         self._sequence = itertools.count()
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -276,7 +277,7 @@ class Coordinator:
         if engine is None:
             self._held.append(entry)
         else:
-            self._send(entry, engine)
+            await self._send(entry, engine)
 
     async def _resubmitted(self, client_key: tuple, reply_to: str, stream: bool) -> bool:
         """A named client's repeated (client_id, client_request_id) is answered, never run twice:
@@ -306,18 +307,26 @@ class Coordinator:
             await self._publish_to_client(reply_to, b"", client_key)
         return True
 
-    def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
-        """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
+    async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
+        """Route ``entry`` to ``engine``: the first request of a loop turn goes out at once (no
+        added latency when idle), later ones of the same turn leave together in one batch."""
         entry.engine_id = engine.engine_id
         entry.attempts += 1
         entry.routed_at = time.monotonic()
         engine.requests.add(entry.route.request_id)
         batch = self._outbox.get(engine.engine_id)
-        if batch is None:
+        if batch is not None:
+            batch.append(entry)
+        elif self._turn_started:
             self._outbox[engine.engine_id] = [entry]
             self._outbox_ready.set()
         else:
-            batch.append(entry)
+            self._turn_started = True
+            asyncio.get_running_loop().call_soon(self._end_turn)
+            await self._publish_routed(engine.engine_id, [entry])
+
+    def _end_turn(self) -> None:
+        self._turn_started = False
 
     async def _route_outbox(self) -> None:
         """Publish each engine's routed requests as one message per loop turn rather than one each.
@@ -379,7 +388,7 @@ class Coordinator:
             if engine is None:
                 return
             self._held.popleft()
-            self._send(entry, engine)
+            await self._send(entry, engine)
 
     def take(self, request_id: str) -> InflightRequest | None:
         """Pop a request for its terminal reply and free its engine slot."""

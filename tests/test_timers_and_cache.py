@@ -1,0 +1,106 @@
+"""CoarseTimers (request deadlines) and ResultCache (named clients' results): the cheap
+structures on the coordinator's hot path keep the semantics of what they replaced."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service import result_cache
+from service.result_cache import ResultCache
+from service.timers import CoarseTimers
+
+
+async def test_coarse_timer_fires_never_early_and_at_most_one_resolution_late() -> None:
+    timers = CoarseTimers(resolution_s=0.02)
+    loop = asyncio.get_running_loop()
+    fired = loop.create_future()
+    armed_at = loop.time()
+    timers.call_later(0.05, lambda: fired.set_result(loop.time()))
+    fired_at = await asyncio.wait_for(fired, 2)
+    assert 0.05 <= fired_at - armed_at
+    assert fired_at - armed_at < 0.05 + 0.02 + 0.05  # resolution, plus scheduling slack on a busy machine
+    assert len(timers) == 0
+
+
+async def test_cancelled_timers_do_not_fire_even_from_a_callback_of_the_same_slot() -> None:
+    timers = CoarseTimers(resolution_s=0.05)
+    loop = asyncio.get_running_loop()
+    fired: list[str] = []
+    done = loop.create_future()
+    handles = {}
+
+    def fire_and_cancel_the_rest(name: str) -> None:
+        fired.append(name)
+        for handle in handles.values():
+            handle.cancel()
+
+    # Same delay, so one slot: whichever runs first cancels the others.
+    for name in ("a", "b", "c"):
+        handles[name] = timers.call_later(0.01, fire_and_cancel_the_rest, name)
+    timers.call_later(0.01, fired.append, "cancelled beforehand").cancel()
+    timers.call_later(0.2, done.set_result, None)
+    await asyncio.wait_for(done, 2)
+    assert len(fired) == 1 and fired[0] in "abc"
+
+
+def test_resolution_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        CoarseTimers(resolution_s=0)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    fake = _Clock()
+    monkeypatch.setattr(result_cache.time, "monotonic", fake)
+    return fake
+
+
+def test_result_is_returned_until_its_ttl_then_never(clock: _Clock) -> None:
+    cache = ResultCache(ttl_s=60, max_entries=10)
+    cache.put(("c", 1), b"one")
+    clock.now += 59.9
+    assert cache.get(("c", 1)).body == b"one"
+    clock.now += 0.1
+    assert cache.get(("c", 1)) is None
+
+
+def test_expired_results_are_swept_on_a_later_put(clock: _Clock) -> None:
+    cache = ResultCache(ttl_s=60, max_entries=1000)
+    for index in range(100):
+        cache.put(("c", index), b"x")
+    clock.now += 61
+    cache.put(("c", "new"), b"y")
+    assert len(cache) == 1
+
+
+def test_storing_again_renews_an_entry(clock: _Clock) -> None:
+    cache = ResultCache(ttl_s=60, max_entries=2)
+    cache.put(("c", 1), b"first")
+    clock.now += 30
+    cache.put(("c", 2), b"two")
+    cache.put(("c", 1), b"again")
+    cache.put(("c", 3), b"three")  # over the bound: the oldest, now 2, goes
+    assert cache.get(("c", 2)) is None
+    assert cache.get(("c", 1)).body == b"again"
+    clock.now += 45
+    assert cache.get(("c", 1)).body == b"again"
+
+
+def test_cache_size_is_bounded_and_zero_disables_it(clock: _Clock) -> None:
+    cache = ResultCache(ttl_s=60, max_entries=3)
+    for index in range(10):
+        cache.put(("c", index), b"x")
+    assert len(cache) == 3 and cache.get(("c", 9)) is not None and cache.get(("c", 6)) is None
+    disabled = ResultCache(ttl_s=60, max_entries=0)
+    disabled.put(("c", 1), b"x")
+    assert disabled.get(("c", 1)) is None and len(disabled) == 0
