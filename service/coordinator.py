@@ -28,6 +28,7 @@ from handlers.registry import HandlerRegistry, HandlerSpec
 from service.control import BroadcastResult, broadcast
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
+from service.latency import RequestLatency
 from service.nats_connection import connect_nats
 from service.request_table import InflightRequest, RequestTable
 from service.routing import make_policy
@@ -73,6 +74,7 @@ class Coordinator:
         self.engines = EnginePool(settings.max_inflight_per_engine)
         self.requests = RequestTable()
         self.counters: Counter[str] = Counter()
+        self.latency = RequestLatency()
         self.engines_changed = asyncio.Event()
         self._handlers = handlers
         self._policy = make_policy(settings.routing_policy)
@@ -243,7 +245,10 @@ class Coordinator:
     def take(self, request_id: str) -> InflightRequest | None:
         """Pop a request for its terminal reply and free its engine slot."""
         entry = self.requests.pop(request_id)
-        if entry is not None and entry.engine_id is not None:
+        if entry is None:
+            return None
+        self.latency.observe_finished(entry.admitted_at)
+        if entry.engine_id is not None:
             engine = self.engines.get(entry.engine_id)
             if engine is not None:
                 engine.requests.discard(request_id)
@@ -273,6 +278,8 @@ class Coordinator:
         entry = self.requests.get(reply.route.request_id)
         if entry is None:
             return
+        if not entry.streamed:
+            self.latency.observe_first_token(entry.admitted_at)
         entry.streamed = True
         await self.deliver(reply.route, reply.body, terminal=False)
         entry.partials_delivered += 1

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Engine heartbeat period")
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed partial")
 
+    # Health and metrics over HTTP (Kubernetes probes, Prometheus)
+    http_host: str = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")
+    http_port: int = Field(8080, ge=0, le=65535, description="Port of /healthz, /readyz and /metrics; 0 turns them off")
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 A header ``h`` is served by the coordinator on ``<prefix>.<h>``. Engines listen on
 ``<prefix>.engine.<engine_id>.<h>`` for messages routed to them and on
-``<prefix>.engines.<h>`` for broadcasts.
+``<prefix>.engines.<h>`` for broadcasts. Each process also answers NATS Services API status
+requests on ``<prefix>.status.<role>.<id>``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class Subjects:
 
     def broadcast_wildcard(self) -> str:
         return f"{self.prefix}.engines.*"
+
+    def status(self, role: str, instance_id: str) -> str:
+        """The NATS Services API status endpoint of one coordinator or engine."""
+        return f"{self.prefix}.status.{role}.{instance_id}"
 
     def header_of(self, subject: str) -> str:
         """The last token of a subject: the header it carries."""
