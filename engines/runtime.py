@@ -24,7 +24,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from service.errors import ErrorCode, WireError
-from service.nats_connection import connect_nats
+from service.nats_connection import connect_nats, flush_subscriptions
 from service.settings import Settings
 from service.subjects import Header, Subjects
 from service.wire import (
@@ -152,7 +152,7 @@ class EngineRuntime:
         self._nc = await connect_nats(self.settings, name=f"dpcoord-engine-{self.engine_id}")
         await self.nc.subscribe(self.subjects.engine_wildcard(self.engine_id), cb=self._on_routed)
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
-        await self.nc.flush()
+        await flush_subscriptions(self.nc)
         for loop in (self._register, self._heartbeat, self._step_loop):
             self._tasks.append(asyncio.create_task(loop()))
         log.info("engine_id=%s started with backend %s", self.engine_id, self.backend.name)

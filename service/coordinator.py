@@ -29,7 +29,7 @@ from service.control import BroadcastResult, broadcast
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
 from service.latency import RequestLatency
-from service.nats_connection import connect_nats
+from service.nats_connection import connect_nats, flush_subscriptions
 from service.request_table import InflightRequest, RequestTable
 from service.routing import make_policy
 from service.settings import Settings
@@ -101,7 +101,7 @@ class Coordinator:
             self._subscriptions.append(
                 await self.nc.subscribe(self.subjects.coordinator(header), queue=queue, cb=self._callback(spec))
             )
-        await self.nc.flush()
+        await flush_subscriptions(self.nc)
         self.spawn(self._watch_heartbeats())
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 

@@ -64,3 +64,16 @@ async def connect_nats(settings: Settings, name: str) -> NATS:
     nc = NATS()
     await nc.connect(**connect_options(settings, name, nc))
     return nc
+
+
+async def flush_subscriptions(nc: NATS) -> None:
+    """Return once the server has every subscription this connection made so far.
+
+    nats-py (2.16) writes ``flush()``'s PING straight to the socket, ahead of commands still
+    buffered for its flusher task, so a single flush can return before the server has seen
+    subscriptions made just before it; a message published from another connection in that
+    window is lost. While the first flush waits, the flusher writes the buffered commands,
+    so the second PING follows them on the wire.
+    """
+    await nc.flush()
+    await nc.flush()

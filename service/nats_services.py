@@ -20,6 +20,8 @@ from nats.aio.client import Client as NATS
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service
 
+from service.nats_connection import flush_subscriptions
+
 log = logging.getLogger(__name__)
 
 COORDINATOR_SERVICE = "dpcoord-coordinator"
@@ -82,5 +84,6 @@ async def add_status_service(
         metadata={"instance_id": instance_id}, stats_handler=stats_data,
     )
     await service.add_endpoint(name=STATUS_ENDPOINT, subject=subject, handler=answer)
+    await flush_subscriptions(nc)
     log.info("registered NATS service %s (%s), status on %s", name, instance_id, subject)
     return service

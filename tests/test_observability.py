@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 
+import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
@@ -217,13 +218,19 @@ async def collect_replies(nc: NATS, subject: str, wanted: set[str], timeout_s: f
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     found: dict[str, dict] = {}
+    others: list[str] = []
     try:
         await nc.publish(subject, b"", reply=inbox)
         while not wanted <= found.keys():
-            reply = json.loads((await sub.next_msg(timeout=timeout_s)).data)
+            try:
+                reply = json.loads((await sub.next_msg(timeout=timeout_s)).data)
+            except nats.errors.TimeoutError:
+                raise AssertionError(f"{subject}: no answer from {wanted - found.keys()}; others: {others}") from None
             instance = reply["metadata"]["instance_id"]
             if instance in wanted:
                 found[instance] = reply
+            else:
+                others.append(instance)
     finally:
         await sub.unsubscribe()
     return found
