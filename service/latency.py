@@ -35,10 +35,6 @@ class LatencyHistogram:
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
 
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count)`` pairs as Prometheus wants them, ending with ``+Inf``."""
         pairs: list[tuple[str, int]] = []

@@ -7,12 +7,17 @@ counts of ``service.latency``.
 Which coordinator counter feeds which metric:
 
 - ``submitted`` → ``dpcoord_requests_submitted_total``
-- ``completed`` (every terminal reply) minus ``failed_<code>`` → ``dpcoord_requests_total{outcome="final"}``
-- ``failed_<code>`` → ``dpcoord_requests_total{outcome="error", code}``
+- ``completed`` (every terminal reply) minus ``failed_<code>`` → ``dpcoord_requests_total{outcome="relayed"}``:
+  terminal replies relayed from engines. The coordinator forwards their bodies undecoded (that
+  is what keeps it cheap), so these are finals and the few errors engines produce themselves.
+- ``failed_<code>`` → ``dpcoord_requests_total{outcome="failed", code}``: errors the coordinator
+  answered an admitted request with (deadline 504, engine lost 503, ...)
 - ``submit_without_reply`` → ``dpcoord_requests_total{outcome="dropped"}``
 - ``error_<code>`` (messages refused before admission, any subject) → ``dpcoord_refused_messages_total{code}``
 - ``error_400`` → ``dpcoord_malformed_messages_total``
 - ``retried`` → ``dpcoord_requests_retried_total``; ``late_replies`` → ``dpcoord_late_replies_total``
+- every counter, by its name → ``dpcoord_coordinator_events_total{event}``, so counters added
+  to the coordinator are exported without a change here
 """
 
 from __future__ import annotations
@@ -69,9 +74,9 @@ class CoordinatorCollector(Collector):
         outcomes = CounterMetricFamily(
             "dpcoord_requests", "Requests by terminal outcome (error codes as on the wire)", labels=["outcome", "code"]
         )
-        outcomes.add_metric(["final", ""], counters["completed"] - sum(failed.values()))
+        outcomes.add_metric(["relayed", ""], counters["completed"] - sum(failed.values()))
         for code, value in sorted(failed.items()):
-            outcomes.add_metric(["error", code], value)
+            outcomes.add_metric(["failed", code], value)
         outcomes.add_metric(["dropped", ""], counters["submit_without_reply"])
         yield outcomes
 
@@ -93,6 +98,11 @@ class CoordinatorCollector(Collector):
         late = CounterMetricFamily("dpcoord_late_replies", "Engine replies that arrived after their request ended")
         late.add_metric([], counters["late_replies"])
         yield late
+
+        events = CounterMetricFamily("dpcoord_coordinator_events", "Every internal counter, by name", labels=["event"])
+        for event, value in sorted(counters.items()):
+            events.add_metric([event], value)
+        yield events
 
         in_flight = GaugeMetricFamily("dpcoord_requests_in_flight", "Requests admitted and not yet answered")
         in_flight.add_metric([], len(coordinator.requests))

@@ -41,11 +41,10 @@ def _http_ports(settings: Settings, engines: int) -> list[int]:
 def _http_lines(ports: list[int]) -> str:
     if not ports[0]:
         return ""
-    engines = ", ".join(str(port) for port in ports[1:])
-    return (
-        f"Health and metrics: http://127.0.0.1:{ports[0]}/metrics (coordinator; also /healthz, /readyz)\n"
-        f"   engines on ports {engines}\n"
-    )
+    lines = f"Health and metrics: http://127.0.0.1:{ports[0]}/metrics (coordinator; also /healthz, /readyz)\n"
+    if len(ports) > 1:
+        lines += f"   engines on ports {', '.join(str(port) for port in ports[1:])}\n"
+    return lines
 
 
 async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> DpcoordClient:

@@ -178,7 +178,8 @@ async def test_metrics_count_outcomes_latency_and_engines(
 
     scrape = samples((await http_get(port_of(coordinator_obs), METRICS_PATH))[1])
     assert value(scrape, "dpcoord_requests_submitted_total") == 2
-    assert value(scrape, "dpcoord_requests_total", outcome="error", code="504") == 1
+    assert value(scrape, "dpcoord_requests_total", outcome="failed", code="504") == 1
+    assert value(scrape, "dpcoord_coordinator_events_total", event="failed_504") == 1
     assert value(scrape, "dpcoord_refused_messages_total", code="400") == 1
     assert value(scrape, "dpcoord_malformed_messages_total") == 1
     assert value(scrape, "dpcoord_engines_connected") == 1
@@ -190,7 +191,7 @@ async def test_metrics_count_outcomes_latency_and_engines(
     assert value(scrape, "dpcoord_nats_reconnects_total") == 0
     # The streamed request may still be running: it is in flight on its engine or finished.
     finished = value(scrape, "dpcoord_request_duration_seconds_count")
-    final = value(scrape, "dpcoord_requests_total", outcome="final", code="")
+    final = value(scrape, "dpcoord_requests_total", outcome="relayed", code="")
     in_flight = value(scrape, "dpcoord_engine_in_flight", engine_id=engine.engine_id)
     assert (finished, final, in_flight) in {(1, 0, 1), (2, 1, 0)}
     assert value(scrape, "dpcoord_requests_in_flight") == in_flight
