@@ -329,11 +329,13 @@ def test_settings_set_per_pod_are_set(chart: Chart, auth: str) -> None:
         "creds": {"DPCOORD_NATS_CREDS_FILE"},
         "nkey": {"DPCOORD_NATS_NKEY_SEED_FILE"},
     }
-    for kind, identity in (("Deployment", "DPCOORD_COORDINATOR_ID"), ("StatefulSet", "DPCOORD_ENGINE_ID")):
+    for kind in ("Deployment", "StatefulSet"):
         env = env_of(only(objects, kind), objects)
-        assert {"DPCOORD_NATS_URL", identity} | per_auth[auth] <= env.keys()
+        assert {"DPCOORD_NATS_URL"} | per_auth[auth] <= env.keys()
         assert not (set().union(*per_auth.values()) - per_auth[auth]) & env.keys()
-        assert env[identity] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert "DPCOORD_COORDINATOR_ID" not in env
+    engine_env = env_of(only(objects, "StatefulSet"), objects)
+    assert engine_env["DPCOORD_ENGINE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the rank's pod name
     covered = {name.removeprefix("DPCOORD_").lower() for names in per_auth.values() for name in names}
     assert covered | {"nats_url", "coordinator_id", "engine_id"} == set(DERIVED_SETTINGS)
 

@@ -107,7 +107,7 @@ this component's NATS credentials. Call with (dict "root" $ "component" "coordin
 {{- $root := .root }}
 {{- $component := .component }}
 {{- $method := include "dpcoord.natsAuthMethod" $root }}
-{{- $secret := include "dpcoord.natsCredentialsSecret" $root }}
+{{- $secret := include "dpcoord.natsCredentialsSecret" $root -}}
 - name: DPCOORD_NATS_URL
   value: {{ include "dpcoord.natsUrl" $root | quote }}
 {{- if eq $method "userPassword" }}
@@ -138,7 +138,7 @@ this component's NATS credentials. Call with (dict "root" $ "component" "coordin
 
 {{/* Volumes for NATS credential files and TLS; with dpcoord.natsVolumeMounts. */}}
 {{- define "dpcoord.natsVolumes" -}}
-{{- $method := include "dpcoord.natsAuthMethod" . }}
+{{- $method := include "dpcoord.natsAuthMethod" . -}}
 {{- if or (eq $method "creds") (eq $method "nkey") }}
 - name: nats-credentials
   secret:
@@ -154,7 +154,7 @@ this component's NATS credentials. Call with (dict "root" $ "component" "coordin
 {{- end }}
 
 {{- define "dpcoord.natsVolumeMounts" -}}
-{{- $method := include "dpcoord.natsAuthMethod" . }}
+{{- $method := include "dpcoord.natsAuthMethod" . -}}
 {{- if or (eq $method "creds") (eq $method "nkey") }}
 - name: nats-credentials
   mountPath: /etc/dpcoord/nats-credentials
