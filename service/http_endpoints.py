@@ -59,7 +59,13 @@ class HttpEndpoints:
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_MAX_HEAD_BYTES)
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_MAX_HEAD_BYTES)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot serve /healthz, /readyz and /metrics on {self.host}:{self.port} ({exc.strerror}); "
+                "choose another --http-port (DPCOORD_HTTP_PORT), or 0 to turn them off",
+            ) from exc
         self.port = int(self._server.sockets[0].getsockname()[1])
         log.info("health and metrics on http://%s:%d (%s, %s, %s)", self.host, self.port, HEALTH_PATH, READY_PATH, METRICS_PATH)
 

@@ -28,7 +28,7 @@ def _child_env(settings: Settings) -> dict[str, str]:
 _PORT_ENV = "DPCOORD_HTTP_PORT"
 
 
-def _http_ports(settings: Settings, engines: int) -> list[int]:
+def http_ports(settings: Settings, engines: int) -> list[int]:
     """HTTP ports of the coordinator and each engine: free ports unless --http-port was given
     (then consecutive ports from it), all 0 (off) for --http-port 0."""
     if "http_port" not in settings.model_fields_set:
@@ -66,7 +66,7 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         settings = settings.model_copy(update={"nats_url": server.url})
         settings.model_fields_set.add("nats_url")
     env = _child_env(settings)
-    ports = _http_ports(settings, engines)
+    ports = http_ports(settings, engines)
     python = [sys.executable, "-m", "service"]
     engine_args = ["--model", model] if model else []
     children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env | {_PORT_ENV: str(ports[0])})]

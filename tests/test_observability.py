@@ -24,6 +24,8 @@ from service.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
 from service.nats_server import EmbeddedNatsServer, free_port
 from service.nats_services import COORDINATOR_SERVICE, ENGINE_SERVICE
 from service.observability import Observability
+from service.settings import Settings
+from service.stack import http_ports
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import decode_reply, request_json
 
@@ -308,3 +310,12 @@ async def test_cli_services_serve_probes_on_their_configured_ports(nats_url: str
                 process.send_signal(signal.SIGTERM)
         codes = [await asyncio.wait_for(process.wait(), 20) for process in processes.values()]
     assert codes == [0, 0]
+
+
+def test_up_gives_each_process_its_own_http_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dpcoord up` runs a coordinator and engines on one host: free ports unless told otherwise."""
+    monkeypatch.delenv("DPCOORD_HTTP_PORT")
+    free = http_ports(Settings(), engines=2)
+    assert len(set(free)) == 3 and all(free)
+    assert http_ports(Settings(http_port=9000), engines=2) == [9000, 9001, 9002]
+    assert http_ports(Settings(http_port=0), engines=2) == [0, 0, 0]
