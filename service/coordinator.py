@@ -190,6 +190,10 @@ class Coordinator:
 
     async def _dispatch(self, spec: HandlerSpec, msg: Msg) -> None:
         body = msg.data
+        if msg.reply and (problem := self.subjects.reply_problem(msg.reply)):
+            self.counters["unsafe_reply_subject"] += 1
+            log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), msg.reply, problem)
+            return
         encoding = detect_encoding(body)
         sender = Sender(spec.header, msg.reply or None, encoding, body)
         try:
@@ -207,7 +211,8 @@ class Coordinator:
     async def _refuse(self, sender: Sender, err: WireError) -> None:
         self.counters[f"error_{err.code}"] += 1
         hints = return_hints(sender.body, sender.encoding)
-        reply_to = hints.reply_to if isinstance(hints.reply_to, str) and hints.reply_to else sender.reply
+        usable = isinstance(hints.reply_to, str) and self.subjects.reply_problem(hints.reply_to) is None
+        reply_to = hints.reply_to if usable else sender.reply
         client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
         self._refusal_log.warning(
             "refused %s (%d bytes, client_request_id=%s): %s %s",
@@ -226,6 +231,8 @@ class Coordinator:
     # ------------------------------------------------------------ requests
 
     async def admit(self, sender: Sender, submit: SubmitRequest) -> None:
+        if submit.reply_to is not None and (problem := self.subjects.reply_problem(submit.reply_to)):
+            raise WireError(ErrorCode.MALFORMED, f"reply_to {submit.reply_to!r} {problem}")
         reply_to = submit.reply_to or sender.reply
         if reply_to is None:
             self.counters["submit_without_reply"] += 1

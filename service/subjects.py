@@ -9,6 +9,7 @@ requests on ``<prefix>.status.<role>.<id>``.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 
@@ -58,6 +59,10 @@ FANOUT_HEADERS: frozenset[Header] = frozenset(
     }
 )
 
+# Second tokens under the prefix that carry routed requests and broadcasts to engines.
+_ENGINE_NAMESPACES = frozenset({"engine", "engines"})
+_WHITESPACE = re.compile(r"\s")
+
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
@@ -83,6 +88,28 @@ class Subjects:
     def status(self, role: str, instance_id: str) -> str:
         """The NATS Services API status endpoint of one coordinator or engine."""
         return f"{self.prefix}.status.{role}.{instance_id}"
+
+    def reply_problem(self, subject: str) -> str | None:
+        """Why ``subject`` may not receive replies, or None when it may.
+
+        The coordinator publishes replies with NATS rights broader than its clients'. A reply
+        subject that dpcoord itself serves would let a client turn a reply into a control
+        signal or an engine message (a confused deputy): ``<prefix>.<header>`` (any single
+        token, so future headers are covered), ``<prefix>.engine.>`` and ``<prefix>.engines.>``.
+        System subjects (``$SYS``, ``$JS``, ...) and malformed subjects are refused too."""
+        if not subject or _WHITESPACE.search(subject):
+            return "is not a valid subject"
+        if subject[0] == "$":
+            return "is a system subject"
+        tokens = subject.split(".")
+        if any(token in ("", "*", ">") for token in tokens):
+            return "is not a valid publish subject"
+        own = self.prefix.split(".")
+        if tokens[: len(own)] == own:
+            rest = tokens[len(own) :]
+            if len(rest) <= 1 or rest[0] in _ENGINE_NAMESPACES:
+                return f"is a subject dpcoord serves under {self.prefix}"
+        return None
 
     def header_of(self, subject: str) -> str:
         """The last token of a subject: the header it carries."""
