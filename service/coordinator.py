@@ -192,7 +192,7 @@ class Coordinator:
         body = msg.data
         if msg.reply and (problem := self.subjects.reply_problem(msg.reply)):
             self.counters["unsafe_reply_subject"] += 1
-            log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), msg.reply, problem)
+            self._refusal_log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), msg.reply, problem)
             return
         encoding = detect_encoding(body)
         sender = Sender(spec.header, msg.reply or None, encoding, body)
@@ -342,6 +342,13 @@ class Coordinator:
             self._held_by_client.setdefault(client_key, []).append(delivery)
 
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
+        if (problem := self.subjects.reply_problem(route.reply_to)) is not None:
+            # admit() refuses such a reply_to, so only an engine that rewrote the route gets here.
+            self.counters["unsafe_reply_subject"] += 1
+            self._refusal_log.warning(
+                "request_id=%s: not delivering to reply subject %r, which %s", route.request_id, route.reply_to, problem
+            )
+            return
         client_key = None
         if route.client_id is not None and route.client_request_id is not None:
             client_key = (route.client_id, route.client_request_id)

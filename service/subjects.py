@@ -9,7 +9,6 @@ requests on ``<prefix>.status.<role>.<id>``.
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
 
 
@@ -61,7 +60,20 @@ FANOUT_HEADERS: frozenset[Header] = frozenset(
 
 # Second tokens under the prefix that carry routed requests and broadcasts to engines.
 _ENGINE_NAMESPACES = frozenset({"engine", "engines"})
-_WHITESPACE = re.compile(r"\s")
+
+
+def _publishable(subject: str) -> bool:
+    """No whitespace or control characters, no wildcards (anywhere), no empty tokens."""
+    return (
+        bool(subject)
+        and subject.isprintable()
+        and " " not in subject
+        and "*" not in subject
+        and ">" not in subject
+        and ".." not in subject
+        and subject[0] != "."
+        and subject[-1] != "."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,17 +109,15 @@ class Subjects:
         signal or an engine message (a confused deputy): ``<prefix>.<header>`` (any single
         token, so future headers are covered), ``<prefix>.engine.>`` and ``<prefix>.engines.>``.
         System subjects (``$SYS``, ``$JS``, ...) and malformed subjects are refused too."""
-        if not subject or _WHITESPACE.search(subject):
-            return "is not a valid subject"
+        if not _publishable(subject):
+            return "is not a valid publish subject"
         if subject[0] == "$":
             return "is a system subject"
-        tokens = subject.split(".")
-        if any(token in ("", "*", ">") for token in tokens):
-            return "is not a valid publish subject"
-        own = self.prefix.split(".")
-        if tokens[: len(own)] == own:
-            rest = tokens[len(own) :]
-            if len(rest) <= 1 or rest[0] in _ENGINE_NAMESPACES:
+        if subject == self.prefix:
+            return f"is a subject dpcoord serves under {self.prefix}"
+        if subject.startswith(self.prefix) and subject[len(self.prefix)] == ".":
+            head, dot, _ = subject[len(self.prefix) + 1 :].partition(".")
+            if not dot or head in _ENGINE_NAMESPACES:
                 return f"is a subject dpcoord serves under {self.prefix}"
         return None
 
