@@ -2,8 +2,8 @@
 an echo engine log in as their users, and NATS refuses what a role may not do.
 
 A refused publish is observed the way a program sees it: NATS reports a permissions violation
-to the connection's error callback. Also: token, nkey and TLS (mutual, server name,
-handshake-first) authentication through the DPCOORD_NATS_* settings, the coordinator's refusal
+to the connection's error callback. Also: token, nkey, creds file (JWTs signed here) and TLS
+(mutual, server name, handshake-first) authentication through the DPCOORD_NATS_* settings, the coordinator's refusal
 to reply onto subjects dpcoord serves, and the client library's fast 403.
 """
 
@@ -40,6 +40,7 @@ from service.subjects import Subjects
 from service.wire import EngineRegister, EngineReplyBatch, Final, RoutedReply, RoutedRequest
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
+from tests.nats_jwt import Operator
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "nats-server.example.conf"
 PREFIX = "dpcoord"  # the prefix the example config grants
@@ -375,6 +376,32 @@ async def test_nkey_authentication(tmp_path: Path) -> None:
             async with await DpcoordClient.connect(settings) as client:
                 assert (await client.submit("nkey", max_tokens=4)).generated_text == "nkey"
         stranger = await refused_connection(make_settings(server.url, nats_nkey_seed_file=str(stranger_file)))
+    assert "authorization violation" in str(stranger).lower()
+
+
+async def test_creds_file_authentication(tmp_path: Path) -> None:
+    """Accounts and JWTs: a user's permissions travel in its JWT, signed by the account."""
+    operator = Operator(tmp_path)
+    client_permissions = {
+        "pub": {"allow": ["dpcoord.connect", "dpcoord.submit_request", "dpcoord.abort_request"]},
+        "sub": {"allow": ["_INBOX_client.>"]},
+    }
+    with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config()))) as server:
+        fleet_settings = make_settings(server.url, subject_prefix=PREFIX, nats_creds_file=str(operator.user("fleet")))
+        client_settings = make_settings(
+            server.url, subject_prefix=PREFIX, nats_inbox_prefix="_INBOX_client",
+            nats_creds_file=str(operator.user("client", client_permissions)),
+        )
+        async with running_fleet(fleet_settings, fleet_settings, server.url) as fleet:
+            async with await DpcoordClient.connect(client_settings) as client:
+                assert (await client.submit("jwt", max_tokens=3)).generated_text == "jwt"
+                with pytest.raises(ClientError) as paused:
+                    await asyncio.wait_for(client.pause(timeout=60), 10)
+            assert paused.value.code == 403
+            assert fleet.coordinator.state is CoordinatorState.RUNNING
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        stranger = await refused_connection(make_settings(server.url, nats_creds_file=str(Operator(elsewhere).user("stranger"))))
     assert "authorization violation" in str(stranger).lower()
 
 
