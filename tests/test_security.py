@@ -3,8 +3,9 @@ an echo engine log in as their users, and NATS refuses what a role may not do.
 
 A refused publish is observed the way a program sees it: NATS reports a permissions violation
 to the connection's error callback. Also: token, nkey, creds file (JWTs signed here) and TLS
-(mutual, server name, handshake-first) authentication through the DPCOORD_NATS_* settings, the coordinator's refusal
-to reply onto subjects dpcoord serves, and the client library's fast 403.
+(mutual, server name, handshake-first) authentication through the DPCOORD_NATS_* settings,
+the coordinator's refusal to reply onto subjects dpcoord serves, and the client library's
+fast 403.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ async def refused_connection(settings: Settings) -> BaseException:
 def server_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # NATS reads an environment variable as a config value: quoted, as the config file says.
     for role, password in SERVER_PASSWORDS.items():
-        monkeypatch.setenv(f"DPCOORD_{role.upper()}_PASSWORD", f'"{password}"')
+        monkeypatch.setenv(f"NATS_PASSWORD_{role.upper()}", f'"{password}"')
 
 
 @pytest.fixture
@@ -507,7 +508,7 @@ def test_settings_refuse_ambiguous_authentication(overrides: dict[str, str], com
         Settings(**overrides)  # type: ignore[arg-type]
 
 
-def test_settings_map_onto_nats_options(tmp_path: Path) -> None:
+def test_settings_map_onto_nats_options() -> None:
     nc = NATS()
     creds = connect_options(Settings(nats_creds_file="/etc/dpcoord/user.creds", nats_inbox_prefix="_INBOX_a"), "x", nc)
     assert creds["user_credentials"] == "/etc/dpcoord/user.creds" and creds["inbox_prefix"] == "_INBOX_a"
