@@ -38,7 +38,7 @@ from service.refusals import PublishRefusals
 from service.settings import Settings
 from service.state import CoordinatorState
 from service.subjects import Subjects
-from service.wire import EngineRegister, EngineReplyBatch, Final, RoutedReply, RoutedRequest
+from service.wire import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
 from tests.nats_jwt import Operator
@@ -105,7 +105,7 @@ async def connected(settings: Settings) -> AsyncIterator[tuple[NATS, Violations]
 async def refused_connection(settings: Settings) -> BaseException:
     """Connect once, without retrying, and return why it failed."""
     nc = NATS()
-    options = connect_options(settings, "security-probe", nc)
+    options = connect_options(settings, "security-probe", nc, None, None)
     options.update(allow_reconnect=False, max_reconnect_attempts=0)
     try:
         await nc.connect(**options)
@@ -245,14 +245,6 @@ async def test_engine_user_gets_403_from_the_client_library(fleet: Fleet) -> Non
         await asyncio.wait_for(DpcoordClient.connect(role_settings(fleet.url, "engine"), timeout=60), 10)
     assert connect.value.code == 403 and "dpcoord.connect" in connect.value.message
 
-    refusals = PublishRefusals()
-    nc = await connect_nats(role_settings(fleet.url, "engine"), name="engine-as-client", on_error=refusals.on_error)
-    client = DpcoordClient(nc, Subjects(PREFIX), "engine-as-client", fleet.coordinator.id, True, refusals)
-    async with client:
-        with pytest.raises(ClientError) as stream:
-            await asyncio.wait_for(anext(client.stream("x", timeout=60)), 10)
-    assert stream.value.code == 403 and "dpcoord.submit_request" in stream.value.message
-
 
 @pytest.mark.parametrize("subject", ["dpcoord.pause", "dpcoord.register", "dpcoord.engine_reply", "$SYS.REQ.SERVER.PING"])
 async def test_coordinator_cannot_forge_client_admin_or_engine_messages(fleet: Fleet, subject: str) -> None:
@@ -288,34 +280,29 @@ async def test_coordinator_refuses_to_reply_onto_dpcoord_subjects(fleet: Fleet) 
 
 
 async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engine(secured_nats: EmbeddedNatsServer) -> None:
-    """Engines send replies with the route they were given; a compromised engine that rewrites
-    a route's reply subject to dpcoord.engines.stop (which the coordinator may publish to) must
-    not get the coordinator to broadcast there."""
+    """A reply whose coordinator is gone (an orphan) is delivered by a survivor along the route
+    the engine sends with it. A compromised engine that sends an orphan routed to
+    dpcoord.engines.stop (which the coordinator may publish to) must not get it broadcast."""
     url, subjects = secured_nats.url, Subjects(PREFIX)
-    async with Coordinator(role_settings(url, "coordinator", heartbeat_timeout_s=30.0)) as coordinator:
+    async with Coordinator(role_settings(url, "coordinator")) as coordinator:
         async with connected(role_settings(url, "engine")) as (engine, violations):
-            routed = await engine.subscribe(subjects.engine_wildcard("rogue"))
             broadcasts = await engine.subscribe(subjects.broadcast_wildcard())
-            # The client's reply subject is one the engine connection can read too, so the
-            # coordinator's publishes reach one connection in the order they were made.
+            # A reply subject the engine connection reads too, so the coordinator's publishes
+            # reach one connection in the order they were made.
             observed = await engine.subscribe("_INBOX_engine.observed")
-            await engine.request(subjects.coordinator("register"), msgspec.msgpack.encode(EngineRegister("rogue")), timeout=5)
-            async with connected(role_settings(url, "client")) as (client, _):
-                for prompt in ("first", "second"):
-                    submit = {"prompt": prompt, "reply_to": "_INBOX_engine.observed"}
-                    await client.publish(subjects.coordinator("submit_request"), msgpack.packb(submit))
-            first, second = [
-                msgspec.msgpack.decode((await routed.next_msg(timeout=5)).data, type=RoutedRequest) for _ in range(2)
-            ]
-            tampered = msgspec.structs.replace(first.route, reply_to=subjects.broadcast("stop"))
-            for route in (tampered, second.route):
-                final = Final(route.request_id, None, "rogue", [1], "x", "length")
-                batch = EngineReplyBatch("rogue", [RoutedReply(route, msgspec.msgpack.encode(final), 0)])
-                await engine.publish(subjects.coordinator("engine_reply"), msgspec.msgpack.encode(batch))
-            delivered = decode_reply((await observed.next_msg(timeout=5)).data)
+            await engine.flush()
+            replies = []
+            for request_id, reply_to in (("gone-0", subjects.broadcast("stop")), ("gone-1", "_INBOX_engine.observed")):
+                route = ReturnPath(request_id, "gone", reply_to, "msgpack", False, None)
+                final = Final(request_id, None, "rogue", [1], "x", "length")
+                replies.append(RoutedReply(route, msgspec.msgpack.encode(final), 0))
+            batch = EngineReplyBatch("rogue", replies)
+            await engine.publish(subjects.coordinator("engine_reply"), msgspec.msgpack.encode(batch))
+            # Delivered once the coordinator has heard its peers (a heartbeat timeout), in order.
+            delivered = decode_reply((await observed.next_msg(timeout=10)).data)
             assert broadcasts.pending_msgs == 0
             assert violations.errors == []
-        assert delivered["request_id"] == second.route.request_id
+        assert delivered["request_id"] == "gone-1"
         assert coordinator.counters["unsafe_reply_subject"] == 1
         assert coordinator.state is CoordinatorState.RUNNING
 
@@ -387,11 +374,17 @@ async def test_creds_file_authentication(tmp_path: Path) -> None:
         "pub": {"allow": ["dpcoord.connect", "dpcoord.submit_request", "dpcoord.abort_request"]},
         "sub": {"allow": ["_INBOX_client.>"]},
     }
+    # May shake hands and nothing else: its submissions are refused.
+    watcher_permissions = {"pub": {"allow": ["dpcoord.connect"]}, "sub": {"allow": ["_INBOX_watcher.>"]}}
     with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config()))) as server:
         fleet_settings = make_settings(server.url, subject_prefix=PREFIX, nats_creds_file=str(operator.user("fleet")))
         client_settings = make_settings(
             server.url, subject_prefix=PREFIX, nats_inbox_prefix="_INBOX_client",
             nats_creds_file=str(operator.user("client", client_permissions)),
+        )
+        watcher_settings = make_settings(
+            server.url, subject_prefix=PREFIX, nats_inbox_prefix="_INBOX_watcher",
+            nats_creds_file=str(operator.user("watcher", watcher_permissions)),
         )
         async with running_fleet(fleet_settings, fleet_settings, server.url) as fleet:
             async with await DpcoordClient.connect(client_settings) as client:
@@ -399,6 +392,13 @@ async def test_creds_file_authentication(tmp_path: Path) -> None:
                 with pytest.raises(ClientError) as paused:
                     await asyncio.wait_for(client.pause(timeout=60), 10)
             assert paused.value.code == 403
+            async with await DpcoordClient.connect(watcher_settings) as watcher:
+                with pytest.raises(ClientError) as submitted:
+                    await asyncio.wait_for(watcher.submit("no", timeout=60), 10)
+                with pytest.raises(ClientError) as streamed:
+                    await asyncio.wait_for(anext(watcher.stream("no", timeout=60)), 10)
+            assert submitted.value.code == streamed.value.code == 403
+            assert "dpcoord.submit_request" in streamed.value.message
             assert fleet.coordinator.state is CoordinatorState.RUNNING
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
@@ -510,20 +510,20 @@ def test_settings_refuse_ambiguous_authentication(overrides: dict[str, str], com
 
 def test_settings_map_onto_nats_options() -> None:
     nc = NATS()
-    creds = connect_options(Settings(nats_creds_file="/etc/dpcoord/user.creds", nats_inbox_prefix="_INBOX_a"), "x", nc)
+    creds = connect_options(Settings(nats_creds_file="/etc/dpcoord/user.creds", nats_inbox_prefix="_INBOX_a"), "x", nc, None, None)
     assert creds["user_credentials"] == "/etc/dpcoord/user.creds" and creds["inbox_prefix"] == "_INBOX_a"
-    nkey = connect_options(Settings(nats_nkey_seed_file="/etc/dpcoord/user.nk"), "x", nc)
+    nkey = connect_options(Settings(nats_nkey_seed_file="/etc/dpcoord/user.nk"), "x", nc, None, None)
     assert nkey["nkeys_seed"] == "/etc/dpcoord/user.nk" and "user" not in nkey and "token" not in nkey
-    tls = connect_options(Settings(nats_tls_hostname="nats.example", nats_tls_handshake_first=True), "x", nc)
+    tls = connect_options(Settings(nats_tls_hostname="nats.example", nats_tls_handshake_first=True), "x", nc, None, None)
     assert tls["tls_hostname"] == "nats.example" and tls["tls_handshake_first"] is True and "tls" not in tls
 
 
-def test_refusals_match_the_subject_nats_lowercases() -> None:
-    async def scenario() -> tuple[str | None, bool]:
-        refusals = PublishRefusals()
-        with refusals.watch("Fleet.pause") as refused, refusals.watch("fleet.unpause") as other:
+async def test_refusals_match_the_subject_nats_lowercases() -> None:
+    refusals, told = PublishRefusals(), []
+    with refusals.watch("Fleet.pause", lambda message: told.append(("pause", message))):
+        with refusals.watch("fleet.unpause", lambda message: told.append(("unpause", message))):
             await refusals.on_error(nats.errors.Error('nats: permissions violation for publish to "fleet.pause"'))
-            return (refused.result() if refused.done() else None), other.done()
-
-    message, other_done = asyncio.run(scenario())
-    assert message is not None and "fleet.pause" in message and not other_done
+            await refusals.on_error(nats.errors.Error("nats: unrelated error"))
+    assert [watch for watch, _ in told] == ["pause"] and "fleet.pause" in told[0][1]
+    await refusals.on_error(nats.errors.Error('nats: permissions violation for subscription to "_inbox.x.*"'))
+    assert len(told) == 1  # nobody watches any more
