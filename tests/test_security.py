@@ -148,10 +148,20 @@ async def running_fleet(coordinator_settings: Settings, engine_settings: Setting
 
 
 @pytest.fixture
-async def fleet(secured_nats: EmbeddedNatsServer) -> AsyncIterator[Fleet]:
+async def fleet(secured_nats: EmbeddedNatsServer, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Fleet]:
     url = secured_nats.url
     async with running_fleet(role_settings(url, "coordinator"), role_settings(url, "engine"), url) as running:
         yield running
+    # The example config must allow everything the coordinator and engine do themselves:
+    # registering, heartbeats, routing, broadcasts and their confirmations, replies.
+    records = [*caplog.get_records("setup"), *caplog.get_records("call"), *caplog.records]
+    refused = [
+        record.getMessage()
+        for record in records
+        if "permissions violation" in record.getMessage()
+        and ("(dpcoord-coordinator-" in record.getMessage() or "(dpcoord-engine-" in record.getMessage())
+    ]
+    assert refused == []
 
 
 async def assert_still_running(fleet: Fleet) -> None:
