@@ -86,6 +86,7 @@ class BenchStack:
             "DPCOORD_LOG_LEVEL": "WARNING",
             "DPCOORD_EVENT_LOOP": self.config.event_loop,
             "DPCOORD_BACKEND": "echo",
+            "DPCOORD_HTTP_PORT": "0",  # no health/metrics listeners: several processes share this host
         })
         return env
 
@@ -97,6 +98,7 @@ class BenchStack:
             await self._spawn(f"engine{index}", "-m", "service", "engine", env=env)
         seen: set[str] = set()
         for _ in range(600):
+            self._check_children()
             reply = await self._try(self.subjects.coordinator(Header.SUBMIT_REQUEST), probe)
             if isinstance(reply, Final) and reply.engine_id:
                 seen.add(reply.engine_id)
@@ -107,6 +109,11 @@ class BenchStack:
             else:
                 raise RuntimeError(f"dpcoord answered the probe with {reply!r}")
         raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in 30 s")
+
+    def _check_children(self) -> None:
+        for name, child in zip(self.pids, self._children, strict=True):
+            if child.returncode is not None:
+                raise RuntimeError(f"{name} exited with status {child.returncode} while starting (its log is above)")
 
     async def _try(self, subject: str, body: bytes) -> Reply | None:
         try:
@@ -147,6 +154,7 @@ class BenchStack:
 
     async def _wait_answered(self, subject: str) -> None:
         for _ in range(600):
+            self._check_children()
             try:
                 await self.nc.request(subject, b"{}", timeout=2.0)
                 return

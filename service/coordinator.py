@@ -120,7 +120,6 @@ class Coordinator:
         self._deadlines = CoarseTimers()
         self._outbox: dict[str, list[InflightRequest]] = {}
         self._outbox_ready = asyncio.Event()
-        self._turn_started = False
         self._sequence = itertools.count()
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -286,7 +285,7 @@ class Coordinator:
         if engine is None:
             self._held.append(entry)
         else:
-            await self._send(entry, engine)
+            self._send(entry, engine)
 
     async def _resubmitted(self, client_key: tuple, reply_to: str, stream: bool) -> bool:
         """A named client's repeated (client_id, client_request_id) is answered, never run twice:
@@ -316,26 +315,18 @@ class Coordinator:
             await self._publish_to_client(reply_to, b"", client_key)
         return True
 
-    async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
-        """Route ``entry`` to ``engine``: the first request of a loop turn goes out at once (no
-        added latency when idle), later ones of the same turn leave together in one batch."""
+    def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
+        """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
         entry.engine_id = engine.engine_id
         entry.attempts += 1
         entry.routed_at = time.monotonic()
         engine.requests.add(entry.route.request_id)
         batch = self._outbox.get(engine.engine_id)
-        if batch is not None:
-            batch.append(entry)
-        elif self._turn_started:
+        if batch is None:
             self._outbox[engine.engine_id] = [entry]
             self._outbox_ready.set()
         else:
-            self._turn_started = True
-            asyncio.get_running_loop().call_soon(self._end_turn)
-            await self._publish_routed(engine.engine_id, [entry])
-
-    def _end_turn(self) -> None:
-        self._turn_started = False
+            batch.append(entry)
 
     async def _route_outbox(self) -> None:
         """Publish each engine's routed requests as one message per loop turn rather than one each.
@@ -397,7 +388,7 @@ class Coordinator:
             if engine is None:
                 return
             self._held.popleft()
-            await self._send(entry, engine)
+            self._send(entry, engine)
 
     def take(self, request_id: str) -> InflightRequest | None:
         """Pop a request for its terminal reply and free its engine slot."""
@@ -423,13 +414,8 @@ class Coordinator:
             self._held_by_client.setdefault(client_key, []).append(delivery)
 
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
-        if (problem := self.subjects.reply_problem(route.reply_to)) is not None:
-            # admit() refuses such a reply_to, so only an engine that rewrote the route gets here.
-            self.counters["unsafe_reply_subject"] += 1
-            self._refusal_log.warning(
-                "request_id=%s: not delivering to reply subject %r, which %s", route.request_id, route.reply_to, problem
-            )
-            return
+        """Send a reply along ``route``: this replica's own (its reply subject was checked on
+        admission), or an orphan's that ``_on_orphan`` checked, since an engine wrote it."""
         client_key = None
         if route.client_id is not None and route.client_request_id is not None:
             client_key = (route.client_id, route.client_request_id)
@@ -495,9 +481,17 @@ class Coordinator:
             if len(self._orphans) < MAX_BUFFERED_ORPHANS:
                 self._orphans.append((reply, terminal))
             return
-        if self.peers.should_adopt(route.coordinator_id):
-            self.counters["orphans_delivered"] += 1
-            await self.deliver(route, reply.body, terminal)
+        if not self.peers.should_adopt(route.coordinator_id):
+            return
+        if (problem := self.subjects.reply_problem(route.reply_to)) is not None:
+            # admit() refuses such a reply_to, so only an engine that rewrote the route gets here.
+            self.counters["unsafe_reply_subject"] += 1
+            self._refusal_log.warning(
+                "request_id=%s: not delivering to reply subject %r, which %s", route.request_id, route.reply_to, problem
+            )
+            return
+        self.counters["orphans_delivered"] += 1
+        await self.deliver(route, reply.body, terminal)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""

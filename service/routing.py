@@ -25,8 +25,8 @@ class LeastLoaded:
 
     def choose(self, engines: Sequence[EngineRecord]) -> EngineRecord | None:
         count = len(engines)
-        if count == 0:
-            return None
+        if count <= 1:  # nothing to compare: the common single-engine case stays cheap
+            return engines[0] if count and len(engines[0].requests) < engines[0].capacity else None
         self._offset = (self._offset + 1) % count
         best: EngineRecord | None = None
         best_load = 0
