@@ -115,7 +115,6 @@ class Bench:
         self.targets = {
             "raw_2hop": Target(stack.raw.echo, constant(bodies.short)),
             "raw_4hop": Target(stack.raw.relay, constant(bodies.short)),
-            "raw_2hop_long_prompt": Target(stack.raw.echo, constant(bodies.long)),
             "raw_4hop_long_prompt": Target(stack.raw.relay, constant(bodies.long)),
             "dpcoord": Target(submit, Enveloped(bodies.short, False, "bench-short")),
             "dpcoord_plain": Target(submit, constant(bodies.short)),
@@ -133,7 +132,8 @@ class Bench:
         steps: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = []
         for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain"):
             steps.append(("sequential", name, lambda name=name: self._sequential(name)))
-        for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain", "dpcoord_long_prompt", "dpcoord_plain_long_prompt"):
+        for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain", "dpcoord_long_prompt", "dpcoord_plain_long_prompt",
+                     "raw_4hop_long_prompt"):
             steps.append(("pipelined", name, lambda name=name: self._pipelined(name)))
         for name in ("raw_relay", "dpcoord_stream"):
             steps.append(("streaming", name, lambda name=name: self._streaming(name)))
@@ -205,6 +205,7 @@ FIGURES: dict[str, tuple[str, str, str | None, str]] = {
     "pipelined_plain_vs_raw_2hop": ("pipelined", "dpcoord_plain", "raw_2hop", "per_s"),
     "long_prompt_vs_short": ("pipelined", "dpcoord_long_prompt", "dpcoord", "per_s"),
     "long_prompt_plain_vs_short_plain": ("pipelined", "dpcoord_plain_long_prompt", "dpcoord_plain", "per_s"),
+    "raw_4hop_long_prompt_vs_short": ("pipelined", "raw_4hop_long_prompt", "raw_4hop", "per_s"),
     "sequential_p50_vs_raw_4hop": ("sequential", "dpcoord", "raw_4hop", "p50_us"),
     "sequential_p50_vs_raw_2hop": ("sequential", "dpcoord", "raw_2hop", "p50_us"),
     "sequential_plain_p50_vs_raw_4hop": ("sequential", "dpcoord_plain", "raw_4hop", "p50_us"),
@@ -214,6 +215,7 @@ FIGURES: dict[str, tuple[str, str, str | None, str]] = {
     "coordinator_cpu_us_per_request_long_prompt": ("pipelined", "dpcoord_long_prompt", None, "cpu_us_per_coordinator"),
     "coordinator_cpu_us_per_partial": ("streaming", "dpcoord_stream", None, "cpu_us_per_coordinator"),
     "raw_relay_cpu_us_per_request": ("pipelined", "raw_4hop", None, "cpu_us_per_raw_relay"),
+    "raw_relay_cpu_us_per_request_long_prompt": ("pipelined", "raw_4hop_long_prompt", None, "cpu_us_per_raw_relay"),
     "raw_relay_cpu_us_per_partial": ("streaming", "raw_relay", None, "cpu_us_per_raw_stream_relay"),
 }
 
