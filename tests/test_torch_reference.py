@@ -17,8 +17,6 @@ from tests.torch_reference import (
     LLAMA3_ROPE, Harness, engine_model, hf_greedy, hf_model, random_weights, tiny, torch_settings,
 )
 
-transformers = pytest.importorskip("transformers")
-
 PROMPTS = [[5, 9, 200, 17, 3, 88, 41], [1], list(range(30, 75)), [250, 251, 252, 7, 7, 7, 7, 7, 9, 10, 11]]
 
 CONFIGS = {
