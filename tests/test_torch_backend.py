@@ -20,7 +20,7 @@ from tests.torch_reference import random_weights, tiny, torch_settings
 
 @pytest.fixture(scope="module")
 def backend() -> TorchBackend:
-    return TorchBackend(torch_settings(seed=1))
+    return TorchBackend(torch_settings(model_seed=1))
 
 
 def run(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[TokenOutput]]:

@@ -43,7 +43,7 @@ def test_bf16_by_default_on_cuda() -> None:
 
 def test_float32_greedy_on_cuda_matches_transformers_on_cuda() -> None:
     config = ModelConfig()
-    backend = TorchBackend(cuda_settings(dtype="float32", seed=4))
+    backend = TorchBackend(cuda_settings(dtype="float32", model_seed=4))
     reference = hf_model(config, random_weights(config, seed=4)).cuda()
     prompts = [[5, 6, 7, 8], list(range(40, 90))]
     ours = generate(backend, *[GenerationRequest(f"p{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(prompts)])

@@ -53,7 +53,7 @@ def test_logits_match_transformers(name: str) -> None:
 
 def test_greedy_generation_matches_transformers_generate() -> None:
     config = ModelConfig()
-    backend = TorchBackend(torch_settings(seed=3))
+    backend = TorchBackend(torch_settings(model_seed=3))
     reference = hf_model(config, random_weights(config, seed=3))
     for i, prompt in enumerate(PROMPTS):
         backend.add(GenerationRequest(f"r{i}", prompt, max_tokens=24, temperature=0.0))
@@ -63,7 +63,7 @@ def test_greedy_generation_matches_transformers_generate() -> None:
 
 
 def test_a_batch_gives_each_prompt_its_alone_tokens() -> None:
-    backend = TorchBackend(torch_settings(seed=11))
+    backend = TorchBackend(torch_settings(model_seed=11))
     prompts = {f"p{i}": [(13 * i + k * k) % 256 for k in range(3 + 5 * i)] for i in range(12)}
     alone = {}
     for rid, prompt in prompts.items():

@@ -49,6 +49,8 @@ def engine_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Llama
 def torch_settings(**overrides: Any) -> Settings:
     """Engine settings for tests: a small KV cache and context, so each backend starts fast."""
     values: dict[str, Any] = {"device": "cpu", "max_context": 256, "kv_cache_gb": 0.01, "max_batch": 16}
+    unknown = set(overrides) - set(Settings.model_fields)
+    assert not unknown, f"not settings: {unknown}"  # Settings ignores unknown keys; a typo would pass silently
     values.update(overrides)
     return Settings(**values)
 

@@ -75,10 +75,10 @@ class TorchBackend(Backend):
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
         self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
-        weights = checkpoint_weights(model_dir) if model_dir else iter(random_weights(self.config, settings.seed).items())
+        weights = checkpoint_weights(model_dir) if model_dir else iter(random_weights(self.config, settings.model_seed).items())
         self.model: LlamaModel = build_model(self.config, weights, self.dtype, self.device)
         self.tokenizer: Tokenizer = load_tokenizer(model_dir)
-        self.model_name = str(model_dir) if model_dir else f"random default model (seed {settings.seed})"
+        self.model_name = str(model_dir) if model_dir else f"random default model (seed {settings.model_seed})"
 
         max_context = settings.max_context or self.config.max_position_embeddings
         if max_context > self.config.max_position_embeddings:
