@@ -12,21 +12,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from service.errors import ErrorCode, WireError
-from service.nats_connection import connect_nats
+from service.log_limit import RateLimitedLog
+from service.nats_connection import close_nats, connect_nats
 from service.settings import Settings
-from service.subjects import Header, Subjects
+from service.subjects import RESEND_REPLIES, Header, Subjects
 from service.wire import (
     ControlSignal,
     Encoding,
@@ -41,6 +43,8 @@ from service.wire import (
     Partial,
     PayloadDecoder,
     RegisterAck,
+    ResendAnswer,
+    ResendReplies,
     ReturnPath,
     RoutedAbort,
     RoutedReply,
@@ -59,7 +63,10 @@ _abort_decoder = msgpack_decoder(RoutedAbort)
 _control_decoder = msgpack_decoder(ControlSignal)
 _register_ack_decoder = msgpack_decoder(RegisterAck)
 _submit_decoder = PayloadDecoder(SubmitRequest)
+_resend_decoder = msgpack_decoder(ResendReplies)
 _BATCH_OVERHEAD = 256
+# Terminal replies kept so one lost on the way (a NATS restart, say) can be sent again.
+RECENT_REPLIES_KEPT = 10_000
 
 
 @dataclass(slots=True, eq=False)
@@ -118,12 +125,17 @@ class EngineRuntime:
         self.epoch: int | None = None
         self.counters: Counter[str] = Counter()
         self.registered = asyncio.Event()
+        self._malformed_log = RateLimitedLog(log)
         self._active: dict[str, ActiveRequest] = {}
+        self._recent_replies: OrderedDict[str, RoutedReply] = OrderedDict()
         self._wake = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._connected.set()
         self._step_lock = asyncio.Lock()
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self._nc: NATS | None = None
         self._controls: dict[str, Callable[[ControlSignal], Awaitable[str]]] = {
             Header.PAUSE: self._pause,
@@ -149,12 +161,15 @@ class EngineRuntime:
         return len(self._active)
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.settings, name=f"dpcoord-engine-{self.engine_id}")
+        self._nc = await connect_nats(
+            self.settings, name=f"dpcoord-engine-{self.engine_id}",
+            on_disconnect=self._connected.clear, on_reconnect=self._on_reconnect,
+        )
         await self.nc.subscribe(self.subjects.engine_wildcard(self.engine_id), cb=self._on_routed)
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
         await self.nc.flush()
-        for loop in (self._register, self._heartbeat, self._step_loop):
-            self._tasks.append(asyncio.create_task(loop()))
+        self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self._tasks = [asyncio.create_task(self._register()), self._heartbeat_task, asyncio.create_task(self._step_loop())]
         log.info("engine_id=%s started with backend %s", self.engine_id, self.backend.name)
 
     async def run_until_stopped(self) -> None:
@@ -172,11 +187,12 @@ class EngineRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._nc is not None and self._nc.is_connected:
-            await self.nc.publish(
-                self.subjects.coordinator(Header.DISCONNECT), encode_msgpack(EngineDisconnect(self.engine_id, reason))
-            )
-            await self.nc.drain()
+        if self._nc is not None:
+            if self._nc.is_connected:
+                await self.nc.publish(
+                    self.subjects.coordinator(Header.DISCONNECT), encode_msgpack(EngineDisconnect(self.engine_id, reason))
+                )
+            await close_nats(self._nc)
         await self.backend.close()
         log.info("engine_id=%s stopped (%s)", self.engine_id, reason)
 
@@ -208,10 +224,14 @@ class EngineRuntime:
         log.info("engine_id=%s registered with coordinator %s (state %s)", self.engine_id, ack.coordinator_id, ack.state)
 
     async def _heartbeat(self) -> None:
+        """Beats only once registered: an early beat would make the coordinator adopt, then
+        re-register, this engine. After that, beats let a restarted coordinator adopt it."""
         subject = self.subjects.coordinator(Header.HEARTBEAT)
+        await self.registered.wait()
         while True:
-            beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity)
-            await self.nc.publish(subject, encode_msgpack(beat))
+            if self._connected.is_set():
+                beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity, list(self._active))
+                await self.nc.publish(subject, encode_msgpack(beat))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     # ------------------------------------------------------------ requests
@@ -223,11 +243,13 @@ class EngineRuntime:
                 await self._on_submit(_routed_decoder.decode(msg.data))
             elif header == Header.ABORT_REQUEST:
                 await self._on_abort(_abort_decoder.decode(msg.data))
+            elif header == RESEND_REPLIES:
+                await self._on_resend(_resend_decoder.decode(msg.data), msg.reply)
             else:
                 raise WireError(ErrorCode.NOT_FOUND, f"no routed message {header!r}")
         except (msgspec.DecodeError, msgspec.ValidationError, WireError) as exc:
             self.counters["malformed"] += 1
-            log.warning("engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(msg.data), exc)
+            self._malformed_log.warning("engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(msg.data), exc)
 
     async def _on_submit(self, routed: RoutedRequest) -> None:
         route = routed.route
@@ -256,15 +278,45 @@ class EngineRuntime:
         self.backend.abort(abort.request_id)
         await self._publish(Header.ENGINE_REPLY, [active.final(self.engine_id, "abort")])
 
+    def _on_reconnect(self) -> None:
+        self._connected.set()
+        self._wake.set()
+
+    async def _on_resend(self, resend: ResendReplies, reply_subject: str) -> None:
+        again = [reply for request_id in resend.request_ids if (reply := self._recent_replies.get(request_id))]
+        unknown = [
+            request_id for request_id in resend.request_ids
+            if request_id not in self._recent_replies and request_id not in self._active
+        ]
+        log.info("engine_id=%s: sending %d replies again; %d requests never arrived", self.engine_id, len(again), len(unknown))
+        await self._publish(Header.ENGINE_REPLY, again, remember=False)
+        if reply_subject:
+            await self.nc.publish(reply_subject, encode_msgpack(ResendAnswer(unknown)))
+
     async def _step_loop(self) -> None:
+        """Steps while there is work, the fleet is not paused and NATS is reachable: tokens
+        generated with nowhere to send them would only fill the outbound buffer."""
         while True:
             await self._wake.wait()
-            if self.paused or not self.backend.has_work():
+            if self.paused or not self.backend.has_work() or not self._connected.is_set():
                 self._wake.clear()
                 continue
-            async with self._step_lock:
-                outputs = await self.backend.step()
+            try:
+                async with self._step_lock:
+                    outputs = await self.backend.step()
+            except Exception as exc:
+                log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
+                await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
+                continue
             await self._publish_outputs(outputs)
+
+    async def _fail_all(self, err: WireError) -> list[ActiveRequest]:
+        failed = list(self._active.values())
+        self._active.clear()
+        for active in failed:
+            self.backend.abort(active.route.request_id)
+        await self._publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
+        return failed
 
     async def _publish_outputs(self, outputs: list[TokenOutput]) -> None:
         interval = self.settings.stream_interval
@@ -285,9 +337,16 @@ class EngineRuntime:
         await self._publish(Header.ENGINE_REPLY_PARTIAL, partials)
         await self._publish(Header.ENGINE_REPLY, finals)
 
-    async def _publish(self, header: Header, replies: list[RoutedReply]) -> None:
-        """Send replies in as few messages as the server's max_payload allows."""
+    async def _publish(self, header: Header, replies: list[RoutedReply], remember: bool = True) -> None:
+        """Send replies in as few messages as the server's max_payload allows; terminal ones are
+        remembered for a while, in case the coordinator asks for them again."""
         subject = self.subjects.coordinator(header)
+        if remember and header == Header.ENGINE_REPLY:
+            recent = self._recent_replies
+            for reply in replies:
+                recent[reply.route.request_id] = reply
+            while len(recent) > RECENT_REPLIES_KEPT:
+                recent.popitem(last=False)
         limit = self.nc.max_payload - _BATCH_OVERHEAD
         batch: list[RoutedReply] = []
         size = 0
@@ -297,12 +356,20 @@ class EngineRuntime:
                 reply = self._too_large(reply)
                 reply_size = len(reply.body) + len(reply.route.reply_to) + 64
             if batch and size + reply_size > limit:
-                await self.nc.publish(subject, encode_msgpack(EngineReplyBatch(self.engine_id, batch)))
+                await self._send_batch(subject, batch)
                 batch, size = [], 0
             batch.append(reply)
             size += reply_size
         if batch:
+            await self._send_batch(subject, batch)
+
+    async def _send_batch(self, subject: str, batch: list[RoutedReply]) -> None:
+        """A batch NATS cannot take now is lost, not fatal: the coordinator's deadline answers it."""
+        try:
             await self.nc.publish(subject, encode_msgpack(EngineReplyBatch(self.engine_id, batch)))
+        except NatsError as exc:
+            self.counters["replies_lost"] += len(batch)
+            log.warning("engine_id=%s: %d replies lost: %s", self.engine_id, len(batch), exc)
 
     def _too_large(self, reply: RoutedReply) -> RoutedReply:
         route = reply.route
@@ -317,7 +384,7 @@ class EngineRuntime:
         control = self._controls.get(header)
         if control is None:
             self.counters["malformed"] += 1
-            log.warning("engine_id=%s: unknown broadcast %s", self.engine_id, header)
+            self._malformed_log.warning("engine_id=%s: unknown broadcast %s", self.engine_id, header)
             return
         try:
             signal = _control_decoder.decode(msg.data)
@@ -330,7 +397,7 @@ class EngineRuntime:
             ack = EngineAck(self.engine_id, header, False, f"{type(exc).__name__}: {exc}")
         if msg.reply:
             await self.nc.publish(msg.reply, encode_msgpack(ack))
-        if header == Header.STOP:
+        if header == Header.STOP and ack.ok:
             self.request_stop()
 
     async def _pause(self, signal: ControlSignal) -> str:
@@ -354,14 +421,11 @@ class EngineRuntime:
         return ""
 
     async def _stop_serving(self, signal: ControlSignal) -> str:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         async with self._step_lock:
             self.paused = True
-            failed = list(self._active.values())
-            self._active.clear()
-            for active in failed:
-                self.backend.abort(active.route.request_id)
-        err = WireError(ErrorCode.NO_ENGINE, f"engine {self.engine_id} stopped by control signal")
-        await self._publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
+            failed = await self._fail_all(WireError(ErrorCode.NO_ENGINE, f"engine {self.engine_id} stopped by control signal"))
         return f"{len(failed)} requests failed"
 
     async def _set_epoch(self, signal: ControlSignal) -> str:

@@ -1,21 +1,31 @@
 """The async client library: submit, stream, abort, control and shutdown, each with a timeout.
 
 It speaks msgpack. Error replies raise :class:`ClientError` with the wire code.
+
+Core NATS delivers at most once; the library closes the gap for submissions. Every submission
+carries this client's id and a unique client_request_id, which makes it idempotent at the
+coordinator (a repeat is answered from the request in flight or from the result cache, never
+run twice). So the library resubmits on NATS's no-responders status (no coordinator
+subscribed yet), with backoff until the deadline, and after every reconnect, when a reply may
+have been lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
+from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from service.errors import ErrorCode, WireError
-from service.nats_connection import connect_nats
+from service.nats_connection import close_nats, connect_nats
 from service.settings import Settings
 from service.subjects import Header, Subjects
 from service.wire import (
@@ -36,6 +46,11 @@ from service.wire import (
 )
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_RECONNECTED = object()
+MAX_RESUBMIT_BACKOFF_S = 1.0
+# The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
+# instead of a bare timeout.
+DEADLINE_MARGIN_S = 2.0
 
 
 class ClientError(WireError):
@@ -48,21 +63,37 @@ def _check(reply: Reply) -> Reply:
     return reply
 
 
+class _Exchanges:
+    """Reply queues of the submissions in progress; each hears about reconnects."""
+
+    def __init__(self) -> None:
+        self.queues: set[asyncio.Queue[object]] = set()
+
+    def reconnected(self) -> None:
+        for queue in self.queues:
+            queue.put_nowait(_RECONNECTED)
+
+
 class DpcoordClient:
-    def __init__(self, nc: NATS, subjects: Subjects, client_id: str, coordinator_id: str, owns_connection: bool) -> None:
+    def __init__(
+        self, nc: NATS, subjects: Subjects, client_id: str, coordinator_id: str, owns_connection: bool, exchanges: _Exchanges
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.client_id = client_id
         self.coordinator_id = coordinator_id
         self._owns_connection = owns_connection
+        self._exchanges = exchanges
 
     @classmethod
     async def connect(
         cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
     ) -> DpcoordClient:
-        """Connect to NATS (unless ``nc`` is given) and shake hands with a coordinator."""
+        """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
+        caller's business) and shake hands with a coordinator."""
+        exchanges = _Exchanges()
         owns = nc is None
-        connection = nc or await connect_nats(settings, name="dpcoord-client")
+        connection = nc or await connect_nats(settings, name="dpcoord-client", on_reconnect=exchanges.reconnected)
         subjects = Subjects(settings.subject_prefix)
         try:
             ack = await _call(connection, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout)
@@ -72,11 +103,11 @@ class DpcoordClient:
             raise
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns)
+        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges)
 
     async def close(self) -> None:
         if self._owns_connection:
-            await self.nc.drain()
+            await close_nats(self.nc)
 
     async def __aenter__(self) -> DpcoordClient:
         return self
@@ -84,45 +115,85 @@ class DpcoordClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submission(self, prompt: str | list[int], stream: bool, client_request_id: ClientRequestId | None, sampling: dict[str, Any]) -> bytes:
+    def _submission(
+        self, prompt: str | list[int], stream: bool, client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any]
+    ) -> bytes:
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
-        return encode_msgpack(SubmitRequest(prompt, params, stream, client_request_id, self.client_id))
+        if params.timeout_s is None:
+            params.timeout_s = timeout
+        request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
+        return encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id))
 
     async def submit(
         self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any
     ) -> Final:
-        """Run a request and return its final reply; sampling keywords are SamplingParams fields."""
-        body = self._submission(prompt, False, client_request_id, sampling)
-        reply = await _call_raw(self.nc, self.subjects.coordinator(Header.SUBMIT_REQUEST), body, timeout)
-        if not isinstance(reply, Final):
-            raise ClientError(ErrorCode.INTERNAL, f"unexpected reply {reply!r}")
-        return reply
+        """Run a request and return its final reply; sampling keywords are SamplingParams fields.
+
+        ``timeout`` bounds the wait and is also the request's deadline at the coordinator."""
+        body = self._submission(prompt, False, client_request_id, timeout, sampling)
+        async for reply in self._exchange(body, timeout):
+            if isinstance(reply, Final):
+                return reply
+        raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
 
     async def stream(
         self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any
     ) -> AsyncIterator[Partial | Final]:
         """Yield partials, then the final; ``timeout`` bounds the whole stream."""
-        deadline = time.monotonic() + timeout
+        body = self._submission(prompt, True, client_request_id, timeout, sampling)
+        async for reply in self._exchange(body, timeout):
+            yield reply
+            if isinstance(reply, Final):
+                return
+
+    async def _exchange(self, body: bytes, timeout: float) -> AsyncIterator[Partial | Final]:
+        """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
+        deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
+        subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
+        queue: asyncio.Queue[object] = asyncio.Queue()
+
+        async def on_reply(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
         inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        self._exchanges.queues.add(queue)
+        backoff = 0.02
         try:
-            body = self._submission(prompt, True, client_request_id, sampling)
-            await self.nc.publish(self.subjects.coordinator(Header.SUBMIT_REQUEST), body, reply=inbox)
+            await self._publish(subject, body, inbox)
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"stream not finished within {timeout} s")
                 try:
-                    msg = await sub.next_msg(timeout=remaining)
-                except NatsTimeoutError:
-                    raise TimeoutError(f"stream not finished within {timeout} s") from None
-                if not msg.data:
+                    async with asyncio.timeout(deadline - time.monotonic()):
+                        item = await queue.get()
+                except TimeoutError:
+                    raise TimeoutError(f"no reply within {timeout} s") from None
+                if item is _RECONNECTED:
+                    await self._publish(subject, body, inbox)
+                    continue
+                assert isinstance(item, Msg)  # only the callback and the reconnect marker fill the queue
+                if _is_no_responders(item):
+                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
+                    await self._publish(subject, body, inbox)
+                    continue
+                if not item.data:
                     return
-                reply = _check(_reply_decoder.decode(msg.data))
+                reply = _check(_reply_decoder.decode(item.data))
                 if isinstance(reply, (Partial, Final)):
                     yield reply
+                    if isinstance(reply, Final):
+                        return
         finally:
+            self._exchanges.queues.discard(queue)
             await sub.unsubscribe()
+
+    async def _publish(self, subject: str, body: bytes, inbox: str) -> None:
+        try:
+            await self.nc.publish(subject, body, reply=inbox)
+        except MaxPayloadError:
+            raise ClientError(
+                ErrorCode.TOO_LARGE, f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}"
+            ) from None
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0
@@ -166,6 +237,10 @@ class DpcoordClient:
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {header}: {reply!r}")
         return reply
+
+
+def _is_no_responders(msg: Msg) -> bool:
+    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
 
 
 async def _call(nc: NATS, subject: str, message: msgspec.Struct, timeout: float) -> Reply:

@@ -18,28 +18,36 @@ import uuid
 from collections import Counter, deque
 from dataclasses import dataclass
 
+import msgspec
 from msgspec import Struct
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 
 from handlers import HANDLERS
 from handlers.registry import HandlerRegistry, HandlerSpec
 from service.control import BroadcastResult, broadcast
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
-from service.nats_connection import connect_nats
-from service.request_table import InflightRequest, RequestTable
+from service.log_limit import RateLimitedLog
+from service.nats_connection import close_nats, connect_nats
+from service.peers import CoordinatorPeers
+from service.request_table import ClientKey, InflightRequest, RequestTable
+from service.result_cache import ResultCache
 from service.routing import make_policy
 from service.settings import Settings
 from service.state import CoordinatorState
-from service.subjects import FANOUT_HEADERS, Header, Subjects
+from service.subjects import FANOUT_HEADERS, RESEND_REPLIES, Header, Subjects
 from service.wire import (
     ControlSignal,
+    CoordinatorHeartbeat,
     Encoding,
     Final,
     ReturnPath,
     RoutedAbort,
+    ResendAnswer,
+    ResendReplies,
     RoutedReply,
     RoutedRequest,
     SubmitRequest,
@@ -47,10 +55,25 @@ from service.wire import (
     encode,
     encode_msgpack,
     error_reply,
+    msgpack_decoder,
     return_hints,
 )
 
 log = logging.getLogger(__name__)
+
+# How long a final that overtook one of its partials waits for it before going out anyway.
+PARKED_FINAL_WAIT_S = 1.0
+_resend_answer_decoder = msgpack_decoder(ResendAnswer)
+
+# Most orphan replies buffered while a new replica learns which peers are alive.
+MAX_BUFFERED_ORPHANS = 10_000
+
+
+@dataclass(slots=True)
+class HeldDelivery:
+    subject: str
+    body: bytes
+    client_key: ClientKey | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +93,10 @@ class Coordinator:
         self.subjects = Subjects(settings.subject_prefix)
         self.state = CoordinatorState.RUNNING
         self.epoch: int | None = None
-        self.engines = EnginePool(settings.max_inflight_per_engine)
+        self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
         self.requests = RequestTable()
+        self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
+        self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
         self.counters: Counter[str] = Counter()
         self.engines_changed = asyncio.Event()
         self._handlers = handlers
@@ -83,6 +108,14 @@ class Coordinator:
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._nc: NATS | None = None
+        self._max_body = settings.max_payload_bytes
+        self._refusal_log = RateLimitedLog(log)
+        # Client deliveries wait while NATS is down and for a grace period after it is back,
+        # so that clients have re-subscribed their inboxes before replies reach them.
+        self._deliveries_open = True
+        self._held_deliveries: deque[HeldDelivery] = deque()
+        self._held_by_client: dict[ClientKey, list[HeldDelivery]] = {}
+        self._orphans: list[tuple[RoutedReply, bool]] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -93,7 +126,12 @@ class Coordinator:
         return self._nc
 
     async def start(self) -> None:
-        self._nc = await connect_nats(self.settings, name=f"dpcoord-coordinator-{self.id}")
+        self._nc = await connect_nats(
+            self.settings, name=f"dpcoord-coordinator-{self.id}",
+            on_disconnect=self._on_bus_down, on_reconnect=self._on_bus_back,
+        )
+        if self.nc.max_payload < self._max_body:
+            self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
             queue = "" if header in FANOUT_HEADERS else self.settings.queue_group
             self._subscriptions.append(
@@ -101,6 +139,8 @@ class Coordinator:
             )
         await self.nc.flush()
         self.spawn(self._watch_heartbeats())
+        self.spawn(self._heartbeat())
+        asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -123,7 +163,7 @@ class Coordinator:
         for task in list(self._tasks):
             task.cancel()
         if self._nc is not None:
-            await self._nc.drain()
+            await close_nats(self._nc)
         log.info("coordinator %s stopped", self.id)
 
     async def __aenter__(self) -> Coordinator:
@@ -151,11 +191,8 @@ class Coordinator:
         encoding = detect_encoding(body)
         sender = Sender(spec.header, msg.reply or None, encoding, body)
         try:
-            if len(body) > self.settings.max_payload_bytes:
-                raise WireError(
-                    ErrorCode.TOO_LARGE,
-                    f"{len(body)} bytes exceeds max_payload_bytes={self.settings.max_payload_bytes}",
-                )
+            if len(body) > self._max_body:
+                raise WireError(ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit")
             payload = spec.decoder.decode(body, encoding)
             if await spec.fn(self, sender, payload):
                 self.request_stop()
@@ -170,7 +207,7 @@ class Coordinator:
         hints = return_hints(sender.body, sender.encoding)
         reply_to = hints.reply_to if isinstance(hints.reply_to, str) and hints.reply_to else sender.reply
         client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
-        log.warning(
+        self._refusal_log.warning(
             "refused %s (%d bytes, client_request_id=%s): %s %s",
             sender.header, len(sender.body), client_request_id, err.code, err.message,
         )
@@ -195,17 +232,20 @@ class Coordinator:
         client_key = None
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
-            if self.requests.find_client(client_key) is not None:
-                raise WireError(ErrorCode.CONFLICT, f"client_request_id {submit.client_request_id!r} is already in flight")
+            if await self._resubmitted(client_key, reply_to, submit.stream):
+                return
         running = self.state is CoordinatorState.RUNNING
-        if running and len(self.engines) == 0:
+        if running and len(self.engines) == 0 and self.peers.warmed_up:
+            # A replica just started holds instead: heartbeats are about to introduce the fleet.
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
         engine = self._policy.choose(self.engines.ordered) if running else None
         if engine is None and len(self._held) >= self.settings.max_queued_requests:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self.settings.max_queued_requests} held)")
 
         request_id = f"{self.id}-{next(self._sequence)}"
-        route = ReturnPath(request_id, self.id, reply_to, sender.encoding.value, submit.stream, submit.client_request_id)
+        route = ReturnPath(
+            request_id, self.id, reply_to, sender.encoding.value, submit.stream, submit.client_request_id, submit.client_id
+        )
         entry = InflightRequest(route, sender.encoding, sender.body, client_key)
         timeout_s = submit.sampling_params.timeout_s or self.settings.request_timeout_s
         entry.deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire, request_id)
@@ -216,9 +256,38 @@ class Coordinator:
         else:
             await self._send(entry, engine)
 
+    async def _resubmitted(self, client_key: tuple, reply_to: str, stream: bool) -> bool:
+        """A named client's repeated (client_id, client_request_id) is answered, never run twice:
+        a cached result is sent again, a request in flight now answers the new reply subject.
+        Anonymous clients share one namespace, so for them a repeat in flight is refused."""
+        existing = self.requests.find_client(client_key)
+        if client_key[0] is None:
+            if existing is not None:
+                raise WireError(ErrorCode.CONFLICT, f"client_request_id {client_key[1]!r} is already in flight")
+            return False
+        if existing is not None:
+            existing.route = msgspec.structs.replace(existing.route, reply_to=reply_to, stream=stream)
+            self.counters["resubmitted"] += 1
+            return True
+        held = self._held_by_client.get(client_key)
+        if held is not None:
+            for delivery in held:
+                delivery.subject = reply_to
+            self.counters["resubmitted"] += 1
+            return True
+        cached = self.results.get(client_key)
+        if cached is None:
+            return False
+        self.counters["replayed"] += 1
+        await self._publish_to_client(reply_to, cached.body, client_key)
+        if stream:
+            await self._publish_to_client(reply_to, b"", client_key)
+        return True
+
     async def _send(self, entry: InflightRequest, engine: EngineRecord) -> None:
         entry.engine_id = engine.engine_id
         entry.attempts += 1
+        entry.routed_at = time.monotonic()
         engine.requests.add(entry.route.request_id)
         subject = self.subjects.engine(engine.engine_id, Header.SUBMIT_REQUEST)
         await self.nc.publish(subject, encode_msgpack(RoutedRequest(entry.route, entry.body)))
@@ -249,37 +318,95 @@ class Coordinator:
                 engine.requests.discard(request_id)
         return entry
 
+    async def _publish_to_client(self, subject: str, body: bytes, client_key: ClientKey | None) -> None:
+        """Publish now, or hold while NATS is down; a held delivery of a named client follows
+        that client's resubmission to its new reply subject instead of being sent twice."""
+        if self._deliveries_open:
+            await self.nc.publish(subject, body)
+            return
+        delivery = HeldDelivery(subject, body, client_key)
+        self._held_deliveries.append(delivery)
+        if client_key is not None:
+            self._held_by_client.setdefault(client_key, []).append(delivery)
+
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
-        await self.nc.publish(route.reply_to, body)
+        client_key = None
+        if route.client_id is not None and route.client_request_id is not None:
+            client_key = (route.client_id, route.client_request_id)
+        await self._publish_to_client(route.reply_to, body, client_key)
         if terminal:
             self.counters["completed"] += 1
+            if client_key is not None:
+                self.results.put(client_key, body)
             if route.stream:
-                await self.nc.publish(route.reply_to, b"")
+                await self._publish_to_client(route.reply_to, b"", client_key)
 
-    async def on_final(self, reply: RoutedReply) -> None:
-        entry = self.requests.get(reply.route.request_id)
+    async def on_final(self, engine_id: str, reply: RoutedReply) -> None:
+        request_id = reply.route.request_id
+        entry = self.requests.get(request_id)
         if entry is None:
-            if reply.route.coordinator_id == self.id:
-                self.counters["late_replies"] += 1
-                log.info("request_id=%s: engine reply after the request ended", reply.route.request_id)
+            await self._on_orphan(reply, terminal=True)
+            return
+        if entry.engine_id != engine_id:
+            self.counters["stale_engine_replies"] += 1
             return
         if reply.seq > entry.partials_delivered:
             entry.parked_final = reply
+            asyncio.get_running_loop().call_later(PARKED_FINAL_WAIT_S, self._release_parked, request_id)
             return
-        self.take(reply.route.request_id)
-        await self.deliver(reply.route, reply.body, terminal=True)
+        self.take(request_id)
+        await self.deliver(entry.route, reply.body, terminal=True)
 
-    async def on_partial(self, reply: RoutedReply) -> None:
+    async def on_partial(self, engine_id: str, reply: RoutedReply) -> None:
         entry = self.requests.get(reply.route.request_id)
         if entry is None:
+            await self._on_orphan(reply, terminal=False)
+            return
+        if entry.engine_id != engine_id:
+            self.counters["stale_engine_replies"] += 1
             return
         entry.streamed = True
-        await self.deliver(reply.route, reply.body, terminal=False)
+        await self.deliver(entry.route, reply.body, terminal=False)
         entry.partials_delivered += 1
         parked = entry.parked_final
         if parked is not None and parked.seq <= entry.partials_delivered:
             self.take(reply.route.request_id)
-            await self.deliver(parked.route, parked.body, terminal=True)
+            await self.deliver(entry.route, parked.body, terminal=True)
+
+    def _release_parked(self, request_id: str) -> None:
+        entry = self.requests.get(request_id)
+        if entry is not None and entry.parked_final is not None:
+            self.counters["partials_lost"] += 1
+            self.take(request_id)
+            self.spawn(self.deliver(entry.route, entry.parked_final.body, terminal=True))
+
+    async def _on_orphan(self, reply: RoutedReply, terminal: bool) -> None:
+        """A reply for a request this replica does not hold: its own late reply, another live
+        replica's (ignored), or one whose coordinator is gone (delivered by one survivor)."""
+        route = reply.route
+        if route.coordinator_id == self.id:
+            if terminal:
+                self.counters["late_replies"] += 1
+                log.info("request_id=%s: engine reply after the request ended", route.request_id)
+            return
+        if not self.peers.warmed_up:
+            if len(self._orphans) < MAX_BUFFERED_ORPHANS:
+                self._orphans.append((reply, terminal))
+            return
+        if self.peers.should_adopt(route.coordinator_id):
+            self.counters["orphans_delivered"] += 1
+            await self.deliver(route, reply.body, terminal)
+
+    def _warmed_up(self) -> None:
+        """Every live engine and peer has been heard by now: settle what waited for that."""
+        orphans, self._orphans = self._orphans, []
+
+        async def settle() -> None:
+            for reply, terminal in orphans:
+                await self._on_orphan(reply, terminal)
+            await self.dispatch_held()
+
+        self.spawn(settle())
 
     async def fail(self, request_id: str, err: WireError) -> bool:
         """Answer an open request with ``err``; False when it was already answered.
@@ -329,9 +456,9 @@ class Coordinator:
         log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, record.capacity, len(self.engines))
         return record
 
-    async def remove_engine(self, engine_id: str, reason: str) -> None:
+    async def remove_engine(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are routed again, the rest fail."""
-        record = self.engines.remove(engine_id)
+        record = self.engines.remove(engine_id, departed)
         if record is None:
             return
         self.engines_changed.set()
@@ -349,11 +476,82 @@ class Coordinator:
         await self.dispatch_held()
 
     async def _watch_heartbeats(self) -> None:
+        """Engines silent past the timeout are removed, except while this coordinator's own
+        connection is down: then their silence is ours."""
         timeout = self.settings.heartbeat_timeout_s
         while True:
             await asyncio.sleep(timeout / 4)
+            if not self.nc.is_connected:
+                continue
             for record in self.engines.silent_since(time.monotonic() - timeout):
-                await self.remove_engine(record.engine_id, f"no heartbeat for {timeout:g} s")
+                await self.remove_engine(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False)
+
+    async def _heartbeat(self) -> None:
+        subject = self.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
+        beat = encode_msgpack(CoordinatorHeartbeat(self.id))
+        while True:
+            if self.nc.is_connected:
+                await self.nc.publish(subject, beat)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def _on_bus_down(self) -> None:
+        self._deliveries_open = False
+
+    def _on_bus_back(self) -> None:
+        now = time.monotonic()
+        for record in self.engines:
+            record.last_seen = now
+        asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)
+
+    def _open_deliveries(self) -> None:
+        if not self.nc.is_connected:
+            return
+        log.info("delivering %d replies held across the NATS reconnect", len(self._held_deliveries))
+
+        async def flush_in_order() -> None:
+            while self._held_deliveries:
+                delivery = self._held_deliveries.popleft()
+                await self.nc.publish(delivery.subject, delivery.body)
+            self._held_by_client.clear()
+            self._deliveries_open = True
+
+        self.spawn(flush_in_order())
+
+    async def reconcile(self, record: EngineRecord, active: set[str]) -> None:
+        """Requests routed to an engine a while ago that it no longer holds: their submission or
+        their reply was lost (a NATS restart, say). Ask the engine to send its replies again;
+        what it never received is routed again (or fails, if part of it was streamed)."""
+        settled_before = time.monotonic() - 2 * self.settings.heartbeat_interval_s
+        missing = [
+            request_id for request_id in record.requests
+            if request_id not in active and (entry := self.requests.get(request_id)) is not None
+            and entry.routed_at < settled_before
+        ]
+        if not missing:
+            return
+        subject = self.subjects.engine(record.engine_id, RESEND_REPLIES)
+        record.reconciling = True
+        try:
+            msg = await self.nc.request(subject, encode_msgpack(ResendReplies(missing)), timeout=self.settings.control_timeout_s)
+            unknown = _resend_answer_decoder.decode(msg.data).unknown
+        except (NatsError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("engine_id=%s: resend of %d replies not answered: %s", record.engine_id, len(missing), exc)
+            return
+        finally:
+            record.reconciling = False
+        self.counters["replies_resent"] += len(missing) - len(unknown)
+        for request_id in unknown:
+            entry = self.requests.get(request_id)
+            if entry is None or entry.engine_id != record.engine_id:
+                continue
+            record.requests.discard(request_id)
+            if entry.streamed:
+                await self.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
+                continue
+            self.counters["redispatched"] += 1
+            entry.engine_id = None
+            self._held.appendleft(entry)
+        await self.dispatch_held()
 
     async def wait_for_engines(self, count: int, timeout_s: float = 10.0) -> None:
         async def reached() -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.errors import Error as NatsError
 
 from service.settings import Settings
 
@@ -22,7 +24,12 @@ def _tls_context(settings: Settings) -> ssl.SSLContext | None:
     return context
 
 
-def connect_options(settings: Settings, name: str, nc: NATS) -> dict[str, Any]:
+ConnectionEvent = Callable[[], None]
+
+
+def connect_options(
+    settings: Settings, name: str, nc: NATS, on_disconnect: ConnectionEvent | None, on_reconnect: ConnectionEvent | None
+) -> dict[str, Any]:
     async def on_error(exc: Exception) -> None:
         if not (nc.is_closed or nc.is_draining):
             log.warning("nats error (%s): %s", name, exc)
@@ -30,9 +37,13 @@ def connect_options(settings: Settings, name: str, nc: NATS) -> dict[str, Any]:
     async def on_disconnected() -> None:
         if not (nc.is_closed or nc.is_draining):
             log.warning("nats disconnected (%s); reconnecting", name)
+            if on_disconnect is not None:
+                on_disconnect()
 
     async def on_reconnected() -> None:
-        log.info("nats reconnected (%s)", name)
+        log.info("nats reconnected (%s) to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+        if on_reconnect is not None:
+            on_reconnect()
 
     options: dict[str, Any] = {
         "servers": [url.strip() for url in settings.nats_url.split(",") if url.strip()],
@@ -60,7 +71,25 @@ def connect_options(settings: Settings, name: str, nc: NATS) -> dict[str, Any]:
     return options
 
 
-async def connect_nats(settings: Settings, name: str) -> NATS:
+async def connect_nats(
+    settings: Settings,
+    name: str,
+    on_disconnect: ConnectionEvent | None = None,
+    on_reconnect: ConnectionEvent | None = None,
+) -> NATS:
+    """Connect with unbounded reconnects; the optional callbacks run on each disconnect/reconnect."""
     nc = NATS()
-    await nc.connect(**connect_options(settings, name, nc))
+    await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect))
     return nc
+
+
+async def close_nats(nc: NATS) -> None:
+    """Drain when connected (flushes what is pending); a connection that is reconnecting or
+    breaks while draining can only be closed."""
+    if nc.is_closed:
+        return
+    try:
+        await nc.drain()
+    except (NatsError, OSError) as exc:
+        log.info("nats connection closed without draining: %s", exc)
+        await nc.close()

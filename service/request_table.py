@@ -24,6 +24,7 @@ class InflightRequest:
     streamed: bool = False
     attempts: int = 0
     deadline: asyncio.TimerHandle | None = None
+    routed_at: float = 0.0
     partials_delivered: int = 0
     parked_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
 

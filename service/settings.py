@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     control_timeout_s: float = Field(5.0, gt=0, description="How long engines have to confirm a control signal")
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="Engines silent this long are removed")
     max_retries: int = Field(2, ge=0, description="Re-dispatches of a request whose engine died before streaming")
+    result_ttl_s: float = Field(60.0, ge=0, description="How long named clients' results are kept for resubmissions")
+    result_cache_size: int = Field(100_000, ge=0, description="Most results kept for resubmissions")
+    reconnect_grace_s: float = Field(1.5, ge=0, description="After a NATS reconnect, hold replies this long so clients resubscribe first")
 
     # Engine
     engine_id: str | None = Field(None, description="Engine id; random when unset")

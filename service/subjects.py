@@ -31,7 +31,13 @@ class Header(enum.StrEnum):
     ENGINE_REPLY = "engine_reply"
     ENGINE_REPLY_PARTIAL = "engine_reply_partial"
     DISCONNECT = "disconnect"
+    # Between coordinator replicas.
+    COORDINATOR_HEARTBEAT = "coordinator_heartbeat"
 
+
+# Routed to one engine only (``<prefix>.engine.<id>.resend_replies``): the coordinator asks for
+# replies it missed; there is no coordinator subject of that name.
+RESEND_REPLIES = "resend_replies"
 
 CONTROL_HEADERS: frozenset[Header] = frozenset(
     {Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH}
@@ -41,7 +47,14 @@ PROFILER_HEADERS: frozenset[Header] = frozenset({Header.START_CUDA_PROFILER, Hea
 # Every coordinator replica must see these: each keeps its own view of the engine pool and
 # of the requests it routed. All other subjects are shared by the replicas in a queue group.
 FANOUT_HEADERS: frozenset[Header] = frozenset(
-    {Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL}
+    {
+        Header.REGISTER,
+        Header.HEARTBEAT,
+        Header.DISCONNECT,
+        Header.ENGINE_REPLY,
+        Header.ENGINE_REPLY_PARTIAL,
+        Header.COORDINATOR_HEARTBEAT,
+    }
 )
 
 

@@ -61,7 +61,7 @@ class SubmitRequest(Struct):
     stream: bool = False
     client_request_id: ClientRequestId | None = None
     client_id: str | None = None
-    reply_to: Annotated[str, Meta(min_length=1)] | None = None
+    reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # a subject one can publish to
 
 
 class ConnectRequest(Struct):
@@ -169,9 +169,27 @@ class RegisterAck(Struct):
 
 
 class Heartbeat(Struct):
+    """``active`` lists the requests the engine holds, so the coordinator can notice one that
+    a lost message left unanswered."""
+
     engine_id: str
     load: Annotated[int, Meta(ge=0)] = 0
     capacity: Annotated[int, Meta(ge=1)] = 256
+    active: list[str] = msgspec.field(default_factory=list)
+
+
+class ResendReplies(Struct):
+    request_ids: list[str]
+
+
+class ResendAnswer(Struct):
+    """Ids the engine neither holds nor recently answered: it never received them."""
+
+    unknown: list[str]
+
+
+class CoordinatorHeartbeat(Struct):
+    coordinator_id: str
 
 
 class EngineDisconnect(Struct):
@@ -188,6 +206,7 @@ class ReturnPath(Struct, array_like=True):
     encoding: str
     stream: bool
     client_request_id: ClientRequestId | None
+    client_id: str | None = None
 
 
 class RoutedRequest(Struct, array_like=True):

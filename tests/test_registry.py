@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from handlers import HANDLERS
+from handlers.registry import HandlerRegistry
+from service.coordinator import Coordinator, Sender
+from service.settings import Settings
+from service.subjects import Header
+from service.wire import Ack, ControlSignal
+from tests.helpers import request_json
+
+
+def test_every_header_has_exactly_one_handler() -> None:
+    assert set(HANDLERS) == {str(header) for header in Header}
+
+
+def test_duplicate_header_is_rejected_at_registration() -> None:
+    registry = HANDLERS.copy()
+
+    with pytest.raises(ValueError, match="duplicate handler for header 'pause'"):
+
+        @registry.message_handler(Header.PAUSE)
+        async def another_pause(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
+            return None
+
+
+def test_handler_without_payload_type_is_rejected() -> None:
+    registry = HandlerRegistry()
+    with pytest.raises(TypeError, match="annotate its payload"):
+
+        @registry.message_handler("untyped")
+        async def untyped(coordinator, sender, payload):  # type: ignore[no-untyped-def]
+            return None
+
+
+async def test_new_header_and_handler_add_a_subject_without_loop_changes(settings: Settings, nc: NATS) -> None:
+    registry = HANDLERS.copy()
+
+    @registry.message_handler("echo_state")
+    async def handle_echo_state(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
+        await coordinator.reply(sender, Ack("echo_state", state=coordinator.state, epoch=payload.epoch))
+
+    async with Coordinator(settings, handlers=registry) as coordinator:
+        reply = await request_json(nc, f"{settings.subject_prefix}.echo_state", {"epoch": 5})
+        assert reply == {"type": "ack", "signal": "echo_state", "state": "running", "epoch": 5}
+        bad = await request_json(nc, f"{settings.subject_prefix}.echo_state", {"epoch": "five"})
+        assert bad["type"] == "error" and bad["error"]["code"] == 400
+        assert coordinator.counters["error_400"] == 1
