@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV cache dtype; auto: the checkpoint's dtype, else bfloat16 on CUDA, float32 on CPU"
     )
+    cpu_threads: int | None = Field(
+        None, ge=1, description="Torch intra-op threads on CPU; unset: torch's default (all cores). Engines sharing a host: cores / engines"
+    )
     model_seed: int = Field(0, description="Seed of the random default model (torch backend without --model)")
     max_batch: int = Field(128, ge=1, description="Requests decoded together in one step; more wait in the engine's queue")
     max_context: int | None = Field(None, ge=2, description="Tokens per request, prompt plus generated; unset: the model's max_position_embeddings")

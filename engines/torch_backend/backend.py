@@ -72,6 +72,8 @@ class TorchBackend(Backend):
 
     def __init__(self, settings: Settings, model_path: str | None = None) -> None:
         self.device = resolve_device(settings.device)
+        if self.device.type == "cpu" and settings.cpu_threads is not None:
+            torch.set_num_threads(settings.cpu_threads)
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
         self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
@@ -104,9 +106,9 @@ class TorchBackend(Backend):
         self._profiler: torch.profiler.profile | None = None
         self._profile_dir = Path(settings.profile_dir or tempfile.gettempdir())
         log.info(
-            "torch backend: %s, %.1f M parameters, %s on %s, context %d, KV cache %s",
+            "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s",
             self.model_name, sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device,
-            self.max_context, plan.describe(self._page_bytes),
+            torch.get_num_threads(), self.max_context, plan.describe(self._page_bytes),
         )
 
     # ------------------------------------------------------------ requests
