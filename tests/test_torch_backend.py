@@ -55,9 +55,11 @@ def test_defaults_without_sampling_params_give_sixteen_tokens(backend: TorchBack
 
 def test_same_seed_and_prompt_same_tokens_whatever_the_neighbours(backend: TorchBackend) -> None:
     alone = tokens(run(backend, sampled("alone"))["alone"])
+    greedy_alone = tokens(run(backend, sampled("greedy", temperature=0.0))["greedy"])
     neighbours = [sampled(f"n{i}", prompt="x" * (i + 1), seed=i, top_k=5 * i, top_p=0.5 + i / 20) for i in range(7)]
-    crowded = run(backend, *neighbours[:3], sampled("crowded"), *neighbours[3:])
+    crowded = run(backend, *neighbours[:3], sampled("crowded"), sampled("greedy", temperature=0.0), *neighbours[3:])
     assert tokens(crowded["crowded"]) == alone
+    assert tokens(crowded["greedy"]) == greedy_alone
     other_seed = tokens(run(backend, sampled("other", seed=43))["other"])
     assert other_seed != alone
 
@@ -81,7 +83,7 @@ def test_sampler_respects_top_k_and_top_p() -> None:
     def draw(top_k: int, top_p: float) -> torch.Tensor:
         params = SamplingParams.build([1.0] * rows, [top_k] * rows, [top_p] * rows, [request_key(9)] * rows,
                                       list(range(rows)), torch.device("cpu"))
-        return sample(logits, params, all_greedy=False)
+        return sample(logits, params)
 
     full = torch.bincount(draw(0, 1.0), minlength=4) / rows
     torch.testing.assert_close(full, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
@@ -177,6 +179,7 @@ async def test_suspend_releases_the_cache_and_requests_survive(backend: TorchBac
             got[output.request_id] += output.new_tokens
     await backend.suspend()
     assert backend._kv_cache is None and not backend.has_work()
+    assert await backend.step() == []  # a step that slips in while suspended does nothing
     await backend.suspend()  # twice is harmless
     await backend.resume()
     while backend.has_work():

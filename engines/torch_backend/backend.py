@@ -152,8 +152,8 @@ class TorchBackend(Backend):
 
     def _step(self) -> list[TokenOutput]:
         cache = self._kv_cache
-        if cache is None:
-            raise RuntimeError("the torch backend is suspended: resume before stepping")
+        if cache is None:  # suspended: has_work() says so; a step that slips in does nothing
+            return []
         with torch.inference_mode():
             with self._lock:
                 scheduled = self.scheduler.schedule()
@@ -161,22 +161,24 @@ class TorchBackend(Backend):
                     return []
                 states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
                 batch = build_batch(scheduled, self.scheduler.allocator.block_size, self.config.group_size, self.device)
-                params, all_greedy = self._sampling_params(states)
+                params = self._sampling_params(states)
             logits = self.model(batch, self._rotary, cache)
-            tokens = sample(logits, params, all_greedy).tolist()  # the step's one host sync
+            tokens = sample(logits, params).tolist()  # the step's one host sync
         with self._lock:
             # A request aborted while the model ran is gone: its token is dropped.
             return [self._record(state, token) for state, token in zip(states, tokens, strict=True)
                     if state.sequence.status is SequenceStatus.RUNNING]
 
-    def _sampling_params(self, states: list[_Request]) -> tuple[SamplingParams, bool]:
+    def _sampling_params(self, states: list[_Request]) -> SamplingParams | None:
+        """None when every row is greedy: argmax needs no parameters."""
         requests = [state.request for state in states]
-        params = SamplingParams.build(
+        if all(request.temperature == 0 for request in requests):
+            return None
+        return SamplingParams.build(
             [request.temperature for request in requests], [request.top_k for request in requests],
             [request.top_p for request in requests], [state.key for state in states],
             [state.sequence.num_generated for state in states], self.device,
         )
-        return params, all(request.temperature == 0 for request in requests)
 
     def _record(self, state: _Request, token: int) -> TokenOutput:
         sequence, request = state.sequence, state.request

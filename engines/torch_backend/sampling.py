@@ -60,10 +60,10 @@ class SamplingParams:
                    put(keys, torch.int64), put(counters, torch.int64))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, all_greedy: bool) -> torch.Tensor:
-    """Next token ids ``[B]`` from float32 logits ``[B, vocab]``."""
+def sample(logits: torch.Tensor, params: SamplingParams | None) -> torch.Tensor:
+    """Next token ids ``[B]`` from float32 logits ``[B, vocab]``; ``params`` None: all greedy."""
     greedy_tokens = logits.argmax(dim=-1)
-    if all_greedy:
+    if params is None:
         return greedy_tokens
     vocab = logits.shape[-1]
     greedy = params.temperature == 0
