@@ -7,9 +7,13 @@ same run.
 The engine is the torch backend itself (add, then step until every request finished), with
 its default settings and the default random model; the time includes prefill. Both sides
 decode greedily and always produce ``--max-tokens`` tokens (the default model has no EOS).
+
 Ratios are what to compare: absolute figures move with the machine and its load. Each
 figure is the best of ``--repeats`` rounds, and the rounds interleave baseline and engine, so
-a burst of load from elsewhere on the machine hits both sides alike.
+a burst of load from elsewhere on the machine hits both sides alike. Besides wall-clock
+tokens/s it prints tokens per CPU-second of this process: on a shared machine that figure
+does not count time spent waiting for a core (with one thread it is the steadier one; with
+more, idle threads spinning in OpenMP count too).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,21 +33,37 @@ from engines.torch_backend.weights import random_weights
 from service.settings import Settings
 
 
+@dataclass
+class Rate:
+    """Best tokens per wall-clock second and per CPU-second seen so far."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def keep_best(self, tokens: int, started: tuple[float, float]) -> None:
+        wall, cpu = started
+        self.wall = max(self.wall, tokens / (time.perf_counter() - wall))
+        self.cpu = max(self.cpu, tokens / (time.process_time() - cpu))
+
+
+def clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
 def prompts(count: int, length: int) -> list[str]:
     base = "the engine batches requests, the baseline runs them one by one "
     return [(f"request {i}: " + base * 4)[:length] for i in range(count)]
 
 
-async def engine_tokens_per_s(backend: TorchBackend, concurrency: int, prompt_len: int, max_tokens: int) -> float:
+async def run_engine(backend: TorchBackend, concurrency: int, prompt_len: int, max_tokens: int) -> int:
     for i, prompt in enumerate(prompts(concurrency, prompt_len)):
         backend.add(GenerationRequest(f"c{concurrency}-{i}", prompt, max_tokens=max_tokens, temperature=0.0))
     generated = 0
-    start = time.perf_counter()
     while backend.has_work():
         generated += sum(len(output.new_tokens) for output in await backend.step())
-    elapsed = time.perf_counter() - start
-    assert generated == concurrency * max_tokens, (generated, concurrency * max_tokens)
-    return generated / elapsed
+    if generated != concurrency * max_tokens:
+        raise RuntimeError(f"the engine generated {generated} tokens, expected {concurrency * max_tokens}")
+    return generated
 
 
 def reference_model(backend: TorchBackend, seed: int) -> Any:
@@ -54,20 +75,18 @@ def reference_model(backend: TorchBackend, seed: int) -> Any:
     return model.to(device=backend.device, dtype=backend.dtype).eval()
 
 
-def baseline_tokens_per_s(backend: TorchBackend, model: Any, requests: int, prompt_len: int, max_tokens: int) -> float:
-    def generate(prompt: str) -> int:
-        ids = torch.tensor([backend.tokenizer.encode(prompt)], device=backend.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out.shape[1] - ids.shape[1]
-
+def run_baseline(backend: TorchBackend, model: Any, requests: int, prompt_len: int, max_tokens: int) -> int:
+    """The same prompts through ``generate``, one request at a time."""
+    generated = 0
     with torch.inference_mode():
-        start = time.perf_counter()
-        generated = sum(generate(prompt) for prompt in prompts(requests, prompt_len))
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-    return generated / elapsed
+        for prompt in prompts(requests, prompt_len):
+            ids = torch.tensor([backend.tokenizer.encode(prompt)], device=backend.device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            generated += out.shape[1] - ids.shape[1]
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize()
+    return generated
 
 
 async def main() -> None:
@@ -83,22 +102,28 @@ async def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     settings = Settings(device=args.device, max_batch=max(args.concurrency), cpu_threads=args.threads)
     backend = TorchBackend(settings)
+    reference = reference_model(backend, settings.model_seed)
+
     params = sum(p.numel() for p in backend.model.parameters()) / 1e6
     print(f"default model: {params:.1f} M parameters, {backend.dtype} on {backend.device}, {torch.get_num_threads()} threads; "
-          f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy")
-    reference = reference_model(backend, settings.model_seed)
-    baseline_best = 0.0
-    engine_best = dict.fromkeys(args.concurrency, 0.0)
-    await engine_tokens_per_s(backend, 4, args.prompt_len, 8)  # warm-up
-    baseline_tokens_per_s(backend, reference, 1, args.prompt_len, 8)
+          f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy; "
+          f"best of {args.repeats} rounds")
+    await run_engine(backend, 4, args.prompt_len, 8)  # warm-up
+    run_baseline(backend, reference, 1, args.prompt_len, 8)
+    baseline = Rate()
+    engine = {concurrency: Rate() for concurrency in args.concurrency}
     for _ in range(args.repeats):
-        baseline_best = max(baseline_best, baseline_tokens_per_s(backend, reference, args.baseline_requests, args.prompt_len, args.max_tokens))
-        for concurrency in args.concurrency:
-            rate = await engine_tokens_per_s(backend, concurrency, args.prompt_len, args.max_tokens)
-            engine_best[concurrency] = max(engine_best[concurrency], rate)
-    print(f"{'baseline: transformers generate, one at a time':<48} {baseline_best:10.0f} tokens/s")
-    for concurrency, rate in engine_best.items():
-        print(f"{f'engine, {concurrency} concurrent requests':<48} {rate:10.0f} tokens/s   {rate / baseline_best:6.1f}x baseline")
+        started = clocks()
+        baseline.keep_best(run_baseline(backend, reference, args.baseline_requests, args.prompt_len, args.max_tokens), started)
+        for concurrency, rate in engine.items():
+            started = clocks()
+            rate.keep_best(await run_engine(backend, concurrency, args.prompt_len, args.max_tokens), started)
+
+    print(f"{'':44} {'tokens/s':>10} {'ratio':>7}   {'tokens/CPU-s':>12} {'ratio':>7}")
+    print(f"{'baseline: transformers generate, one at a time':44} {baseline.wall:10.0f} {'':>7}   {baseline.cpu:12.0f}")
+    for concurrency, rate in engine.items():
+        print(f"{f'engine, {concurrency} concurrent requests':44} {rate.wall:10.0f} {rate.wall / baseline.wall:6.1f}x"
+              f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x")
 
 
 if __name__ == "__main__":

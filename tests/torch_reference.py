@@ -70,7 +70,7 @@ class Harness:
     @torch.inference_mode()
     def step(self) -> dict[str, torch.Tensor]:
         scheduled = self.scheduler.schedule()
-        batch = build_batch(scheduled, self.block_size, self.model.config.group_size, torch.device("cpu"))
+        batch = build_batch(scheduled, self.block_size, self.model.config.group_size, torch.float32, torch.device("cpu"))
         logits = self.model(batch, self.rotary, self.cache)
         return {sequence.request_id: row for sequence, row in zip(scheduled.sequences, logits, strict=True)}
 

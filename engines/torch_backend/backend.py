@@ -160,7 +160,7 @@ class TorchBackend(Backend):
                 if not scheduled:
                     return []
                 states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
-                batch = build_batch(scheduled, self.scheduler.allocator.block_size, self.config.group_size, self.device)
+                batch = build_batch(scheduled, self.scheduler.allocator.block_size, self.config.group_size, self.dtype, self.device)
                 params = self._sampling_params(states)
             logits = self.model(batch, self._rotary, cache)
             tokens = sample(logits, params).tolist()  # the step's one host sync
@@ -219,7 +219,8 @@ class TorchBackend(Backend):
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
-            self.model(build_batch(ScheduledBatch([], [sequence]), block_size, self.config.group_size, self.device), self._rotary, scratch)
+            batch = build_batch(ScheduledBatch([], [sequence]), block_size, self.config.group_size, self.dtype, self.device)
+            self.model(batch, self._rotary, scratch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del scratch

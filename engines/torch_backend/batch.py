@@ -23,7 +23,12 @@ def _block_tables(sequences: list[Sequence]) -> tuple[list[list[int]], int]:
     return [sequence.block_table + [0] * (width - len(sequence.block_table)) for sequence in sequences], width
 
 
-def build_batch(scheduled: ScheduledBatch, block_size: int, group_size: int, device: torch.device) -> ForwardBatch:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, -inf elsewhere: built once per step, not once per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def build_batch(scheduled: ScheduledBatch, block_size: int, group_size: int, dtype: torch.dtype, device: torch.device) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -39,20 +44,22 @@ def build_batch(scheduled: ScheduledBatch, block_size: int, group_size: int, dev
         positions=_long(positions, device),
         slot_mapping=_long(slots, device),
         last_token_index=_long(last, device),
-        decode=_decode_group(scheduled.decode, block_size, device) if scheduled.decode else None,
-        prefill=_prefill_group(scheduled.prefill, block_size, group_size, device) if scheduled.prefill else None,
+        decode=_decode_group(scheduled.decode, block_size, dtype, device) if scheduled.decode else None,
+        prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device) if scheduled.prefill else None,
     )
 
 
-def _decode_group(sequences: list[Sequence], block_size: int, device: torch.device) -> AttentionGroup:
+def _decode_group(sequences: list[Sequence], block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionGroup:
     tables, width = _block_tables(sequences)
     context = _long([len(sequence.token_ids) for sequence in sequences], device)
     keys = torch.arange(width * block_size, device=device)
-    mask = (keys[None, :] < context[:, None]).view(len(sequences), 1, 1, -1)
+    mask = _additive((keys[None, :] < context[:, None]).view(len(sequences), 1, 1, -1), dtype)
     return AttentionGroup(_long(tables, device), mask, query_len=1)
 
 
-def _prefill_group(sequences: list[Sequence], block_size: int, group_size: int, device: torch.device) -> AttentionGroup:
+def _prefill_group(
+    sequences: list[Sequence], block_size: int, group_size: int, dtype: torch.dtype, device: torch.device
+) -> AttentionGroup:
     """Queries padded to the longest prefill; a padded query sits at position 0 so that its
     (discarded) softmax row is never empty. A query sees the cached slots at or before it."""
     tables, width = _block_tables(sequences)
@@ -66,5 +73,5 @@ def _prefill_group(sequences: list[Sequence], block_size: int, group_size: int, 
     # Folded rows are (head in group, query): repeat positions once per head of the group.
     folded = _long(query_positions, device).repeat(1, group_size)
     keys = torch.arange(width * block_size, device=device)
-    mask = (keys[None, None, :] <= folded[:, :, None]).unsqueeze(1)
+    mask = _additive((keys[None, None, :] <= folded[:, :, None]).unsqueeze(1), dtype)
     return AttentionGroup(_long(tables, device), mask, query_len, _long(pad_index, device))

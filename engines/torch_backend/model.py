@@ -25,7 +25,8 @@ from engines.torch_backend.config import ModelConfig
 @dataclass(slots=True)
 class AttentionGroup:
     """Sequences attended together. ``block_tables`` ``[B, blocks]`` index cache pages;
-    ``mask`` ``[B, 1, group * Q, blocks * block_size]`` says which cached slots each query sees.
+    ``mask`` ``[B, 1, group * Q, blocks * block_size]`` (additive: 0 or -inf, the model's
+    dtype) says which cached slots each query sees.
     ``pad_index`` ``[tokens]`` places the group's flat query rows into ``[B * Q]`` padded rows;
     it is None for decode, where ``Q`` is 1 and rows map one to one."""
 
