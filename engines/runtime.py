@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from service.errors import ErrorCode, WireError
 from service.log_limit import RateLimitedLog
-from service.nats_connection import close_nats, connect_nats
+from service.nats_connection import close_nats, connect_nats, flush_subscriptions
 from service.settings import Settings
 from service.subjects import RESEND_REPLIES, Header, Subjects
 from service.wire import (
@@ -167,7 +167,7 @@ class EngineRuntime:
         )
         await self.nc.subscribe(self.subjects.engine_wildcard(self.engine_id), cb=self._on_routed)
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
-        await self.nc.flush()
+        await flush_subscriptions(self.nc)
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
         self._tasks = [asyncio.create_task(self._register()), self._heartbeat_task, asyncio.create_task(self._step_loop())]
         log.info("engine_id=%s started with backend %s", self.engine_id, self.backend.name)

@@ -100,18 +100,40 @@ async def _serve(start: Callable[[], Awaitable[None]], wait: Callable[[], Awaita
 
 async def _run_coordinator(settings: Settings) -> int:
     from service.coordinator import Coordinator
+    from service.coordinator_observability import coordinator_observability
 
     coordinator = Coordinator(settings)
-    await _serve(coordinator.start, coordinator.run_until_stopped, coordinator.request_stop, coordinator.stop)
+    observability = coordinator_observability(coordinator, settings.http_host, settings.http_port or None)
+
+    async def start() -> None:
+        await coordinator.start()
+        await observability.start(coordinator.nc)
+
+    async def stop() -> None:
+        await observability.stop()
+        await coordinator.stop()
+
+    await _serve(start, coordinator.run_until_stopped, coordinator.request_stop, stop)
     return 0
 
 
 async def _run_engine(settings: Settings, model: str | None) -> int:
     from engines.factory import make_backend
+    from engines.observability import engine_observability
     from engines.runtime import EngineRuntime
 
     runtime = EngineRuntime(settings, make_backend(settings, model))
-    await _serve(runtime.start, runtime.run_until_stopped, runtime.request_stop, runtime.stop)
+    observability = engine_observability(runtime, settings.http_host, settings.http_port or None)
+
+    async def start() -> None:
+        await runtime.start()
+        await observability.start(runtime.nc)
+
+    async def stop() -> None:
+        await observability.stop()
+        await runtime.stop()
+
+    await _serve(start, runtime.run_until_stopped, runtime.request_stop, stop)
     return 0
 
 

@@ -8,6 +8,10 @@ coordinator (a repeat is answered from the request in flight or from the result 
 run twice). So the library resubmits on NATS's no-responders status (no coordinator
 subscribed yet), with backoff until the deadline, and after every reconnect, when a reply may
 have been lost.
+
+A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
+connections the library opened itself; NATS reports the refusal only to the connection's error
+callback, so the call would otherwise wait out its timeout.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -26,6 +30,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from service.errors import ErrorCode, WireError
 from service.nats_connection import close_nats, connect_nats
+from service.refusals import PublishRefusals
 from service.settings import Settings
 from service.subjects import Header, Subjects
 from service.wire import (
@@ -51,6 +56,7 @@ MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
 # instead of a bare timeout.
 DEADLINE_MARGIN_S = 2.0
+T = TypeVar("T")
 
 
 class ClientError(WireError):
@@ -61,6 +67,13 @@ def _check(reply: Reply) -> Reply:
     if isinstance(reply, ErrorReply):
         raise ClientError(reply.error.code, reply.error.message)
     return reply
+
+
+class _Refused:
+    """Queued for a submission whose publish NATS refused."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
 
 
 class _Exchanges:
@@ -76,7 +89,14 @@ class _Exchanges:
 
 class DpcoordClient:
     def __init__(
-        self, nc: NATS, subjects: Subjects, client_id: str, coordinator_id: str, owns_connection: bool, exchanges: _Exchanges
+        self,
+        nc: NATS,
+        subjects: Subjects,
+        client_id: str,
+        coordinator_id: str,
+        owns_connection: bool,
+        exchanges: _Exchanges,
+        refusals: PublishRefusals,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -84,6 +104,7 @@ class DpcoordClient:
         self.coordinator_id = coordinator_id
         self._owns_connection = owns_connection
         self._exchanges = exchanges
+        self._refusals = refusals
 
     @classmethod
     async def connect(
@@ -92,18 +113,21 @@ class DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
         caller's business) and shake hands with a coordinator."""
         exchanges = _Exchanges()
+        refusals = PublishRefusals()
         owns = nc is None
-        connection = nc or await connect_nats(settings, name="dpcoord-client", on_reconnect=exchanges.reconnected)
+        connection = nc or await connect_nats(
+            settings, name="dpcoord-client", on_reconnect=exchanges.reconnected, on_error=refusals.on_error
+        )
         subjects = Subjects(settings.subject_prefix)
         try:
-            ack = await _call(connection, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout)
+            ack = await _call(connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout)
         except BaseException:
             if owns:
                 await connection.close()
             raise
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges)
+        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals)
 
     async def close(self) -> None:
         if self._owns_connection:
@@ -160,29 +184,32 @@ class DpcoordClient:
         self._exchanges.queues.add(queue)
         backoff = 0.02
         try:
-            await self._publish(subject, body, inbox)
-            while True:
-                try:
-                    async with asyncio.timeout(deadline - time.monotonic()):
-                        item = await queue.get()
-                except TimeoutError:
-                    raise TimeoutError(f"no reply within {timeout} s") from None
-                if item is _RECONNECTED:
-                    await self._publish(subject, body, inbox)
-                    continue
-                assert isinstance(item, Msg)  # only the callback and the reconnect marker fill the queue
-                if _is_no_responders(item):
-                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                    backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-                    await self._publish(subject, body, inbox)
-                    continue
-                if not item.data:
-                    return
-                reply = _check(_reply_decoder.decode(item.data))
-                if isinstance(reply, (Partial, Final)):
-                    yield reply
-                    if isinstance(reply, Final):
+            with self._refusals.watch(subject, lambda message: queue.put_nowait(_Refused(message))):
+                await self._publish(subject, body, inbox)
+                while True:
+                    try:
+                        async with asyncio.timeout(deadline - time.monotonic()):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise TimeoutError(f"no reply within {timeout} s") from None
+                    if item is _RECONNECTED:
+                        await self._publish(subject, body, inbox)
+                        continue
+                    if isinstance(item, _Refused):
+                        raise ClientError(ErrorCode.FORBIDDEN, item.message)
+                    assert isinstance(item, Msg)  # only the callbacks and the reconnect marker fill the queue
+                    if _is_no_responders(item):
+                        await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                        backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
+                        await self._publish(subject, body, inbox)
+                        continue
+                    if not item.data:
                         return
+                    reply = _check(_reply_decoder.decode(item.data))
+                    if isinstance(reply, (Partial, Final)):
+                        yield reply
+                        if isinstance(reply, Final):
+                            return
         finally:
             self._exchanges.queues.discard(queue)
             await sub.unsubscribe()
@@ -233,7 +260,7 @@ class DpcoordClient:
         return await self._ack(Header.SHUTDOWN, Empty(), timeout)
 
     async def _ack(self, header: Header, message: msgspec.Struct, timeout: float) -> Ack:
-        reply = await _call(self.nc, self.subjects.coordinator(header), message, timeout)
+        reply = await _call(self.nc, self._refusals, self.subjects.coordinator(header), message, timeout)
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {header}: {reply!r}")
         return reply
@@ -243,18 +270,35 @@ def _is_no_responders(msg: Msg) -> bool:
     return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
 
 
-async def _call(nc: NATS, subject: str, message: msgspec.Struct, timeout: float) -> Reply:
-    return await _call_raw(nc, subject, encode_msgpack(message), timeout)
+async def _call(nc: NATS, refusals: PublishRefusals, subject: str, message: msgspec.Struct, timeout: float) -> Reply:
+    return await _call_raw(nc, refusals, subject, encode_msgpack(message), timeout)
 
 
-async def _call_raw(nc: NATS, subject: str, body: bytes, timeout: float) -> Reply:
+async def _call_raw(nc: NATS, refusals: PublishRefusals, subject: str, body: bytes, timeout: float) -> Reply:
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
-        msg = await nc.request(subject, body, timeout=timeout)
+        with refusals.watch(subject, lambda message: refused.done() or refused.set_result(message)):
+            msg = await _unless_refused(nc.request(subject, body, timeout=timeout), refused)
     except NoRespondersError:
         raise ClientError(ErrorCode.NO_ENGINE, f"no coordinator is listening on {subject}") from None
     except NatsTimeoutError:
         raise TimeoutError(f"no reply on {subject} within {timeout} s") from None
     return _check(_reply_decoder.decode(msg.data))
+
+
+async def _unless_refused(waiting: Awaitable[T], refused: asyncio.Future[str]) -> T:
+    """What ``waiting`` returns, or ClientError 403 as soon as NATS refuses the publish it
+    waits on."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        await asyncio.wait((task, refused), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if refused.done() and (task.cancelled() or task.exception() is not None):
+        raise ClientError(ErrorCode.FORBIDDEN, refused.result())
+    return task.result()
 
 
 __all__ = ["ClientError", "DpcoordClient"]

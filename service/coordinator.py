@@ -30,8 +30,9 @@ from handlers.registry import HandlerRegistry, HandlerSpec
 from service.control import BroadcastResult, broadcast
 from service.engine_pool import EnginePool, EngineRecord
 from service.errors import ErrorCode, WireError
+from service.latency import RequestLatency
 from service.log_limit import RateLimitedLog
-from service.nats_connection import close_nats, connect_nats
+from service.nats_connection import close_nats, connect_nats, flush_subscriptions
 from service.peers import CoordinatorPeers
 from service.request_table import ClientKey, InflightRequest, RequestTable
 from service.result_cache import ResultCache
@@ -98,6 +99,7 @@ class Coordinator:
         self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
         self.counters: Counter[str] = Counter()
+        self.latency = RequestLatency()
         self.engines_changed = asyncio.Event()
         self._handlers = handlers
         self._policy = make_policy(settings.routing_policy)
@@ -137,7 +139,7 @@ class Coordinator:
             self._subscriptions.append(
                 await self.nc.subscribe(self.subjects.coordinator(header), queue=queue, cb=self._callback(spec))
             )
-        await self.nc.flush()
+        await flush_subscriptions(self.nc)
         self.spawn(self._watch_heartbeats())
         self.spawn(self._heartbeat())
         asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
@@ -188,6 +190,10 @@ class Coordinator:
 
     async def _dispatch(self, spec: HandlerSpec, msg: Msg) -> None:
         body = msg.data
+        if msg.reply and (problem := self.subjects.reply_problem(msg.reply)):
+            self.counters["unsafe_reply_subject"] += 1
+            self._refusal_log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), msg.reply, problem)
+            return
         encoding = detect_encoding(body)
         sender = Sender(spec.header, msg.reply or None, encoding, body)
         try:
@@ -205,7 +211,8 @@ class Coordinator:
     async def _refuse(self, sender: Sender, err: WireError) -> None:
         self.counters[f"error_{err.code}"] += 1
         hints = return_hints(sender.body, sender.encoding)
-        reply_to = hints.reply_to if isinstance(hints.reply_to, str) and hints.reply_to else sender.reply
+        usable = isinstance(hints.reply_to, str) and self.subjects.reply_problem(hints.reply_to) is None
+        reply_to = hints.reply_to if usable else sender.reply
         client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
         self._refusal_log.warning(
             "refused %s (%d bytes, client_request_id=%s): %s %s",
@@ -224,6 +231,8 @@ class Coordinator:
     # ------------------------------------------------------------ requests
 
     async def admit(self, sender: Sender, submit: SubmitRequest) -> None:
+        if submit.reply_to is not None and (problem := self.subjects.reply_problem(submit.reply_to)):
+            raise WireError(ErrorCode.MALFORMED, f"reply_to {submit.reply_to!r} {problem}")
         reply_to = submit.reply_to or sender.reply
         if reply_to is None:
             self.counters["submit_without_reply"] += 1
@@ -312,7 +321,10 @@ class Coordinator:
     def take(self, request_id: str) -> InflightRequest | None:
         """Pop a request for its terminal reply and free its engine slot."""
         entry = self.requests.pop(request_id)
-        if entry is not None and entry.engine_id is not None:
+        if entry is None:
+            return None
+        self.latency.observe_finished(entry.admitted_at)
+        if entry.engine_id is not None:
             engine = self.engines.get(entry.engine_id)
             if engine is not None:
                 engine.requests.discard(request_id)
@@ -330,6 +342,13 @@ class Coordinator:
             self._held_by_client.setdefault(client_key, []).append(delivery)
 
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
+        if (problem := self.subjects.reply_problem(route.reply_to)) is not None:
+            # admit() refuses such a reply_to, so only an engine that rewrote the route gets here.
+            self.counters["unsafe_reply_subject"] += 1
+            self._refusal_log.warning(
+                "request_id=%s: not delivering to reply subject %r, which %s", route.request_id, route.reply_to, problem
+            )
+            return
         client_key = None
         if route.client_id is not None and route.client_request_id is not None:
             client_key = (route.client_id, route.client_request_id)
@@ -365,6 +384,8 @@ class Coordinator:
         if entry.engine_id != engine_id:
             self.counters["stale_engine_replies"] += 1
             return
+        if not entry.streamed:
+            self.latency.observe_first_token(entry.admitted_at)
         entry.streamed = True
         await self.deliver(entry.route, reply.body, terminal=False)
         entry.partials_delivered += 1

@@ -1,10 +1,15 @@
-"""One way to connect to NATS: auth and TLS from settings, unbounded reconnect with logging."""
+"""One way to connect to NATS: auth and TLS from settings, unbounded reconnect with logging.
+
+Settings choose at most one authentication method (user and password, token, nkey seed file,
+or creds file; see docs/security.md). TLS is used whenever the server requires it; the CA,
+client certificate and key, the expected server name and handshake-first come from settings.
+"""
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -16,6 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def _tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """A context for the CA and client certificate in settings; None leaves nats-py's default
+    (the system CAs), which it uses when the server requires TLS."""
     if not (settings.nats_tls_ca_file or settings.nats_tls_cert_file):
         return None
     context = ssl.create_default_context(cafile=settings.nats_tls_ca_file)
@@ -25,14 +32,26 @@ def _tls_context(settings: Settings) -> ssl.SSLContext | None:
 
 
 ConnectionEvent = Callable[[], None]
+ErrorListener = Callable[[Exception], Awaitable[None]]
 
 
 def connect_options(
-    settings: Settings, name: str, nc: NATS, on_disconnect: ConnectionEvent | None, on_reconnect: ConnectionEvent | None
+    settings: Settings,
+    name: str,
+    nc: NATS,
+    on_disconnect: ConnectionEvent | None,
+    on_reconnect: ConnectionEvent | None,
+    *,
+    on_error: ErrorListener | None = None,
 ) -> dict[str, Any]:
-    async def on_error(exc: Exception) -> None:
+    """nats-py connect options; ``on_error`` also hears every asynchronous error, such as a
+    permissions violation, after it is logged."""
+
+    async def on_nats_error(exc: Exception) -> None:
         if not (nc.is_closed or nc.is_draining):
             log.warning("nats error (%s): %s", name, exc)
+        if on_error is not None:
+            await on_error(exc)
 
     async def on_disconnected() -> None:
         if not (nc.is_closed or nc.is_draining):
@@ -52,7 +71,8 @@ def connect_options(
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
         "connect_timeout": settings.nats_connect_timeout_s,
-        "error_cb": on_error,
+        "inbox_prefix": settings.nats_inbox_prefix,
+        "error_cb": on_nats_error,
         "disconnected_cb": on_disconnected,
         "reconnected_cb": on_reconnected,
     }
@@ -68,6 +88,10 @@ def connect_options(
     tls = _tls_context(settings)
     if tls is not None:
         options["tls"] = tls
+    if settings.nats_tls_hostname:
+        options["tls_hostname"] = settings.nats_tls_hostname
+    if settings.nats_tls_handshake_first:
+        options["tls_handshake_first"] = True
     return options
 
 
@@ -76,11 +100,27 @@ async def connect_nats(
     name: str,
     on_disconnect: ConnectionEvent | None = None,
     on_reconnect: ConnectionEvent | None = None,
+    *,
+    on_error: ErrorListener | None = None,
 ) -> NATS:
-    """Connect with unbounded reconnects; the optional callbacks run on each disconnect/reconnect."""
+    """Connect with unbounded reconnects; the optional callbacks run on each disconnect,
+    reconnect and asynchronous error."""
     nc = NATS()
-    await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect))
+    await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect, on_error=on_error))
     return nc
+
+
+async def flush_subscriptions(nc: NATS) -> None:
+    """Return once the server has every subscription this connection made so far.
+
+    nats-py (2.16) writes ``flush()``'s PING straight to the socket, ahead of commands still
+    buffered for its flusher task, so a single flush can return before the server has seen
+    subscriptions made just before it; a message published from another connection in that
+    window is lost. While the first flush waits, the flusher writes the buffered commands,
+    so the second PING follows them on the wire.
+    """
+    await nc.flush()
+    await nc.flush()
 
 
 async def close_nats(nc: NATS) -> None:

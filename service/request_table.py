@@ -6,8 +6,9 @@ Popping an entry is the right to send its terminal reply: whoever pops it answer
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from service.wire import ClientRequestId, Encoding, ReturnPath, RoutedReply
 
@@ -27,6 +28,7 @@ class InflightRequest:
     routed_at: float = 0.0
     partials_delivered: int = 0
     parked_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
+    admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
 
 
 class RequestTable:

@@ -23,6 +23,12 @@ class Settings(BaseSettings):
     nats_tls_ca_file: str | None = Field(None, description="CA bundle to verify the NATS server")
     nats_tls_cert_file: str | None = Field(None, description="Client certificate for mutual TLS")
     nats_tls_key_file: str | None = Field(None, description="Client key for mutual TLS")
+    nats_tls_hostname: str | None = Field(None, description="Name the NATS server certificate must carry; default: the host in nats_url")
+    nats_tls_handshake_first: bool = Field(False, description="Start TLS before the server speaks (server tls.handshake_first); no plaintext downgrade")
+    nats_inbox_prefix: str = Field(
+        "_INBOX", pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$",
+        description="Subject prefix of this process's reply inboxes; one per NATS user keeps replies private",
+    )
     nats_connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt")
 
     # Coordinator
@@ -67,7 +73,28 @@ class Settings(BaseSettings):
     )
     profile_dir: str | None = Field(None, description="Where CPU torch.profiler traces are written; unset: the system temp directory")
 
+    # Health and metrics over HTTP (Kubernetes probes, Prometheus)
+    http_host: str = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")
+    http_port: int = Field(8080, ge=0, le=65535, description="Port of /healthz, /readyz and /metrics; 0 turns them off")
+
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
+
+    @model_validator(mode="after")
+    def _one_way_to_authenticate(self) -> Settings:
+        if self.nats_password and not self.nats_user:
+            raise ValueError("nats_password is set without nats_user")
+        if self.nats_user and not self.nats_password:
+            raise ValueError("nats_user is set without nats_password")
+        chosen = [
+            name
+            for name in ("nats_user", "nats_token", "nats_nkey_seed_file", "nats_creds_file")
+            if getattr(self, name)
+        ]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one NATS authentication method, not {' and '.join(chosen)}")
+        if self.nats_tls_key_file and not self.nats_tls_cert_file:
+            raise ValueError("nats_tls_key_file is set without nats_tls_cert_file")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_fits_timeout(self) -> Settings:

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from service.client import ClientError, DpcoordClient
-from service.nats_server import EmbeddedNatsServer
+from service.nats_server import EmbeddedNatsServer, free_port
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -23,6 +23,28 @@ def _child_env(settings: Settings) -> dict[str, str]:
         if value is not None:
             env[f"DPCOORD_{name.upper()}"] = str(value)
     return env
+
+
+_PORT_ENV = "DPCOORD_HTTP_PORT"
+
+
+def http_ports(settings: Settings, engines: int) -> list[int]:
+    """HTTP ports of the coordinator and each engine: free ports unless --http-port was given
+    (then consecutive ports from it), all 0 (off) for --http-port 0."""
+    if "http_port" not in settings.model_fields_set:
+        return [free_port() for _ in range(engines + 1)]
+    if settings.http_port == 0:
+        return [0] * (engines + 1)
+    return [settings.http_port + offset for offset in range(engines + 1)]
+
+
+def _http_lines(ports: list[int]) -> str:
+    if not ports[0]:
+        return ""
+    lines = f"Health and metrics: http://127.0.0.1:{ports[0]}/metrics (coordinator; also /healthz, /readyz)\n"
+    if len(ports) > 1:
+        lines += f"   engines on ports {', '.join(str(port) for port in ports[1:])}\n"
+    return lines
 
 
 async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> DpcoordClient:
@@ -44,10 +66,14 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         settings = settings.model_copy(update={"nats_url": server.url})
         settings.model_fields_set.add("nats_url")
     env = _child_env(settings)
+    ports = http_ports(settings, engines)
     python = [sys.executable, "-m", "service"]
     engine_args = ["--model", model] if model else []
-    children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env)]
-    children += [await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env) for _ in range(engines)]
+    children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env | {_PORT_ENV: str(ports[0])})]
+    children += [
+        await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env | {_PORT_ENV: str(port)})
+        for port in ports[1:]
+    ]
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -64,6 +90,7 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
             f"NATS: {settings.nats_url}\n"
             f"Submit: dpcoord submit 'Hello' --stream --nats-url {settings.nats_url}\n"
             f"   or: nats request -s {settings.nats_url} {prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
+            f"{_http_lines(ports)}"
             "Ctrl-C stops everything.\n"
         )
         sys.stdout.flush()

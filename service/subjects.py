@@ -2,7 +2,8 @@
 
 A header ``h`` is served by the coordinator on ``<prefix>.<h>``. Engines listen on
 ``<prefix>.engine.<engine_id>.<h>`` for messages routed to them and on
-``<prefix>.engines.<h>`` for broadcasts.
+``<prefix>.engines.<h>`` for broadcasts. Each process also answers NATS Services API status
+requests on ``<prefix>.status.<role>.<id>``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,23 @@ FANOUT_HEADERS: frozenset[Header] = frozenset(
     }
 )
 
+# Second tokens under the prefix that carry routed requests and broadcasts to engines.
+_ENGINE_NAMESPACES = frozenset({"engine", "engines"})
+
+
+def _publishable(subject: str) -> bool:
+    """No whitespace or control characters, no wildcards (anywhere), no empty tokens."""
+    return (
+        bool(subject)
+        and subject.isprintable()
+        and " " not in subject
+        and "*" not in subject
+        and ">" not in subject
+        and ".." not in subject
+        and subject[0] != "."
+        and subject[-1] != "."
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class Subjects:
@@ -78,6 +96,30 @@ class Subjects:
 
     def broadcast_wildcard(self) -> str:
         return f"{self.prefix}.engines.*"
+
+    def status(self, role: str, instance_id: str) -> str:
+        """The NATS Services API status endpoint of one coordinator or engine."""
+        return f"{self.prefix}.status.{role}.{instance_id}"
+
+    def reply_problem(self, subject: str) -> str | None:
+        """Why ``subject`` may not receive replies, or None when it may.
+
+        The coordinator publishes replies with NATS rights broader than its clients'. A reply
+        subject that dpcoord itself serves would let a client turn a reply into a control
+        signal or an engine message (a confused deputy): ``<prefix>.<header>`` (any single
+        token, so future headers are covered), ``<prefix>.engine.>`` and ``<prefix>.engines.>``.
+        System subjects (``$SYS``, ``$JS``, ...) and malformed subjects are refused too."""
+        if not _publishable(subject):
+            return "is not a valid publish subject"
+        if subject[0] == "$":
+            return "is a system subject"
+        if subject == self.prefix:
+            return f"is a subject dpcoord serves under {self.prefix}"
+        if subject.startswith(self.prefix) and subject[len(self.prefix)] == ".":
+            head, dot, _ = subject[len(self.prefix) + 1 :].partition(".")
+            if not dot or head in _ENGINE_NAMESPACES:
+                return f"is a subject dpcoord serves under {self.prefix}"
+        return None
 
     def header_of(self, subject: str) -> str:
         """The last token of a subject: the header it carries."""

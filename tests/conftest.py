@@ -25,6 +25,16 @@ from service.settings import Settings
 log = logging.getLogger("tests")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_fixed_http_port() -> Iterator[None]:
+    """Services started as child processes inherit DPCOORD_HTTP_PORT=0: several of them, and
+    other test runs on this machine, would otherwise all bind the default port 8080. A test
+    that wants the endpoints sets a free port itself."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DPCOORD_HTTP_PORT", "0")
+        yield
+
+
 @pytest.fixture(scope="session")
 def nats_url() -> Iterator[str]:
     try:

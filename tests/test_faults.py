@@ -118,16 +118,22 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
             streamed = {i: i % 2 == 0 for i in range(REQUESTS)}
 
             retrying: set[int] = set()
+            retries: set[asyncio.Task[None]] = set()
+
+            async def retry_later(index: int, reply: str) -> None:
+                await asyncio.sleep(0.1)
+                retrying.discard(index)
+                if index in outstanding:
+                    await client.publish(submit_subject, outstanding[index], reply=reply)
 
             async def on_reply(msg: Msg) -> None:
                 index = int(msg.subject.rsplit(".", 1)[1])
                 if not msg.data and msg.headers and msg.headers.get("Status") == "503":
-                    # No coordinator subscribed right now (it is reconnecting): one retry at a time.
+                    # No coordinator subscribed right now (it is reconnecting): one retry at a time,
+                    # scheduled, so this subscription keeps reading replies meanwhile.
                     if index in outstanding and index not in retrying:
                         retrying.add(index)
-                        await asyncio.sleep(0.1)
-                        retrying.discard(index)
-                        await client.publish(submit_subject, outstanding[index], reply=msg.subject)
+                        retries.add(asyncio.create_task(retry_later(index, msg.subject)))
                     return
                 replies[index].append(msg)
                 if not msg.data if streamed[index] else True:
@@ -144,7 +150,7 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
                     if index == REQUESTS // 2:
                         restart_now.set()
                     body = {"prompt": f"request {index}", "stream": streamed[index], "client_id": "raw-client",
-                            "client_request_id": index, "sampling_params": {"max_tokens": 10 + index % 30}}
+                            "client_request_id": index, "sampling_params": {"max_tokens": 4 + index % 9}}
                     outstanding[index] = json.dumps(body).encode()
                     await client.publish(submit_subject, outstanding[index], reply=f"fault.replies.{index}")
                     try:
@@ -230,10 +236,10 @@ async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: 
                     prompt = f"library request {index}"
                     try:
                         if index % 2:
-                            final = await client.submit(prompt, max_tokens=10 + index % 30, timeout=40)
+                            final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
                             outcomes["final" if final.generated_text else "empty"] += 1
                             return
-                        finals = [reply async for reply in client.stream(prompt, max_tokens=10 + index % 30, timeout=40)
+                        finals = [reply async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
                                   if reply.__class__.__name__ == "Final"]
                         outcomes["final" if len(finals) == 1 else "duplicated"] += 1
                     except ClientError as exc:

@@ -1,0 +1,57 @@
+"""What ``/healthz``, ``/readyz``, ``/metrics`` and the NATS Services API say about an engine.
+
+Healthy means connected to NATS. Ready means registered with a coordinator: the runtime
+starts only once its backend (and so its model) is built and registers after it started,
+so a registered engine has its model loaded.
+"""
+
+from __future__ import annotations
+
+from engines.metrics import EngineCollector
+from engines.runtime import EngineRuntime
+from service.http_endpoints import Check
+from service.nats_services import ENGINE_SERVICE, EngineStatus
+from service.observability import Observability, ServiceSpec
+
+
+def engine_health(runtime: EngineRuntime) -> Check:
+    if not runtime.nc.is_connected:
+        return Check(False, "not connected to NATS")
+    return Check(True, f"engine {runtime.engine_id} connected to NATS")
+
+
+def engine_readiness(runtime: EngineRuntime) -> Check:
+    health = engine_health(runtime)
+    if not health.ok:
+        return health
+    if not runtime.registered.is_set():
+        return Check(False, "not registered with a coordinator yet")
+    return Check(True, f"engine {runtime.engine_id} registered, {runtime.backend.name} backend loaded")
+
+
+def engine_status(runtime: EngineRuntime) -> EngineStatus:
+    return EngineStatus(
+        engine_id=runtime.engine_id,
+        subject_prefix=runtime.subjects.prefix,
+        backend=runtime.backend.name,
+        registered=runtime.registered.is_set(),
+        paused=runtime.paused,
+        active_requests=runtime.load,
+        epoch=runtime.epoch,
+        counters=dict(runtime.counters),
+    )
+
+
+def engine_observability(runtime: EngineRuntime, http_host: str, http_port: int | None) -> Observability:
+    """Start it with ``runtime.nc`` once the runtime has started."""
+    return Observability(
+        EngineCollector(runtime),
+        health=lambda: engine_health(runtime),
+        ready=lambda: engine_readiness(runtime),
+        service=ServiceSpec(
+            ENGINE_SERVICE, f"dpcoord engine: one data-parallel rank ({runtime.backend.name} backend)",
+            runtime.engine_id, runtime.subjects.status("engine", runtime.engine_id), lambda: engine_status(runtime),
+        ),
+        http_host=http_host,
+        http_port=http_port,
+    )

@@ -1,0 +1,57 @@
+"""What ``/healthz``, ``/readyz``, ``/metrics`` and the NATS Services API say about a coordinator.
+
+Healthy means connected to NATS (a process cut off from the bus cannot serve, and one that
+stays cut off should be restarted). Ready means healthy with at least one engine in the
+pool, since without one every submission gets 503.
+"""
+
+from __future__ import annotations
+
+from service.coordinator import Coordinator
+from service.http_endpoints import Check
+from service.metrics import CoordinatorCollector
+from service.nats_services import COORDINATOR_SERVICE, CoordinatorStatus, EngineLoad
+from service.observability import Observability, ServiceSpec
+
+
+def coordinator_health(coordinator: Coordinator) -> Check:
+    if not coordinator.nc.is_connected:
+        return Check(False, "not connected to NATS")
+    return Check(True, f"coordinator {coordinator.id} connected to NATS")
+
+
+def coordinator_readiness(coordinator: Coordinator) -> Check:
+    health = coordinator_health(coordinator)
+    if not health.ok:
+        return health
+    engines = len(coordinator.engines)
+    if engines == 0:
+        return Check(False, "no engine registered")
+    return Check(True, f"{engines} engine(s), state {coordinator.state}")
+
+
+def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
+    return CoordinatorStatus(
+        coordinator_id=coordinator.id,
+        subject_prefix=coordinator.subjects.prefix,
+        state=coordinator.state.value,
+        epoch=coordinator.epoch,
+        requests_in_flight=len(coordinator.requests),
+        engines=[EngineLoad(record.engine_id, record.load, record.capacity) for record in coordinator.engines],
+        counters=dict(coordinator.counters),
+    )
+
+
+def coordinator_observability(coordinator: Coordinator, http_host: str, http_port: int | None) -> Observability:
+    """Start it with ``coordinator.nc`` once the coordinator has started."""
+    return Observability(
+        CoordinatorCollector(coordinator),
+        health=lambda: coordinator_health(coordinator),
+        ready=lambda: coordinator_readiness(coordinator),
+        service=ServiceSpec(
+            COORDINATOR_SERVICE, "dpcoord coordinator: routes requests to data-parallel engines", coordinator.id,
+            coordinator.subjects.status("coordinator", coordinator.id), lambda: coordinator_status(coordinator),
+        ),
+        http_host=http_host,
+        http_port=http_port,
+    )

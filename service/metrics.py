@@ -1,0 +1,138 @@
+"""Prometheus metrics of the coordinator, read from its own state when scraped.
+
+Nothing here runs on the request path: counts, gauges and the engine pool are read by
+``CoordinatorCollector`` at scrape time, and the latency histograms are the plain bucket
+counts of ``service.latency``.
+
+Which coordinator counter feeds which metric:
+
+- ``submitted`` → ``dpcoord_requests_submitted_total``
+- ``completed`` (every terminal reply) minus ``failed_<code>`` → ``dpcoord_requests_total{outcome="relayed"}``:
+  terminal replies relayed from engines. The coordinator forwards their bodies undecoded (that
+  is what keeps it cheap), so these are finals and the few errors engines produce themselves.
+- ``failed_<code>`` → ``dpcoord_requests_total{outcome="failed", code}``: errors the coordinator
+  answered an admitted request with (deadline 504, engine lost 503, ...)
+- ``submit_without_reply`` → ``dpcoord_requests_total{outcome="dropped"}``
+- ``error_<code>`` (messages refused before admission, any subject) → ``dpcoord_refused_messages_total{code}``
+- ``error_400`` → ``dpcoord_malformed_messages_total``
+- ``retried`` → ``dpcoord_requests_retried_total``; ``late_replies`` → ``dpcoord_late_replies_total``
+- every counter, by its name → ``dpcoord_coordinator_events_total{event}``, so counters added
+  to the coordinator are exported without a change here
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from nats.aio.client import Client as NATS
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from service.latency import LatencyHistogram
+from service.state import CoordinatorState
+
+if TYPE_CHECKING:
+    from service.coordinator import Coordinator
+
+
+def histogram_family(name: str, documentation: str, histogram: LatencyHistogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, documentation, buckets=histogram.cumulative(), sum_value=histogram.sum)
+
+
+def codes_of(counters: Counter[str], prefix: str) -> dict[str, int]:
+    """``{"503": 2}`` from counters named ``<prefix>503``."""
+    return {key.removeprefix(prefix): value for key, value in counters.items() if key.startswith(prefix)}
+
+
+def nats_families(nc: NATS) -> Iterator[Metric]:
+    """Connection health shared by the coordinator and the engines."""
+    connected = GaugeMetricFamily("dpcoord_nats_connected", "1 while the NATS connection is up")
+    connected.add_metric([], 1.0 if nc.is_connected else 0.0)
+    yield connected
+    reconnects = CounterMetricFamily("dpcoord_nats_reconnects", "Reconnections to NATS since start")
+    reconnects.add_metric([], nc.stats["reconnects"])
+    yield reconnects
+
+
+class CoordinatorCollector(Collector):
+    """Built once the coordinator has started (it reads ``coordinator.nc``)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    def collect(self) -> Iterator[Metric]:
+        coordinator = self._coordinator
+        counters = coordinator.counters
+        failed = codes_of(counters, "failed_")
+
+        submitted = CounterMetricFamily("dpcoord_requests_submitted", "Requests admitted by this coordinator")
+        submitted.add_metric([], counters["submitted"])
+        yield submitted
+
+        outcomes = CounterMetricFamily(
+            "dpcoord_requests", "Requests by terminal outcome (error codes as on the wire)", labels=["outcome", "code"]
+        )
+        outcomes.add_metric(["relayed", ""], counters["completed"] - sum(failed.values()))
+        for code, value in sorted(failed.items()):
+            outcomes.add_metric(["failed", code], value)
+        outcomes.add_metric(["dropped", ""], counters["submit_without_reply"])
+        yield outcomes
+
+        refused = CounterMetricFamily(
+            "dpcoord_refused_messages", "Messages answered with an error before admission, any subject", labels=["code"]
+        )
+        for code, value in sorted(codes_of(counters, "error_").items()):
+            refused.add_metric([code], value)
+        yield refused
+
+        malformed = CounterMetricFamily("dpcoord_malformed_messages", "Messages that failed to decode or validate (400)")
+        malformed.add_metric([], counters["error_400"])
+        yield malformed
+
+        retried = CounterMetricFamily("dpcoord_requests_retried", "Requests routed again after their engine was lost")
+        retried.add_metric([], counters["retried"])
+        yield retried
+
+        late = CounterMetricFamily("dpcoord_late_replies", "Engine replies that arrived after their request ended")
+        late.add_metric([], counters["late_replies"])
+        yield late
+
+        events = CounterMetricFamily("dpcoord_coordinator_events", "Every internal counter, by name", labels=["event"])
+        for event, value in sorted(counters.items()):
+            events.add_metric([event], value)
+        yield events
+
+        in_flight = GaugeMetricFamily("dpcoord_requests_in_flight", "Requests admitted and not yet answered")
+        in_flight.add_metric([], len(coordinator.requests))
+        yield in_flight
+
+        engines = GaugeMetricFamily("dpcoord_engines_connected", "Engines in the coordinator's pool")
+        engines.add_metric([], len(coordinator.engines))
+        yield engines
+
+        per_engine = GaugeMetricFamily(
+            "dpcoord_engine_in_flight", "Requests routed to each engine and not yet answered", labels=["engine_id"]
+        )
+        capacity = GaugeMetricFamily("dpcoord_engine_capacity", "Requests each engine is given at once", labels=["engine_id"])
+        for record in coordinator.engines:
+            per_engine.add_metric([record.engine_id], record.load)
+            capacity.add_metric([record.engine_id], record.capacity)
+        yield per_engine
+        yield capacity
+
+        state = GaugeMetricFamily("dpcoord_coordinator_state", "1 for the coordinator's current state", labels=["state"])
+        for candidate in CoordinatorState:
+            state.add_metric([candidate.value], 1.0 if coordinator.state is candidate else 0.0)
+        yield state
+
+        yield histogram_family(
+            "dpcoord_request_duration_seconds", "Admission to terminal reply, as the coordinator sees it",
+            coordinator.latency.end_to_end,
+        )
+        yield histogram_family(
+            "dpcoord_time_to_first_token_seconds", "Admission to the first streamed partial (streamed requests)",
+            coordinator.latency.first_token,
+        )
+        yield from nats_families(coordinator.nc)

@@ -1,0 +1,89 @@
+"""Registration with the NATS Services API (``nats.micro``), so that ``nats micro ls``,
+``nats micro info`` and ``nats micro stats`` list the coordinator and every engine.
+
+Each process adds a service with one ``status`` endpoint on ``<prefix>.status.<role>.<id>``;
+the request subjects stay on the process's own subscriptions. Serving them as micro
+endpoints would put every request through nats.micro's per-message bookkeeping and its
+default queue group, which would also break the coordinator's fan-out subjects. The status
+snapshot is also the ``data`` of the endpoint's stats, so ``nats micro stats`` shows it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable
+
+import msgspec
+from nats import micro
+from nats.aio.client import Client as NATS
+from nats.micro.request import Request
+from nats.micro.service import EndpointStats, Service
+
+from service.nats_connection import flush_subscriptions
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_SERVICE = "dpcoord-coordinator"
+ENGINE_SERVICE = "dpcoord-engine"
+STATUS_ENDPOINT = "status"
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("dpcoord")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+class EngineLoad(msgspec.Struct):
+    engine_id: str
+    in_flight: int
+    capacity: int
+
+
+class CoordinatorStatus(msgspec.Struct):
+    coordinator_id: str
+    subject_prefix: str
+    state: str
+    epoch: int | None
+    requests_in_flight: int
+    engines: list[EngineLoad]
+    counters: dict[str, int]
+
+
+class EngineStatus(msgspec.Struct):
+    engine_id: str
+    subject_prefix: str
+    backend: str
+    registered: bool
+    paused: bool
+    active_requests: int
+    epoch: int | None
+    counters: dict[str, int]
+
+
+async def add_status_service(
+    nc: NATS,
+    name: str,
+    description: str,
+    instance_id: str,
+    subject: str,
+    status: Callable[[], msgspec.Struct],
+) -> Service:
+    """Register ``name`` with one ``status`` endpoint answering ``status()`` in JSON."""
+
+    async def answer(request: Request) -> None:
+        await request.respond(msgspec.json.encode(status()))
+
+    def stats_data(endpoint: EndpointStats) -> object:
+        return msgspec.to_builtins(status())
+
+    service = await micro.add_service(
+        nc, name=name, version=package_version(), description=description,
+        metadata={"instance_id": instance_id}, stats_handler=stats_data,
+    )
+    await service.add_endpoint(name=STATUS_ENDPOINT, subject=subject, handler=answer)
+    await flush_subscriptions(nc)
+    log.info("registered NATS service %s (%s), status on %s", name, instance_id, subject)
+    return service
