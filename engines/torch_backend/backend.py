@@ -254,10 +254,11 @@ class TorchBackend(Backend):
         from torch._C._profiler import _ExperimentalConfig
 
         # All threads: the steps run in a worker thread, not the one that starts the profiler.
-        profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
-            experimental_config=_ExperimentalConfig(profile_all_threads=True),
-        )
+        try:
+            all_threads = _ExperimentalConfig(profile_all_threads=True)
+        except TypeError:
+            raise RuntimeError(f"the CPU profiler needs torch >= 2.7 to see the step thread; this is {torch.__version__}") from None
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=all_threads)
         profiler.start()
         self._profiler = profiler
         return f"torch.profiler started; the trace goes to {self._profile_dir} on stop"
