@@ -86,11 +86,11 @@ class TorchBackend(Backend):
         if max_context > self.config.max_position_embeddings:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}")
         block_size = settings.kv_block_size
-        self._page_bytes = page_bytes(self.config, block_size, self.dtype)
+        page = page_bytes(self.config, block_size, self.dtype)
         pages_per_sequence = -(-max_context // block_size)
         self._rotary = rotary_table(self.config.rope, self.config.head_dim, max_context, self.dtype, self.device)
         peak = self._warm_up(settings.max_prefill_tokens, max_context, block_size) if self.device.type == "cuda" else 0
-        plan = plan_cache(self.device, self._page_bytes, settings.max_batch * pages_per_sequence,
+        plan = plan_cache(self.device, page, settings.max_batch * pages_per_sequence,
                           settings.kv_memory_fraction, settings.kv_cache_gb, peak)
         self.max_context = min(max_context, plan.num_blocks * block_size)
         if self.max_context < max_context:
@@ -108,7 +108,7 @@ class TorchBackend(Backend):
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s",
             self.model_name, sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device,
-            torch.get_num_threads(), self.max_context, plan.describe(self._page_bytes),
+            torch.get_num_threads(), self.max_context, plan.describe(page),
         )
 
     # ------------------------------------------------------------ requests
