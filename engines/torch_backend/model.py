@@ -97,6 +97,7 @@ class DecoderLayer(nn.Module):
 
         # kv_cache: [blocks, block_size, 2, kv_heads, head_dim]; slot s is row s of the flat view.
         new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, head_dim)
+        assert batch.slot_mapping.shape == (tokens,), "one cache slot per new token"
         kv_cache.view(-1, 2, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, new_kv)
 
         query = qkv[:, :heads]
