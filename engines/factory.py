@@ -8,7 +8,13 @@ from service.settings import Settings
 
 def make_backend(settings: Settings, model: str | None = None) -> Backend:
     if settings.backend == "echo":
+        if model is not None:
+            raise ValueError("--model needs the torch backend; the echo backend runs no model")
         from engines.echo import EchoBackend
 
         return EchoBackend(token_delay_ms=settings.token_delay_ms)
+    if settings.backend == "torch":
+        from engines.torch_backend.backend import TorchBackend
+
+        return TorchBackend(settings, model)
     raise ValueError(f"backend {settings.backend!r} is not available in this build")

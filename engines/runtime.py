@@ -309,6 +309,8 @@ class EngineRuntime:
                 continue
             try:
                 async with self._step_lock:
+                    if self.paused:  # a pause confirmed while this step waited for the lock
+                        continue
                     outputs = await self.backend.step()
             except Exception as exc:
                 log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))

@@ -20,6 +20,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import msgspec
@@ -158,9 +159,10 @@ class DpcoordClient:
 
         ``timeout`` bounds the wait and is also the request's deadline at the coordinator."""
         body = self._submission(prompt, False, client_request_id, timeout, sampling)
-        async for reply in self._exchange(body, timeout):
-            if isinstance(reply, Final):
-                return reply
+        async with aclosing(self._exchange(body, timeout)) as replies:
+            async for reply in replies:
+                if isinstance(reply, Final):
+                    return reply
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
 
     async def stream(
@@ -168,10 +170,11 @@ class DpcoordClient:
     ) -> AsyncIterator[Partial | Final]:
         """Yield partials, then the final; ``timeout`` bounds the whole stream."""
         body = self._submission(prompt, True, client_request_id, timeout, sampling)
-        async for reply in self._exchange(body, timeout):
-            yield reply
-            if isinstance(reply, Final):
-                return
+        async with aclosing(self._exchange(body, timeout)) as replies:
+            async for reply in replies:
+                yield reply
+                if isinstance(reply, Final):
+                    return
 
     async def _exchange(self, body: bytes, timeout: float) -> AsyncIterator[Partial | Final]:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
@@ -215,7 +218,8 @@ class DpcoordClient:
                             return
         finally:
             self._exchanges.queues.discard(queue)
-            await sub.unsubscribe()
+            if not (self.nc.is_closed or self.nc.is_draining):
+                await sub.unsubscribe()
 
     async def _publish(self, subject: str, body: bytes, inbox: str) -> None:
         try:

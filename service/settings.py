@@ -48,11 +48,30 @@ class Settings(BaseSettings):
 
     # Engine
     engine_id: str | None = Field(None, description="Engine id; random when unset")
-    backend: Literal["echo", "torch"] = Field("echo", description="Engine backend")
+    backend: Literal["echo", "torch"] = Field("torch", description="Engine backend: torch runs a model, echo is the protocol test double")
     token_delay_ms: float = Field(0.0, ge=0, description="Echo backend: delay per generated token")
     engine_capacity: int = Field(256, ge=1, description="Requests an engine accepts at once")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Engine heartbeat period")
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed partial")
+
+    # Torch backend (see docs/engines.md)
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="Torch device: auto (cuda when available), cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV cache dtype; auto: the checkpoint's dtype, else bfloat16 on CUDA, float32 on CPU"
+    )
+    cpu_threads: int | None = Field(
+        None, ge=1, description="Torch intra-op threads on CPU; unset: torch's default (all cores). Engines sharing a host: cores / engines"
+    )
+    model_seed: int = Field(0, description="Seed of the random default model (torch backend without --model)")
+    max_batch: int = Field(128, ge=1, description="Requests decoded together in one step; more wait in the engine's queue")
+    max_context: int | None = Field(None, ge=2, description="Tokens per request, prompt plus generated; unset: the model's max_position_embeddings")
+    max_prefill_tokens: int = Field(4096, ge=1, description="Prompt tokens prefilled in one step (one longer prompt still runs alone)")
+    kv_block_size: int = Field(16, ge=1, description="Tokens per KV-cache page")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV-cache budget in GiB; unset: sized from the memory free after loading")
+    kv_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="Share of free memory the KV cache may take (CUDA: of the device, less the rest's share; CPU: of available RAM)"
+    )
+    profile_dir: str | None = Field(None, description="Where CPU torch.profiler traces are written; unset: the system temp directory")
 
     # Health and metrics over HTTP (Kubernetes probes, Prometheus)
     http_host: str = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")

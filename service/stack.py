@@ -66,6 +66,9 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         settings = settings.model_copy(update={"nats_url": server.url})
         settings.model_fields_set.add("nats_url")
     env = _child_env(settings)
+    if "cpu_threads" not in settings.model_fields_set:
+        # Engines sharing one machine's cores must not each start a thread per core.
+        env["DPCOORD_CPU_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(engines, 1)))
     ports = http_ports(settings, engines)
     python = [sys.executable, "-m", "service"]
     engine_args = ["--model", model] if model else []

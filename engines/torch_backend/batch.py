@@ -1,0 +1,77 @@
+"""Turns a scheduled step into the model's input tensors.
+
+Host-side bookkeeping (which token goes to which cache slot, which pages a sequence reads)
+is gathered into Python lists and sent to the device in one small transfer per tensor;
+masks are built on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.torch_backend.model import AttentionGroup, ForwardBatch
+from engines.torch_backend.scheduler import ScheduledBatch, Sequence
+
+
+def _long(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _block_tables(sequences: list[Sequence]) -> tuple[list[list[int]], int]:
+    """Page tables padded with page 0 (masked out) to the longest."""
+    width = max(len(sequence.block_table) for sequence in sequences)
+    return [sequence.block_table + [0] * (width - len(sequence.block_table)) for sequence in sequences], width
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where attention is allowed, -inf elsewhere: built once per step, not once per layer."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def build_batch(scheduled: ScheduledBatch, block_size: int, group_size: int, dtype: torch.dtype, device: torch.device) -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last: list[int] = []
+    for sequence in scheduled.sequences:
+        for position in range(sequence.num_cached, len(sequence.token_ids)):
+            input_ids.append(sequence.token_ids[position])
+            positions.append(position)
+            slots.append(sequence.slot(position, block_size))
+        last.append(len(input_ids) - 1)
+    return ForwardBatch(
+        input_ids=_long(input_ids, device),
+        positions=_long(positions, device),
+        slot_mapping=_long(slots, device),
+        last_token_index=_long(last, device),
+        decode=_decode_group(scheduled.decode, block_size, dtype, device) if scheduled.decode else None,
+        prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device) if scheduled.prefill else None,
+    )
+
+
+def _decode_group(sequences: list[Sequence], block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionGroup:
+    tables, width = _block_tables(sequences)
+    context = _long([len(sequence.token_ids) for sequence in sequences], device)
+    keys = torch.arange(width * block_size, device=device)
+    mask = _additive((keys[None, :] < context[:, None]).view(len(sequences), 1, 1, -1), dtype)
+    return AttentionGroup(_long(tables, device), mask, query_len=1)
+
+
+def _prefill_group(
+    sequences: list[Sequence], block_size: int, group_size: int, dtype: torch.dtype, device: torch.device
+) -> AttentionGroup:
+    """Queries padded to the longest prefill; a padded query sits at position 0 so that its
+    (discarded) softmax row is never empty. A query sees the cached slots at or before it."""
+    tables, width = _block_tables(sequences)
+    query_len = max(sequence.num_new for sequence in sequences)
+    pad_index: list[int] = []
+    query_positions: list[list[int]] = []
+    for row, sequence in enumerate(sequences):
+        pad_index.extend(range(row * query_len, row * query_len + sequence.num_new))
+        own = list(range(sequence.num_cached, len(sequence.token_ids)))
+        query_positions.append(own + [0] * (query_len - len(own)))
+    # Folded rows are (head in group, query): repeat positions once per head of the group.
+    folded = _long(query_positions, device).repeat(1, group_size)
+    keys = torch.arange(width * block_size, device=device)
+    mask = _additive((keys[None, None, :] <= folded[:, :, None]).unsqueeze(1), dtype)
+    return AttentionGroup(_long(tables, device), mask, query_len, _long(pad_index, device))

@@ -1,0 +1,81 @@
+"""Sizing the KV cache from the memory actually free.
+
+On CUDA the budget is what ``torch.cuda.mem_get_info`` reports free, less the share of the
+device kept back (``1 - kv_memory_fraction``) and less the activation peak measured by a
+warm-up pass; on CPU it is ``kv_memory_fraction`` of the memory the OS reports available.
+``kv_cache_gb`` replaces the measured budget. The cache never takes more pages than
+``max_batch`` sequences of ``max_context`` tokens can use. When the budget holds no page at
+all, loading fails with the figures, not at the first request.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engines.torch_backend.config import ModelConfig
+
+GIB = 1 << 30
+
+
+class KVCacheSizeError(RuntimeError):
+    """The memory budget leaves no room for a single KV-cache page."""
+
+
+def page_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page across all layers: keys and values of ``block_size`` tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * block_size * 2 * config.num_kv_heads * config.head_dim * element
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo (Linux), else free physical pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    num_blocks: int
+    budget_bytes: int
+    source: str  # where the budget came from, for the log line
+
+    def describe(self, page: int) -> str:
+        return f"{self.num_blocks} pages ({self.num_blocks * page / GIB:.3f} GiB) of a {self.budget_bytes / GIB:.3f} GiB budget ({self.source})"
+
+
+def plan_cache(
+    device: torch.device, page: int, max_pages_used: int, fraction: float, budget_gb: float | None,
+    activation_peak_bytes: int = 0,
+) -> CachePlan:
+    if budget_gb is not None:
+        budget, source = int(budget_gb * GIB), "kv_cache_gb"
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free - (1 - fraction) * total - activation_peak_bytes)
+        source = (f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB, {1 - fraction:.0%} kept back, "
+                  f"{activation_peak_bytes / GIB:.2f} GiB activation peak")
+    else:
+        available = host_available_bytes()
+        if available is None:
+            budget, source = max_pages_used * page, "host memory unknown: sized for max_batch x max_context"
+        else:
+            budget, source = int(available * fraction), f"{fraction:.0%} of {available / GIB:.2f} GiB available host memory"
+    num_blocks = min(max(budget, 0) // page, max_pages_used)
+    if num_blocks < 1:
+        raise KVCacheSizeError(
+            f"the KV cache comes out empty: a page needs {page} bytes, the budget is {budget} bytes ({source}); "
+            "free memory, raise --kv-memory-fraction or set --kv-cache-gb, or use a smaller --dtype"
+        )
+    return CachePlan(num_blocks, budget, source)

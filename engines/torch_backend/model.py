@@ -1,0 +1,169 @@
+"""A Llama-family decoder over a paged KV cache: RMSNorm, rotary embeddings, SwiGLU MLP,
+grouped-query attention.
+
+One forward pass runs a whole step of continuous batching: the new tokens of every scheduled
+sequence are flattened into ``T`` rows, so the projections and the MLP are single matrix
+products over the batch. Attention reads the cache: decode sequences (one query each) in one
+group, prefills (queries padded to the longest) in another. Projections are fused
+(q|k|v and gate|up) to save kernel launches; :mod:`engines.torch_backend.weights` maps
+Hugging Face parameter names onto them. Query heads are folded onto their key/value head
+(``[B, kv_heads, group * Q, head_dim]``), which is grouped-query attention without copying
+keys and values per query head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.torch_backend.config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences attended together. ``block_tables`` ``[B, blocks]`` index cache pages;
+    ``mask`` ``[B, 1, group * Q, blocks * block_size]`` (additive: 0 or -inf, the model's
+    dtype) says which cached slots each query sees.
+    ``pad_index`` ``[tokens]`` places the group's flat query rows into ``[B * Q]`` padded rows;
+    it is None for decode, where ``Q`` is 1 and rows map one to one."""
+
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+    query_len: int
+    pad_index: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """One step's inputs; flat rows are the decode tokens first, then each prefill's tokens."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache slot each token's key and value go to
+    last_token_index: torch.Tensor  # [B] the row whose logits sample each sequence's next token
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # In float32 then back, as transformers does, so bf16 models round the same way.
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+def _project_add(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``residual + linear(x)`` as one fused matrix product."""
+    out = torch.addmm(residual, x, linear.weight.t())
+    return out if linear.bias is None else out.add_(linear.bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.input_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.qkv = nn.Linear(hidden, (config.num_heads + 2 * config.num_kv_heads) * head_dim, bias=config.attention_bias)
+        self.o = nn.Linear(config.num_heads * head_dim, hidden, bias=config.attention_bias)
+        self.post_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down = nn.Linear(config.intermediate_size, hidden, bias=config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        attention = self._attention(self.input_norm(hidden), rotary, kv_cache, batch)
+        hidden = _project_add(hidden, attention, self.o)
+        gate, up = F.linear(self.post_norm(hidden), self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
+        return _project_add(hidden, F.silu(gate) * up, self.down)
+
+    def _attention(self, x: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        config = self.config
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(tokens, heads + 2 * kv_heads, head_dim)
+        qk = qkv[:, : heads + kv_heads]
+        half = head_dim // 2
+        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk.copy_(torch.addcmul(qk * rotary[:, 0:1], swapped, rotary[:, 1:2]))
+
+        # kv_cache: [blocks, block_size, 2, kv_heads, head_dim]; slot s is row s of the flat view.
+        new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, head_dim)
+        assert batch.slot_mapping.shape == (tokens,), "one cache slot per new token"
+        kv_cache.view(-1, 2, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, new_kv)
+
+        query = qkv[:, :heads]
+        out = []
+        if batch.decode is not None:
+            out.append(self._attend_decode(query[: batch.decode.block_tables.shape[0]], kv_cache, batch.decode))
+        if batch.prefill is not None:
+            decoded = 0 if batch.decode is None else batch.decode.block_tables.shape[0]
+            out.append(self._attend_prefill(query[decoded:], kv_cache, batch.prefill))
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _attend_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        config = self.config
+        sequences = query.shape[0]
+        folded = query.reshape(sequences, config.num_kv_heads, config.group_size, config.head_dim)
+        out = _attend(folded, kv_cache, group)  # [B, kv_heads, group, head_dim]
+        return out.reshape(sequences, config.num_heads * config.head_dim)
+
+    def _attend_prefill(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        config = self.config
+        sequences, q_len = group.block_tables.shape[0], group.query_len
+        assert group.pad_index is not None, "a prefill group carries its padding index"
+        padded = query.new_zeros(sequences * q_len, config.num_heads, config.head_dim)
+        padded.index_copy_(0, group.pad_index, query)
+        folded = (
+            padded.view(sequences, q_len, config.num_kv_heads, config.group_size, config.head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(sequences, config.num_kv_heads, config.group_size * q_len, config.head_dim)
+        )
+        out = _attend(folded, kv_cache, group)  # [B, kv_heads, group * Q, head_dim]
+        unfolded = (
+            out.view(sequences, config.num_kv_heads, config.group_size, q_len, config.head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(sequences * q_len, config.num_heads * config.head_dim)
+        )
+        return unfolded.index_select(0, group.pad_index)
+
+
+def _attend(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """Attention of folded queries ``[B, kv_heads, rows, head_dim]`` over the group's pages."""
+    sequences, kv_heads, _, head_dim = query.shape
+    pages = kv_cache.index_select(0, group.block_tables.view(-1))  # [B * blocks, block_size, 2, kv_heads, head_dim]
+    kv = pages.view(sequences, -1, 2, kv_heads, head_dim)
+    keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, kv_heads, L, head_dim]
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, batch: ForwardBatch, rotary_table: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, vocab]`` (float32) for the next token of each scheduled sequence.
+
+        ``kv_cache`` is ``[layers, blocks, block_size, 2, kv_heads, head_dim]``."""
+        assert kv_cache.shape[0] == len(self.layers), "one cache page table per layer"
+        hidden = self.embed(batch.input_ids)
+        rotary = rotary_table[batch.positions]  # [T, 2, head_dim]: cos, signed sin
+        for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
+            hidden = layer(hidden, rotary, layer_cache, batch)
+        last = self.norm(hidden[batch.last_token_index])
+        return self.lm_head(last).float()

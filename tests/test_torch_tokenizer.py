@@ -1,0 +1,89 @@
+"""Tokenizers and incremental detokenisation: streamed text never splits a character."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.torch_backend.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, load_tokenizer
+
+
+def stream(tokenizer: ByteTokenizer | HFTokenizer, prompt: list[int], generated: list[int]) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detokenizer.push(token) for token in generated]
+    pieces.append(detokenizer.flush())
+    return pieces
+
+
+def test_byte_tokenizer_round_trip_and_no_specials() -> None:
+    tokenizer = ByteTokenizer()
+    assert tokenizer.encode("hé") == [104, 195, 169]
+    assert tokenizer.decode([104, 195, 169, 300]) == "hé"  # ids past the bytes carry no text
+
+
+def test_multi_byte_characters_are_held_until_complete() -> None:
+    euro = list("€".encode())  # three bytes
+    assert stream(ByteTokenizer(), [65], euro + [66]) == ["", "", "€", "B", ""]
+
+
+def test_invalid_bytes_come_out_as_replacement_characters() -> None:
+    pieces = stream(ByteTokenizer(), [], [0xE2, 0x82, 0x41, 0xFF])
+    assert "".join(pieces) == "\ufffdA\ufffd"
+    assert pieces[-1] == "\ufffd"  # the trailing invalid byte is only released by the flush
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(min_size=0, max_size=40))
+def test_byte_stream_equals_the_whole_decode_and_splits_no_character(text: str) -> None:
+    generated = list(text.encode("utf-8"))
+    pieces = stream(ByteTokenizer(), [1, 2, 3], generated)
+    assert "".join(pieces) == text
+    assert "\ufffd" not in "".join(pieces) or "\ufffd" in text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=30))
+def test_arbitrary_bytes_stream_as_their_lossy_decode(data: bytes) -> None:
+    assert "".join(stream(ByteTokenizer(), [], list(data))) == data.decode("utf-8", "replace")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    loaded = load_tokenizer(Path(directory))
+    assert isinstance(loaded, HFTokenizer)
+    return loaded
+
+
+def test_hf_tokenizer_adds_bos_and_skips_specials_in_text(hf_tokenizer: HFTokenizer) -> None:
+    ids = hf_tokenizer.encode("the fox")
+    assert ids[0] == 0
+    assert hf_tokenizer.decode(ids + [1]) == "the fox"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="the quick brown fox €😀ü", max_size=30))
+def test_hf_stream_equals_the_whole_decode(hf_tokenizer: HFTokenizer, text: str) -> None:
+    prompt = hf_tokenizer.encode("the lazy")
+    generated = hf_tokenizer.encode(text)[1:]  # without BOS
+    pieces = stream(hf_tokenizer, prompt, generated)
+    assert "".join(pieces) == hf_tokenizer.decode(generated)
+    assert all("\ufffd" not in piece for piece in pieces)  # byte-level pieces never split a character
+
+
+def test_without_tokenizer_json_the_byte_tokenizer_is_used(tmp_path: Path) -> None:
+    assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+    assert isinstance(load_tokenizer(None), ByteTokenizer)

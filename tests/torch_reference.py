@@ -1,0 +1,106 @@
+"""Shared pieces of the torch tests: tiny configs, transformers' reference model with the
+same weights, and a harness that drives the engine's model step by step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from engines.torch_backend.batch import build_batch
+from engines.torch_backend.config import ModelConfig, RopeConfig
+from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.rope import rotary_table
+from engines.torch_backend.scheduler import BlockAllocator, Scheduler, Sequence
+from engines.torch_backend.weights import build_model, random_weights
+from service.settings import Settings
+
+TINY = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=16, max_position_embeddings=512,
+)
+
+
+def tiny(**changes: Any) -> ModelConfig:
+    return dataclasses.replace(TINY, **changes)
+
+
+LLAMA3_ROPE = RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                         original_max_position_embeddings=64)
+
+
+def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**config.to_hf()))
+    result = model.load_state_dict(weights, strict=False)
+    tied = ["lm_head.weight"] if config.tie_word_embeddings else []
+    assert result.missing_keys == tied and not result.unexpected_keys, result
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.eval()
+
+
+def engine_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
+    return build_model(config, iter(weights.items()), torch.float32, torch.device("cpu"))
+
+
+def torch_settings(**overrides: Any) -> Settings:
+    """Engine settings for tests: a small KV cache and context, so each backend starts fast."""
+    values: dict[str, Any] = {"device": "cpu", "max_context": 256, "kv_cache_gb": 0.01, "max_batch": 16}
+    unknown = set(overrides) - set(Settings.model_fields)
+    assert not unknown, f"not settings: {unknown}"  # Settings ignores unknown keys; a typo would pass silently
+    values.update(overrides)
+    return Settings(**values)
+
+
+class Harness:
+    """The engine's model, scheduler and cache without the backend: feeds chosen tokens and
+    returns the logits of every step, so prefill and decode can be compared with transformers."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int = 64, block_size: int = 4, max_batch: int = 16) -> None:
+        config = model.config
+        self.model = model
+        self.block_size = block_size
+        self.scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_batch, max_prefill_tokens=4096)
+        self.cache = torch.zeros(config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, config.head_dim)
+        self.rotary = rotary_table(config.rope, config.head_dim, config.max_position_embeddings, torch.float32, torch.device("cpu"))
+
+    @torch.inference_mode()
+    def step(self) -> dict[str, torch.Tensor]:
+        scheduled = self.scheduler.schedule()
+        batch = build_batch(scheduled, self.block_size, self.model.config.group_size, torch.float32, torch.device("cpu"))
+        logits = self.model(batch, self.rotary, self.cache)
+        return {sequence.request_id: row for sequence, row in zip(scheduled.sequences, logits, strict=True)}
+
+    def forced_logits(self, sequences: dict[str, tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+        """For each id: prefill ``prompt``, then feed ``continuation`` one token per step.
+        Returns ``[1 + len(continuation), vocab]`` logits: after the prompt, then after each token."""
+        states = {rid: Sequence.from_prompt(rid, prompt) for rid, (prompt, _) in sequences.items()}
+        for state in states.values():
+            self.scheduler.add(state)
+        collected: dict[str, list[torch.Tensor]] = {rid: [] for rid in sequences}
+        while any(len(collected[rid]) <= len(sequences[rid][1]) for rid in sequences):
+            for rid, logits in self.step().items():
+                collected[rid].append(logits)
+                fed = len(collected[rid]) - 1
+                continuation = sequences[rid][1]
+                if fed < len(continuation):
+                    states[rid].append(continuation[fed])
+                else:
+                    self.scheduler.remove(states[rid])
+        return {rid: torch.stack(rows) for rid, rows in collected.items()}
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+__all__ = ["LLAMA3_ROPE", "TINY", "Harness", "engine_model", "hf_greedy", "hf_model", "random_weights", "tiny", "torch_settings"]
