@@ -123,7 +123,7 @@ class Bench:
             "raw_relay": Target(stack.raw.stream, constant(bodies.stream)),
             "dpcoord_stream": Target(submit, Enveloped(bodies.stream, True, "bench-stream")),
         }
-        watched = ("coordinator", "engine0", "raw_relay", "raw_echo", "raw_stream_relay", "raw_stream_source")
+        watched = ("client", "nats_server", "coordinator", "engine0", "raw_relay", "raw_echo", "raw_stream_relay", "raw_stream_source")
         self.watch = {name: pid for name, pid in stack.pids.items() if name in watched}
 
     def steps(self) -> list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]]:

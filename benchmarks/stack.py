@@ -50,9 +50,12 @@ class BenchStack:
         self._nc: NATS | None = None
 
     async def __aenter__(self) -> BenchStack:
+        self.pids["client"] = os.getpid()
         if not self.config.nats_url:
             self.server = EmbeddedNatsServer().start()
             self.nats_url = self.server.url
+            if self.server.pid is not None:
+                self.pids["nats_server"] = self.server.pid
         self._nc = await nats.connect(self.nats_url, name="bench-client")
         return self
 
@@ -111,7 +114,8 @@ class BenchStack:
         raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in 30 s")
 
     def _check_children(self) -> None:
-        for name, child in zip(self.pids, self._children, strict=True):
+        children = [name for name in self.pids if name not in ("client", "nats_server")]
+        for name, child in zip(children, self._children, strict=True):
             if child.returncode is not None:
                 raise RuntimeError(f"{name} exited with status {child.returncode} while starting (its log is above)")
 

@@ -45,6 +45,11 @@ class EmbeddedNatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs (benchmarks read its CPU time)."""
+        return None if self._process is None else self._process.pid
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedNatsServer:
         self._ready.clear()
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self._extra_args]
