@@ -77,8 +77,9 @@ MAX_BUFFERED_ORPHANS = 10_000
 # must never wait for another NATS message; publishing is fine.
 DIRECT_HEADERS: frozenset[str] = frozenset({Header.SUBMIT_REQUEST, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL})
 
-# Bytes a routed request adds to its body and reply subject (the rest of its return path,
-# msgpack framing), and bytes of framing per batch: generous bounds, used to split batches.
+# Bytes a routed request adds to its body and the variable strings of its return path (the
+# ids, encoding and msgpack framing), and bytes of framing per batch: generous bounds that
+# split batches below the server's max_payload.
 _ROUTE_OVERHEAD = 160
 _BATCH_OVERHEAD = 64
 
@@ -352,7 +353,10 @@ class Coordinator:
             route = entry.route
             if entry.engine_id != engine_id or route.request_id not in self.requests:
                 continue  # answered or routed elsewhere while it waited for this turn
-            entry_size = len(entry.body) + len(route.reply_to) + len(str(route.client_request_id)) + _ROUTE_OVERHEAD
+            entry_size = (
+                len(entry.body) + len(route.reply_to) + len(str(route.client_request_id)) + len(route.client_id or "")
+                + _ROUTE_OVERHEAD
+            )
             if entry_size > limit:
                 await self.fail(route.request_id, WireError(
                     ErrorCode.TOO_LARGE, f"request of {len(entry.body)} bytes does not fit NATS max_payload {self.nc.max_payload} once routed"))
