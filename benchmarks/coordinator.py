@@ -42,7 +42,6 @@ from service import event_loop
 from service.subjects import Header
 from service.wire import SamplingParams, SubmitEnvelope, SubmitRequest, encode_msgpack
 
-log = logging.getLogger(__name__)
 
 RESULTS_DIR = Path("benchmarks") / "results"  # relative to where it runs: the repository root, git-ignored
 
@@ -341,7 +340,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(),
         "event_loop": event_loop.resolve(args.event_loop),
-        "config": {key: value for key, value in vars(args).items() if key not in ("func",)},
+        "config": vars(args),
         "bytes": {"short_submit": len(bodies.short), "long_submit": len(bodies.long), "final": final_bytes, "partial": partial_bytes},
         "rounds": rounds,
         "summary": summarise(rounds),

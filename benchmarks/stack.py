@@ -5,7 +5,6 @@ against them exactly as a real client would be."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -23,7 +22,6 @@ from service.nats_server import EmbeddedNatsServer
 from service.subjects import Header, Subjects
 from service.wire import ErrorReply, Final, Partial, Reply
 
-log = logging.getLogger(__name__)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
