@@ -70,20 +70,27 @@ async def test_a_failing_handler_is_logged_and_the_next_message_still_arrives(
 
 async def test_unsubscribed_direct_handler_hears_nothing_more(direct: DirectClient, nc: NATS) -> None:
     heard: list[bytes] = []
+    first, marker = asyncio.Event(), asyncio.Event()
 
     async def handler(subject: str, reply: str, body: bytes) -> None:
         heard.append(body)
+        first.set()
+
+    async def on_marker(subject: str, reply: str, body: bytes) -> None:
+        marker.set()
 
     subscription = await direct.subscribe_direct("direct.unsub", handler)
+    await direct.subscribe_direct("direct.unsub.marker", on_marker)
     await direct.flush()
     await nc.publish("direct.unsub", b"before")
-    await nc.flush()
-    await direct.flush()  # a round trip after the publish: the message has been read by now
+    await asyncio.wait_for(first.wait(), 5)
     await subscription.unsubscribe()
-    await direct.flush()
+    await direct.flush()  # the server has the UNSUB
     await nc.publish("direct.unsub", b"after")
-    await nc.flush()
-    await direct.flush()
+    # One publisher's messages reach one subscriber in order: once the marker is in, "after"
+    # would have been too.
+    await nc.publish("direct.unsub.marker", b"")
+    await asyncio.wait_for(marker.wait(), 5)
     assert heard == [b"before"]
 
 
