@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from service.direct_nats import DirectClient
+from service.nats_connection import flush_subscriptions
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ async def test_direct_handler_gets_subject_reply_and_body_in_order(direct: Direc
             done.set()
 
     await direct.subscribe_direct("direct.test.*", handler)
-    await direct.flush()
+    await flush_subscriptions(direct)
     await nc.publish("direct.test.a", b"1", reply="inbox.1")
     await nc.publish("direct.test.b", b"2")
     await nc.publish("direct.test.a", b"", headers={"K": "V"})
@@ -59,7 +60,7 @@ async def test_a_failing_handler_is_logged_and_the_next_message_still_arrives(
         second.set()
 
     await direct.subscribe_direct("direct.fail", handler)
-    await direct.flush()
+    await flush_subscriptions(direct)
     with caplog.at_level(logging.ERROR, logger="service.direct_nats"):
         await nc.publish("direct.fail", b"boom")
         await nc.publish("direct.fail", b"fine")
@@ -81,11 +82,11 @@ async def test_unsubscribed_direct_handler_hears_nothing_more(direct: DirectClie
 
     subscription = await direct.subscribe_direct("direct.unsub", handler)
     await direct.subscribe_direct("direct.unsub.marker", on_marker)
-    await direct.flush()
+    await flush_subscriptions(direct)
     await nc.publish("direct.unsub", b"before")
     await asyncio.wait_for(first.wait(), 5)
     await subscription.unsubscribe()
-    await direct.flush()  # the server has the UNSUB
+    await flush_subscriptions(direct)  # the server has the UNSUB
     await nc.publish("direct.unsub", b"after")
     # One publisher's messages reach one subscriber in order: once the marker is in, "after"
     # would have been too.
@@ -100,7 +101,7 @@ async def test_ordinary_subscriptions_on_a_direct_client_behave_as_in_nats_py(di
 
     await direct.subscribe_direct("direct.echo", handler)
     sub = await direct.subscribe("plain.subject")
-    await direct.flush()
+    await flush_subscriptions(direct)
     other = await nats.connect(nats_url)
     try:
         answer = await other.request("direct.echo", b"hi", timeout=5)

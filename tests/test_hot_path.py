@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 
 from service.coordinator import Coordinator
 from service.errors import WireError
+from service.nats_connection import flush_subscriptions
 from service.wire import (
     Encoding,
     PayloadDecoder,
@@ -111,7 +112,7 @@ async def test_requests_arriving_together_reach_the_engine_in_few_messages(
         routed.append(len(msgspec.msgpack.decode(msg.data, type=RoutedRequestBatch).requests))
 
     await nc.subscribe(coordinator.subjects.engine(engine.engine_id, "submit_request"), cb=spy)
-    await nc.flush()
+    await flush_subscriptions(nc)
     count = 64
     inbox = nc.new_inbox()
     sub = await nc.subscribe(f"{inbox}.*")

@@ -32,7 +32,7 @@ from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from service.client import ClientError, DpcoordClient
 from service.coordinator import Coordinator
-from service.nats_connection import connect_nats, connect_options
+from service.nats_connection import connect_nats, connect_options, flush_subscriptions
 from service.nats_server import EmbeddedNatsServer
 from service.refusals import PublishRefusals
 from service.settings import Settings
@@ -300,7 +300,7 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
             # A reply subject the engine connection reads too, so the coordinator's publishes
             # reach one connection in the order they were made.
             observed = await engine.subscribe("_INBOX_engine.observed")
-            await engine.flush()
+            await flush_subscriptions(engine)
             replies = []
             for request_id, reply_to in (("gone-0", subjects.broadcast("stop")), ("gone-1", "_INBOX_engine.observed")):
                 route = ReturnPath(request_id, "gone", reply_to, "msgpack", False, None)
