@@ -379,6 +379,8 @@ class Coordinator:
                 self._held.popleft()
                 continue
             if len(self.engines) == 0:
+                if not self.peers.warmed_up:
+                    return  # heartbeats are about to introduce the fleet
                 self._held.popleft()
                 await self.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
                 continue
