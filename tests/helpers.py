@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+
+from service.coordinator import Coordinator
 
 
 def decode_reply(data: bytes) -> dict[str, Any]:
@@ -46,3 +50,24 @@ async def request_stream(nc: NATS, subject: str, body: bytes, timeout: float = 1
                 return messages
     finally:
         await sub.unsubscribe()
+
+
+async def engines_become(coordinator: Coordinator, count: int, timeout_s: float = 5.0) -> None:
+    """Wait until the coordinator knows exactly ``count`` engines (``wait_for_engines`` waits for at least)."""
+
+    async def reached() -> None:
+        while len(coordinator.engines) != count:
+            coordinator.engines_changed.clear()
+            await coordinator.engines_changed.wait()
+
+    await asyncio.wait_for(reached(), timeout_s)
+
+
+def read_up_banner(stdout: Iterable[str]) -> list[str]:
+    """The lines `dpcoord up` prints up to and including its Ctrl-C hint, once the stack is ready."""
+    lines = []
+    for line in stdout:
+        lines.append(line)
+        if line.startswith("Ctrl-C"):
+            return lines
+    raise AssertionError(f"dpcoord up ended before it was ready: {lines}")

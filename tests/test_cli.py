@@ -13,6 +13,7 @@ import pytest
 
 from service.cli import build_parser, settings_from
 from service.settings import Settings
+from tests.helpers import read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,11 +49,7 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
     stack = subprocess.Popen(DPCOORD + ["up", "--engines", "2"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert stack.stdout is not None
-        lines = []
-        for line in stack.stdout:
-            lines.append(line)
-            if line.startswith("Ctrl-C"):
-                break
+        lines = read_up_banner(stack.stdout)
         url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
         assert url.startswith("nats://127.0.0.1:")
         client_env = dict(env, DPCOORD_NATS_URL=url)

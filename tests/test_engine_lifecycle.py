@@ -18,20 +18,11 @@ from service.wire import (
     encode_msgpack,
 )
 from tests.conftest import EngineFactory
-from tests.helpers import decode_reply, request_json
+from tests.helpers import decode_reply, engines_become, request_json
 
 
 def subject(coordinator: Coordinator, header: str) -> str:
     return coordinator.subjects.coordinator(header)
-
-
-async def engines_become(coordinator: Coordinator, count: int, timeout: float = 5.0) -> None:
-    async def reached() -> None:
-        while len(coordinator.engines) != count:
-            coordinator.engines_changed.clear()
-            await coordinator.engines_changed.wait()
-
-    await asyncio.wait_for(reached(), timeout)
 
 
 async def test_unstreamed_request_of_a_departed_engine_is_retried_elsewhere(

@@ -27,7 +27,7 @@ from service.observability import Observability
 from service.settings import Settings
 from service.stack import http_ports
 from tests.conftest import EngineFactory, make_settings
-from tests.helpers import decode_reply, request_json
+from tests.helpers import decode_reply, engines_become, request_json
 
 
 async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
@@ -67,15 +67,6 @@ def port_of(observability: Observability) -> int:
     return observability.http.port
 
 
-async def wait_until_engines(coordinator: Coordinator, count: int, timeout_s: float = 5.0) -> None:
-    async def reached() -> None:
-        while len(coordinator.engines) != count:
-            coordinator.engines_changed.clear()
-            await coordinator.engines_changed.wait()
-
-    await asyncio.wait_for(reached(), timeout_s)
-
-
 async def test_coordinator_ready_only_with_an_engine(
     coordinator: Coordinator, coordinator_obs: Observability, start_engines: EngineFactory
 ) -> None:
@@ -89,7 +80,7 @@ async def test_coordinator_ready_only_with_an_engine(
     assert status == 200 and "1 engine(s)" in body
 
     await engine.stop()
-    await wait_until_engines(coordinator, 0)
+    await engines_become(coordinator, 0)
     assert (await http_get(port, READY_PATH))[0] == 503
     assert (await http_get(port, HEALTH_PATH))[0] == 200
 

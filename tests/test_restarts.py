@@ -20,7 +20,7 @@ from engines.runtime import EngineRuntime
 from service.client import ClientError, DpcoordClient
 from service.coordinator import Coordinator
 from service.settings import Settings
-from tests.helpers import decode_reply
+from tests.helpers import decode_reply, engines_become
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,9 +115,7 @@ def test_sigkilled_engine_is_detected_within_the_heartbeat_timeout(nats_url: str
                 await coordinator.wait_for_engines(1, timeout_s=30)
                 engine.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
-                while len(coordinator.engines):
-                    coordinator.engines_changed.clear()
-                    await asyncio.wait_for(coordinator.engines_changed.wait(), 10)
+                await engines_become(coordinator, 0, timeout_s=10)
                 return time.monotonic() - killed_at
             finally:
                 engine.kill()

@@ -15,6 +15,7 @@ from engines.factory import make_backend
 from engines.torch_backend.backend import TorchBackend
 from service.cli import build_parser, settings_from
 from service.settings import Settings
+from tests.helpers import read_up_banner
 
 
 def test_torch_is_the_default_backend() -> None:
@@ -56,11 +57,7 @@ def test_up_then_submit_streams_tokens_from_torch_engines(tmp_path: Path) -> Non
         stack = subprocess.Popen(dpcoord + ["up", "--engines", "1"], env=env, cwd=root, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
             assert stack.stdout is not None
-            lines = []
-            for line in stack.stdout:
-                lines.append(line)
-                if line.startswith("Ctrl-C"):
-                    break
+            lines = read_up_banner(stack.stdout)
             assert "1 torch engine(s)" in lines[0]
             url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
             submit = subprocess.run(dpcoord + ["submit", "Hello", "--stream", "--max-tokens", "6", "--seed", "1"],
