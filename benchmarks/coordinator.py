@@ -38,9 +38,10 @@ from benchmarks.load import Target, Window, pipelined, sequential, streaming
 from benchmarks.profile import fold, record
 from benchmarks.progress import Progress
 from benchmarks.stack import BenchStack, StackConfig
-from service import event_loop
-from service.subjects import Header
-from service.wire import SamplingParams, SubmitEnvelope, SubmitRequest, encode_msgpack
+from service.ops import event_loop
+from service.protocol.subjects import Header
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
 
 
 RESULTS_DIR = Path("benchmarks") / "results"  # relative to where it runs: the repository root, git-ignored
@@ -383,8 +384,8 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.coordinator", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m benchmarks.coordinator") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_arguments(parser)
     return parser
 

@@ -30,7 +30,7 @@ import torch
 from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.weights import random_weights
-from service.settings import Settings
+from service.ops.settings import Settings
 
 
 @dataclass

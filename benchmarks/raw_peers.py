@@ -25,7 +25,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from service.event_loop import run
+from service.ops.event_loop import run
 
 
 class Subjects:

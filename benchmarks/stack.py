@@ -18,9 +18,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from benchmarks.raw_peers import Subjects as RawSubjects
-from service.nats_server import EmbeddedNatsServer
-from service.subjects import Header, Subjects
-from service.wire import ErrorReply, Final, Partial, Reply
+from service.bus.server import EmbeddedNatsServer
+from service.protocol.subjects import Header, Subjects
+from service.protocol.messages import ErrorReply, Final, Partial, Reply
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from service.wire import FinishReason, SubmitRequest
+from service.protocol.messages import FinishReason, SubmitRequest
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0

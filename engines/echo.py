@@ -17,7 +17,7 @@ import codecs
 from dataclasses import dataclass, field
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
-from service.wire import FinishReason
+from service.protocol.messages import FinishReason
 
 
 @dataclass(slots=True)

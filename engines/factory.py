@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engines.backend import Backend
-from service.settings import Settings
+from service.ops.settings import Settings
 
 
 def make_backend(settings: Settings, model: str | None = None) -> Backend:

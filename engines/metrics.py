@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engines.runtime import EngineRuntime
-from service.metrics import nats_families
+from service.ops.metrics import nats_families
 
 
 class EngineCollector(Collector):

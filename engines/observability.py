@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from engines.metrics import EngineCollector
 from engines.runtime import EngineRuntime
-from service.http_endpoints import Check
-from service.nats_services import ENGINE_SERVICE, EngineStatus
-from service.observability import Observability, ServiceSpec
+from service.ops.http_endpoints import Check
+from service.ops.services_api import ENGINE_SERVICE, EngineStatus
+from service.ops.observability import Observability, ServiceSpec
 
 
 def engine_health(runtime: EngineRuntime) -> Check:

@@ -23,15 +23,15 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
-from service.direct_nats import DirectClient
-from service.errors import ErrorCode, WireError
-from service.log_limit import RateLimitedLog
-from service.nats_connection import close_nats, connect_nats, flush_subscriptions
-from service.settings import Settings
-from service.subjects import RESEND_REPLIES, Header, Subjects
-from service.wire import (
+from service.bus.direct import DirectClient
+from service.protocol.errors import ErrorCode, WireError
+from service.ops.log_limit import RateLimitedLog
+from service.bus.connection import close_nats, connect_nats, flush_subscriptions
+from service.ops.settings import Settings
+from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
+from service.protocol.codec import Encoding, PayloadDecoder, encode, encode_msgpack, msgpack_decoder
+from service.protocol.messages import (
     ControlSignal,
-    Encoding,
     EngineAck,
     EngineDisconnect,
     EngineRegister,
@@ -41,7 +41,6 @@ from service.wire import (
     FinishReason,
     Heartbeat,
     Partial,
-    PayloadDecoder,
     RegisterAck,
     ResendAnswer,
     ResendReplies,
@@ -51,10 +50,7 @@ from service.wire import (
     RoutedRequest,
     RoutedRequestBatch,
     SubmitRequest,
-    encode,
-    encode_msgpack,
     error_reply,
-    msgpack_decoder,
 )
 
 log = logging.getLogger(__name__)
@@ -166,7 +162,7 @@ class EngineRuntime:
             self.settings, name=f"dpcoord-engine-{self.engine_id}",
             on_disconnect=self._connected.clear, on_reconnect=self._on_reconnect,
         )
-        # Routed messages are the hot path: handled on nats-py's reading task (service/direct_nats.py).
+        # Routed messages are the hot path: handled on nats-py's reading task (service/bus/direct.py).
         await self.nc.subscribe_direct(self.subjects.engine_wildcard(self.engine_id), self._on_routed)
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
         await flush_subscriptions(self.nc)

@@ -6,13 +6,21 @@ import uuid
 from typing import TYPE_CHECKING
 
 from handlers.registry import message_handler
-from service import PROTOCOL_VERSION
-from service.errors import ErrorCode, WireError
-from service.subjects import Header
-from service.wire import AbortRequest, Ack, ConnectAck, ConnectRequest, Empty, SubmitEnvelope, SubmitRequest
+from service.protocol import PROTOCOL_VERSION
+from service.protocol.errors import ErrorCode, WireError
+from service.protocol.subjects import Header
+from service.protocol.messages import (
+    AbortRequest,
+    Ack,
+    ConnectAck,
+    ConnectRequest,
+    Empty,
+    SubmitEnvelope,
+    SubmitRequest,
+)
 
 if TYPE_CHECKING:
-    from service.coordinator import Coordinator, Sender
+    from service.coordinator.coordinator import Coordinator, Sender
 
 
 @message_handler(Header.CONNECT)

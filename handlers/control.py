@@ -6,14 +6,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from handlers.registry import message_handler
-from service.errors import ErrorCode, WireError
-from service.state import CoordinatorState, decide
-from service.subjects import Header
-from service.wire import Ack, ControlSignal, error_reply
+from service.protocol.errors import ErrorCode, WireError
+from service.protocol.state import CoordinatorState, decide
+from service.protocol.subjects import Header
+from service.protocol.messages import Ack, ControlSignal, error_reply
 
 if TYPE_CHECKING:
-    from service.control import BroadcastResult
-    from service.coordinator import Coordinator, Sender
+    from service.coordinator.broadcast import BroadcastResult
+    from service.coordinator.coordinator import Coordinator, Sender
 
 log = logging.getLogger(__name__)
 

@@ -7,19 +7,19 @@ import time
 from typing import TYPE_CHECKING
 
 from handlers.registry import message_handler
-from service.subjects import Header
-from service.wire import (
+from service.protocol.subjects import Header
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import (
     CoordinatorHeartbeat,
     EngineDisconnect,
     EngineRegister,
     EngineReplyBatch,
     Heartbeat,
     RegisterAck,
-    encode_msgpack,
 )
 
 if TYPE_CHECKING:
-    from service.coordinator import Coordinator, Sender
+    from service.coordinator.coordinator import Coordinator, Sender
 
 
 @message_handler(Header.REGISTER)

@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from service.wire import PayloadDecoder
+from service.protocol.codec import PayloadDecoder
 
 if TYPE_CHECKING:
-    from service.coordinator import Coordinator, Sender
+    from service.coordinator.coordinator import Coordinator, Sender
 
 HandlerFn = Callable[["Coordinator", "Sender", Any], Awaitable[bool | None]]
 

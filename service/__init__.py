@@ -1,6 +1,6 @@
 """dpcoord: a data-parallel LLM inference coordinator on the NATS message bus.
 
-The coordinator never imports torch: engines do (see ``engines/``).
+The packages below depend one way (docs/architecture.md; import-linter enforces it):
+``protocol`` < ``bus`` < ``ops`` < the roles (``coordinator``, ``client``, and the top-level
+``handlers`` and ``engines``) < ``cli``. The coordinator never imports torch: engines do.
 """
-
-PROTOCOL_VERSION = 1

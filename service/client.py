@@ -29,12 +29,13 @@ from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from service.errors import ErrorCode, WireError
-from service.nats_connection import close_nats, connect_nats
-from service.refusals import PublishRefusals
-from service.settings import Settings
-from service.subjects import Header, Subjects
-from service.wire import (
+from service.protocol.errors import ErrorCode, WireError
+from service.bus.connection import close_nats, connect_nats
+from service.bus.refusals import PublishRefusals
+from service.ops.settings import Settings
+from service.protocol.subjects import Header, Subjects
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import (
     AbortRequest,
     Ack,
     ClientRequestId,
@@ -49,7 +50,6 @@ from service.wire import (
     SamplingParams,
     SubmitEnvelope,
     SubmitRequest,
-    encode_msgpack,
 )
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)

@@ -18,9 +18,10 @@ from nats.aio.client import Client as NATS
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
-from service.coordinator import Coordinator
-from service.nats_server import EmbeddedNatsServer
-from service.settings import Settings
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.bus.server import EmbeddedNatsServer
+from service.ops.settings import Settings
 
 log = logging.getLogger("tests")
 
@@ -72,7 +73,7 @@ def settings(nats_url: str) -> Settings:
 
 @pytest.fixture
 async def coordinator(settings: Settings) -> AsyncIterator[Coordinator]:
-    async with Coordinator(settings) as running:
+    async with Coordinator(settings, HANDLERS) as running:
         yield running
 
 

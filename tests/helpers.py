@@ -12,7 +12,7 @@ import msgpack
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from service.coordinator import Coordinator
+from service.coordinator.coordinator import Coordinator
 
 
 def decode_reply(data: bytes) -> dict[str, Any]:

@@ -4,7 +4,7 @@ import json
 
 from nats.aio.client import Client as NATS
 
-from service.coordinator import Coordinator
+from service.coordinator.coordinator import Coordinator
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, request_json
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
-from service.coordinator import Coordinator
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
 from tests.conftest import make_settings
 from tests.helpers import request_json
 
@@ -32,7 +33,7 @@ async def flood(nc: NATS, subject: str, count: int, start: int) -> None:
 
 async def test_rss_stays_flat_over_100k_rejected_submissions(nats_url: str, nc: NATS) -> None:
     settings = make_settings(nats_url, max_queued_requests=1000)
-    async with Coordinator(settings) as coordinator:
+    async with Coordinator(settings, HANDLERS) as coordinator:
         subject = coordinator.subjects.coordinator("submit_request")
         await request_json(nc, coordinator.subjects.coordinator("pause"), {})
         await flood(nc, subject, 10_000, 0)  # warm up: fill the queue, let the allocator settle

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import build_parser, settings_from
-from service.settings import Settings
+from service.cli.main import build_parser, settings_from
+from service.ops.settings import Settings
 from tests.helpers import read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]

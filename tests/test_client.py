@@ -7,9 +7,10 @@ import asyncio
 import pytest
 
 from service.client import ClientError, DpcoordClient
-from service.coordinator import Coordinator
-from service.settings import Settings
-from service.wire import Final, Partial
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.ops.settings import Settings
+from service.protocol.messages import Final, Partial
 from tests.conftest import EngineFactory
 
 
@@ -73,7 +74,7 @@ async def test_connect_without_coordinator_is_a_clear_error(settings: Settings) 
 
 
 async def test_shutdown_stops_the_coordinator(settings: Settings) -> None:
-    coordinator = Coordinator(settings)
+    coordinator = Coordinator(settings, HANDLERS)
     await coordinator.start()
     async with await DpcoordClient.connect(settings) as client:
         assert (await client.shutdown()).signal == "shutdown"

@@ -7,9 +7,10 @@ import json
 import msgpack
 from nats.aio.client import Client as NATS
 
-from service.coordinator import Coordinator
-from service.state import CoordinatorState
-from service.wire import EngineRegister, encode_msgpack
+from service.coordinator.coordinator import Coordinator
+from service.protocol.state import CoordinatorState
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import EngineRegister
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, request_json
 

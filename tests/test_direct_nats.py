@@ -1,4 +1,4 @@
-"""Direct subscriptions (service/direct_nats.py) against a real nats-server, and the nats-py
+"""Direct subscriptions (service/bus/direct.py) against a real nats-server, and the nats-py
 hook they rely on: these fail first if a nats-py release changes it."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from service.direct_nats import DirectClient
-from service.nats_connection import flush_subscriptions
+from service.bus.direct import DirectClient
+from service.bus.connection import flush_subscriptions
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ async def test_a_failing_handler_is_logged_and_the_next_message_still_arrives(
 
     await direct.subscribe_direct("direct.fail", handler)
     await flush_subscriptions(direct)
-    with caplog.at_level(logging.ERROR, logger="service.direct_nats"):
+    with caplog.at_level(logging.ERROR, logger="service.bus.direct"):
         await nc.publish("direct.fail", b"boom")
         await nc.publish("direct.fail", b"fine")
         await asyncio.wait_for(second.wait(), 5)

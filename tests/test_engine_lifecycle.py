@@ -7,15 +7,15 @@ import json
 
 from nats.aio.client import Client as NATS
 
-from service.coordinator import Coordinator
-from service.wire import (
+from service.coordinator.coordinator import Coordinator
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import (
     EngineDisconnect,
     EngineRegister,
     EngineReplyBatch,
     Heartbeat,
     ReturnPath,
     RoutedReply,
-    encode_msgpack,
 )
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, engines_become, request_json

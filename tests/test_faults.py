@@ -31,10 +31,11 @@ from engines.backend import GenerationRequest
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from service.client import ClientError, DpcoordClient
-from service.coordinator import Coordinator
-from service.nats_server import EmbeddedNatsServer
-from service.settings import Settings
-from service.subjects import Header
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.bus.server import EmbeddedNatsServer
+from service.ops.settings import Settings
+from service.protocol.subjects import Header
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
 
@@ -100,7 +101,7 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
     settings = fault_settings(private_nats)
     engines = [engine_process(settings) for _ in range(3)]
     try:
-        async with Coordinator(settings) as coordinator:
+        async with Coordinator(settings, HANDLERS) as coordinator:
             await coordinator.wait_for_engines(3, timeout_s=30)
             engine_ids = [record.engine_id for record in coordinator.engines]
             outstanding: dict[int, bytes] = {}
@@ -219,7 +220,7 @@ class RecordingEcho(EchoBackend):
 async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: EmbeddedNatsServer) -> None:
     settings = fault_settings(private_nats, heartbeat_timeout_s=3.0)
     runs: Counter[str] = Counter()
-    async with Coordinator(settings) as coordinator:
+    async with Coordinator(settings, HANDLERS) as coordinator:
         engines = [EngineRuntime(settings, RecordingEcho(runs)) for _ in range(2)]
         for engine in engines:
             await engine.start()

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings, stra
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
-from service.coordinator import Coordinator
-from service.state import CoordinatorState
-from service.subjects import Header
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import Header
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
 
@@ -52,7 +53,7 @@ class LoopThread:
 class FuzzTarget:
     def __init__(self, nats_url: str) -> None:
         self.settings = make_settings(nats_url)
-        self.coordinator = Coordinator(self.settings)
+        self.coordinator = Coordinator(self.settings, HANDLERS)
         self.engines: list[EngineRuntime] = []
         self.replies: list[bytes] = []
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from helm_python import Chart, HelmValuesError, lint, values_from_yaml
 
-from service.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
-from service.settings import Settings
+from service.ops.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
+from service.ops.settings import Settings
 from tests.chart.contract import CHART, DERIVED_SETTINGS, settings_schema, valued_settings
 
 RELEASE = "rel"

@@ -26,12 +26,13 @@ from nats.aio.client import Client as NATS
 from engines.echo import EchoBackend
 from engines.observability import engine_observability
 from engines.runtime import EngineRuntime
-from service.coordinator import Coordinator
-from service.coordinator_observability import coordinator_observability
-from service.nats_server import EmbeddedNatsServer
-from service.settings import Settings
-from service.state import CoordinatorState
-from service.subjects import CONTROL_HEADERS, FANOUT_HEADERS, PROFILER_HEADERS, Header
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.coordinator.observability import coordinator_observability
+from service.bus.server import EmbeddedNatsServer
+from service.ops.settings import Settings
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import CONTROL_HEADERS, FANOUT_HEADERS, PROFILER_HEADERS, Header
 from tests.chart.contract import CHART
 from tests.helpers import request_json
 from tests.test_helm_chart import NAMESPACE, RELEASE, render
@@ -139,7 +140,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, RenderedAuth, Coor
     auth = rendered_auth({})
     with start_server(auth, tmp_path) as server:
         base = Settings(nats_url=server.url, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, control_timeout_s=2.0)
-        coordinator = Coordinator(as_user(base, "coordinator", auth))
+        coordinator = Coordinator(as_user(base, "coordinator", auth), HANDLERS)
         engine = EngineRuntime(as_user(base, "engine", auth), EchoBackend())
         async with coordinator:
             coordinator_obs = coordinator_observability(coordinator, "127.0.0.1", None)

@@ -13,18 +13,11 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from service.coordinator import Coordinator
-from service.errors import WireError
-from service.nats_connection import flush_subscriptions
-from service.wire import (
-    Encoding,
-    PayloadDecoder,
-    RoutedRequestBatch,
-    SamplingParams,
-    SubmitEnvelope,
-    SubmitRequest,
-    encode_msgpack,
-)
+from service.coordinator.coordinator import Coordinator
+from service.protocol.errors import WireError
+from service.bus.connection import flush_subscriptions
+from service.protocol.codec import Encoding, PayloadDecoder, encode_msgpack
+from service.protocol.messages import RoutedRequestBatch, SamplingParams, SubmitEnvelope, SubmitRequest
 from tests.conftest import EngineFactory
 from tests.helpers import request_stream
 

@@ -105,7 +105,7 @@ def test_coordinator_code_does_not_import_torch() -> None:
         "    for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
         "        if not module.name.endswith('__main__'):\n"
         "            importlib.import_module(module.name)\n"
-        "importlib.import_module('service.coordinator_observability')\n"
+        "importlib.import_module('service.coordinator.observability')\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'triton')))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -11,7 +11,7 @@ import asyncio
 import json
 from urllib.parse import urlparse
 
-from service.coordinator import Coordinator
+from service.coordinator.coordinator import Coordinator
 from tests.conftest import EngineFactory
 
 

@@ -18,14 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.echo import EchoBackend
 from engines.observability import engine_observability
 from engines.runtime import EngineRuntime
-from service.coordinator import Coordinator
-from service.coordinator_observability import coordinator_observability
-from service.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
-from service.nats_server import EmbeddedNatsServer, free_port
-from service.nats_services import COORDINATOR_SERVICE, ENGINE_SERVICE
-from service.observability import Observability
-from service.settings import Settings
-from service.stack import http_ports
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.coordinator.observability import coordinator_observability
+from service.ops.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
+from service.bus.server import EmbeddedNatsServer, free_port
+from service.ops.services_api import COORDINATOR_SERVICE, ENGINE_SERVICE
+from service.ops.observability import Observability
+from service.ops.settings import Settings
+from service.cli.stack import http_ports
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import decode_reply, engines_become, request_json
 
@@ -101,7 +102,7 @@ async def probe_until(port: int, path: str, status: int, timeout_s: float = 10.0
 
 async def test_health_follows_the_nats_connection_and_reconnects_are_counted() -> None:
     with EmbeddedNatsServer() as server:
-        async with Coordinator(make_settings(server.url)) as coordinator:
+        async with Coordinator(make_settings(server.url), HANDLERS) as coordinator:
             observability = coordinator_observability(coordinator, "127.0.0.1", 0)
             await observability.start(coordinator.nc)
             try:
@@ -131,7 +132,7 @@ async def test_engine_ready_once_registered(nats_url: str) -> None:
         port = port_of(observability)
         assert (await http_get(port, HEALTH_PATH))[0] == 200
         assert await http_get(port, READY_PATH) == (503, "not ok: not registered with a coordinator yet\n")
-        async with Coordinator(settings):
+        async with Coordinator(settings, HANDLERS):
             await asyncio.wait_for(runtime.registered.wait(), 10)
             status, body = await http_get(port, READY_PATH)
             assert status == 200 and "echo backend loaded" in body

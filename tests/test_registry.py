@@ -5,10 +5,10 @@ from nats.aio.client import Client as NATS
 
 from handlers import HANDLERS
 from handlers.registry import HandlerRegistry
-from service.coordinator import Coordinator, Sender
-from service.settings import Settings
-from service.subjects import Header
-from service.wire import Ack, ControlSignal
+from service.coordinator.coordinator import Coordinator, Sender
+from service.ops.settings import Settings
+from service.protocol.subjects import Header
+from service.protocol.messages import Ack, ControlSignal
 from tests.helpers import request_json
 
 

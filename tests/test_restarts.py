@@ -18,8 +18,9 @@ from nats.aio.client import Client as NATS
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from service.client import ClientError, DpcoordClient
-from service.coordinator import Coordinator
-from service.settings import Settings
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.ops.settings import Settings
 from tests.helpers import decode_reply, engines_become
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ async def read_stream(sub: object) -> list[dict]:
 async def test_answers_computed_by_engines_reach_clients_after_coordinator_restart(
     settings: Settings, slow_engine: EngineRuntime, nc: NATS
 ) -> None:
-    first = Coordinator(settings)
+    first = Coordinator(settings, HANDLERS)
     await first.start()
     await asyncio.wait_for(slow_engine.registered.wait(), 10)
     inbox = nc.new_inbox()
@@ -55,7 +56,7 @@ async def test_answers_computed_by_engines_reach_clients_after_coordinator_resta
     await nc.publish(first.subjects.coordinator("submit_request"), json.dumps(body).encode(), reply=inbox)
     assert decode_reply((await sub.next_msg(timeout=5)).data)["type"] == "partial"
     await crash(first)
-    async with Coordinator(settings) as second:
+    async with Coordinator(settings, HANDLERS) as second:
         replies = await read_stream(sub)
         assert replies[-1]["type"] == "final" and replies[-1]["engine_id"] == slow_engine.engine_id
         assert replies[-1]["generated_text"] == ("survive" * 6)[:40]
@@ -66,7 +67,7 @@ async def test_answers_computed_by_engines_reach_clients_after_coordinator_resta
 
 
 async def test_two_live_replicas_deliver_each_reply_once(settings: Settings, slow_engine: EngineRuntime, nc: NATS) -> None:
-    async with Coordinator(settings) as first, Coordinator(settings) as second:
+    async with Coordinator(settings, HANDLERS) as first, Coordinator(settings, HANDLERS) as second:
         await first.wait_for_engines(1)
         await second.wait_for_engines(1)
         await asyncio.sleep(0)
@@ -84,20 +85,20 @@ async def test_two_live_replicas_deliver_each_reply_once(settings: Settings, slo
 
 
 async def test_client_retries_while_no_coordinator_listens(settings: Settings, slow_engine: EngineRuntime) -> None:
-    first = Coordinator(settings)
+    first = Coordinator(settings, HANDLERS)
     await first.start()
     async with await DpcoordClient.connect(settings) as client:
         await first.stop()
         submission = asyncio.create_task(client.submit("patient", max_tokens=3, timeout=20))
         await asyncio.sleep(0.3)  # let it meet no-responders a few times: that is the point
         assert not submission.done()
-        async with Coordinator(settings):
+        async with Coordinator(settings, HANDLERS):
             final = await submission
     assert final.generated_text == "pat"
 
 
 async def test_oversize_submission_is_413_on_the_client(settings: Settings) -> None:
-    async with Coordinator(settings), await DpcoordClient.connect(settings) as client:
+    async with Coordinator(settings, HANDLERS), await DpcoordClient.connect(settings) as client:
         with pytest.raises(ClientError) as caught:
             await client.submit("x" * (client.nc.max_payload + 1))
     assert caught.value.code == 413 and str(client.nc.max_payload) in caught.value.message
@@ -108,7 +109,7 @@ def test_sigkilled_engine_is_detected_within_the_heartbeat_timeout(nats_url: str
     settings = Settings(nats_url=nats_url, subject_prefix=f"kill{os.getpid()}")
 
     async def scenario() -> float:
-        async with Coordinator(settings) as coordinator:
+        async with Coordinator(settings, HANDLERS) as coordinator:
             env = dict(os.environ, DPCOORD_NATS_URL=nats_url, DPCOORD_SUBJECT_PREFIX=settings.subject_prefix)
             engine = subprocess.Popen([sys.executable, "-m", "service", "engine", "--backend", "echo"], env=env, cwd=ROOT)
             try:

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from service.engine_pool import EngineRecord
-from service.routing import LeastLoaded, RoundRobin, make_policy
+from service.coordinator.pool import EngineRecord
+from service.coordinator.routing import LeastLoaded, RoundRobin, make_policy
 
 
 def engines(*loads: int, capacity: int = 4) -> list[EngineRecord]:

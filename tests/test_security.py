@@ -31,14 +31,15 @@ from pydantic import ValidationError
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from service.client import ClientError, DpcoordClient
-from service.coordinator import Coordinator
-from service.nats_connection import connect_nats, connect_options, flush_subscriptions
-from service.nats_server import EmbeddedNatsServer
-from service.refusals import PublishRefusals
-from service.settings import Settings
-from service.state import CoordinatorState
-from service.subjects import Subjects
-from service.wire import EngineReplyBatch, Final, ReturnPath, RoutedReply
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.bus.connection import connect_nats, connect_options, flush_subscriptions
+from service.bus.server import EmbeddedNatsServer
+from service.bus.refusals import PublishRefusals
+from service.ops.settings import Settings
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import Subjects
+from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
 from tests.nats_jwt import Operator
@@ -137,7 +138,7 @@ class Fleet:
 
 @asynccontextmanager
 async def running_fleet(coordinator_settings: Settings, engine_settings: Settings, url: str) -> AsyncIterator[Fleet]:
-    async with Coordinator(coordinator_settings) as coordinator:
+    async with Coordinator(coordinator_settings, HANDLERS) as coordinator:
         engine = EngineRuntime(engine_settings, EchoBackend())
         await engine.start()
         try:
@@ -294,7 +295,7 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
     the engine sends with it. A compromised engine that sends an orphan routed to
     dpcoord.engines.stop (which the coordinator may publish to) must not get it broadcast."""
     url, subjects = secured_nats.url, Subjects(PREFIX)
-    async with Coordinator(role_settings(url, "coordinator")) as coordinator:
+    async with Coordinator(role_settings(url, "coordinator"), HANDLERS) as coordinator:
         async with connected(role_settings(url, "engine")) as (engine, violations):
             broadcasts = await engine.subscribe(subjects.broadcast_wildcard())
             # A reply subject the engine connection reads too, so the coordinator's publishes

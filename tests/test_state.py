@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client as NATS
 
-from service.coordinator import Coordinator
-from service.errors import WireError
-from service.state import CoordinatorState, decide
-from service.subjects import CONTROL_HEADERS, Header
+from service.coordinator.coordinator import Coordinator
+from service.protocol.errors import WireError
+from service.protocol.state import CoordinatorState, decide
+from service.protocol.subjects import CONTROL_HEADERS, Header
 from tests.conftest import EngineFactory
 from tests.helpers import request_json
 
@@ -17,7 +17,7 @@ H = Header
 SAME = "acked without change"
 REFUSED = 409
 
-# Written out by hand from the wire contract, independent of service/state.py.
+# Written out by hand from the wire contract, independent of service/protocol/state.py.
 EXPECTED: dict[tuple[CoordinatorState, Header], CoordinatorState | str | int] = {
     (S.RUNNING, H.PAUSE): S.PAUSED,
     (S.PAUSED, H.PAUSE): SAME,

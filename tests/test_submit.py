@@ -9,8 +9,9 @@ import msgpack
 import pytest
 from nats.aio.client import Client as NATS
 
-from service.coordinator import Coordinator
-from service.settings import Settings
+from handlers import HANDLERS
+from service.coordinator.coordinator import Coordinator
+from service.ops.settings import Settings
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import decode_reply, request, request_json, request_msgpack, request_stream
 
@@ -168,7 +169,7 @@ async def test_oversize_payload_gets_413_naming_the_limit(nats_url: str, nc: NAT
     from engines.runtime import EngineRuntime
 
     settings = make_settings(nats_url, max_payload_bytes=4096)
-    async with Coordinator(settings) as coordinator, EngineRuntime(settings, EchoBackend()):
+    async with Coordinator(settings, HANDLERS) as coordinator, EngineRuntime(settings, EchoBackend()):
         await coordinator.wait_for_engines(1)
         reply = await request_json(nc, submit_subject(coordinator), {"prompt": "x" * 5000})
         assert reply["error"]["code"] == 413 and "4096" in reply["error"]["message"]
@@ -180,7 +181,7 @@ async def test_full_engines_and_queue_give_429(nats_url: str, nc: NATS) -> None:
     from engines.runtime import EngineRuntime
 
     settings = make_settings(nats_url, max_inflight_per_engine=1, max_queued_requests=1)
-    async with Coordinator(settings) as coordinator, EngineRuntime(settings, EchoBackend(token_delay_ms=50)):
+    async with Coordinator(settings, HANDLERS) as coordinator, EngineRuntime(settings, EchoBackend(token_delay_ms=50)):
         await coordinator.wait_for_engines(1)
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
@@ -249,7 +250,7 @@ async def test_request_ids_unique_across_coordinator_replicas(
     settings: Settings, coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     await start_engines(2)
-    async with Coordinator(settings) as second:
+    async with Coordinator(settings, HANDLERS) as second:
         await second.wait_for_engines(2)
         replies = await asyncio.gather(
             *(request_json(nc, submit_subject(coordinator), {"prompt": "r", "client_request_id": i}) for i in range(200))

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from service import result_cache
-from service.result_cache import ResultCache
-from service.timers import CoarseTimers
+from service.coordinator import results as result_cache
+from service.coordinator.results import ResultCache
+from service.coordinator.timers import CoarseTimers
 
 
 async def test_coarse_timer_fires_never_early_and_at_most_one_resolution_late() -> None:

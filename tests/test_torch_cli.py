@@ -13,8 +13,8 @@ import pytest
 
 from engines.factory import make_backend
 from engines.torch_backend.backend import TorchBackend
-from service.cli import build_parser, settings_from
-from service.settings import Settings
+from service.cli.main import build_parser, settings_from
+from service.ops.settings import Settings
 from tests.helpers import read_up_banner
 
 

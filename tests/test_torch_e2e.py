@@ -12,10 +12,10 @@ from nats.aio.client import Client as NATS
 from engines.runtime import EngineRuntime
 from engines.torch_backend.backend import TorchBackend
 from service.client import ClientError, DpcoordClient
-from service.coordinator import Coordinator
-from service.settings import Settings
-from service.subjects import Header
-from service.wire import Final, Partial
+from service.coordinator.coordinator import Coordinator
+from service.ops.settings import Settings
+from service.protocol.subjects import Header
+from service.protocol.messages import Final, Partial
 from tests.helpers import request_json
 
 

@@ -10,7 +10,7 @@ import torch
 from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
-from service.settings import Settings
+from service.ops.settings import Settings
 from tests.torch_reference import hf_model, random_weights, torch_settings
 
 pytestmark = [

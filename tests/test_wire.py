@@ -5,8 +5,9 @@ import json
 import msgpack
 import pytest
 
-from service.errors import WireError
-from service.wire import Encoding, PayloadDecoder, SubmitRequest, detect_encoding
+from service.protocol.errors import WireError
+from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding
+from service.protocol.messages import SubmitRequest
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from engines.torch_backend.model import LlamaModel
 from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.scheduler import BlockAllocator, Scheduler, Sequence
 from engines.torch_backend.weights import build_model, random_weights
-from service.settings import Settings
+from service.ops.settings import Settings
 
 TINY = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,

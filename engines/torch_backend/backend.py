@@ -31,9 +31,9 @@ from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.scheduler import BlockAllocator, ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from engines.torch_backend.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from engines.torch_backend.weights import build_model, checkpoint_weights, random_weights
-from service.errors import ErrorCode, WireError
-from service.settings import Settings
-from service.wire import FinishReason
+from service.protocol.errors import ErrorCode, WireError
+from service.ops.settings import Settings
+from service.protocol.messages import FinishReason
 
 log = logging.getLogger(__name__)
 

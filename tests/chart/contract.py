@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from service.settings import Settings
+from service.ops.settings import Settings
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "dpcoord"
 

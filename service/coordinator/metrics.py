@@ -2,7 +2,7 @@
 
 Nothing here runs on the request path: counts, gauges and the engine pool are read by
 ``CoordinatorCollector`` at scrape time, and the latency histograms are the plain bucket
-counts of ``service.latency``.
+counts of ``service.ops.latency``.
 
 Which coordinator counter feeds which metric:
 
@@ -22,38 +22,17 @@ Which coordinator counter feeds which metric:
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from nats.aio.client import Client as NATS
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.latency import LatencyHistogram
-from service.state import CoordinatorState
+from service.ops.metrics import codes_of, histogram_family, nats_families
+from service.protocol.state import CoordinatorState
 
 if TYPE_CHECKING:
-    from service.coordinator import Coordinator
-
-
-def histogram_family(name: str, documentation: str, histogram: LatencyHistogram) -> HistogramMetricFamily:
-    return HistogramMetricFamily(name, documentation, buckets=histogram.cumulative(), sum_value=histogram.sum)
-
-
-def codes_of(counters: Counter[str], prefix: str) -> dict[str, int]:
-    """``{"503": 2}`` from counters named ``<prefix>503``."""
-    return {key.removeprefix(prefix): value for key, value in counters.items() if key.startswith(prefix)}
-
-
-def nats_families(nc: NATS) -> Iterator[Metric]:
-    """Connection health shared by the coordinator and the engines."""
-    connected = GaugeMetricFamily("dpcoord_nats_connected", "1 while the NATS connection is up")
-    connected.add_metric([], 1.0 if nc.is_connected else 0.0)
-    yield connected
-    reconnects = CounterMetricFamily("dpcoord_nats_reconnects", "Reconnections to NATS since start")
-    reconnects.add_metric([], nc.stats["reconnects"])
-    yield reconnects
+    from service.coordinator.coordinator import Coordinator
 
 
 class CoordinatorCollector(Collector):

@@ -3,7 +3,7 @@
 prometheus_client's ``Histogram.observe`` takes a lock per call (≈ 0.7 µs here); a request
 is observed twice and the coordinator's whole per-request budget is a few microseconds, so
 observations go into plain bucket counts (one ``bisect``, two additions: ≈ 0.13 µs) and
-``service.metrics`` exports them when Prometheus scrapes.
+``service.ops.metrics`` exports them when Prometheus scrapes.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from service.direct_nats import DirectClient
-from service.settings import Settings
+from service.bus.direct import DirectClient
+from service.ops.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -7,11 +7,11 @@ pool, since without one every submission gets 503.
 
 from __future__ import annotations
 
-from service.coordinator import Coordinator
-from service.http_endpoints import Check
-from service.metrics import CoordinatorCollector
-from service.nats_services import COORDINATOR_SERVICE, CoordinatorStatus, EngineLoad
-from service.observability import Observability, ServiceSpec
+from service.coordinator.coordinator import Coordinator
+from service.ops.http_endpoints import Check
+from service.coordinator.metrics import CoordinatorCollector
+from service.ops.services_api import COORDINATOR_SERVICE, CoordinatorStatus, EngineLoad
+from service.ops.observability import Observability, ServiceSpec
 
 
 def coordinator_health(coordinator: Coordinator) -> Check:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from service.engine_pool import EngineRecord
+from service.coordinator.pool import EngineRecord
 
 
 class RoutingPolicy(Protocol):

@@ -20,7 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.micro.request import Request
 from nats.micro.service import EndpointStats, Service
 
-from service.nats_connection import flush_subscriptions
+from service.bus.connection import flush_subscriptions
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from nats.aio.client import Client as NATS
 from nats.micro.service import Service
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from service.http_endpoints import Check, HttpEndpoints
-from service.nats_services import add_status_service
+from service.ops.http_endpoints import Check, HttpEndpoints
+from service.ops.services_api import add_status_service
 
 
 @dataclass(frozen=True, slots=True)

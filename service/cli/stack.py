@@ -10,8 +10,8 @@ import signal
 import sys
 
 from service.client import ClientError, DpcoordClient
-from service.nats_server import EmbeddedNatsServer, free_port
-from service.settings import Settings
+from service.bus.server import EmbeddedNatsServer, free_port
+from service.ops.settings import Settings
 
 log = logging.getLogger(__name__)
 

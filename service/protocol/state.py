@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from service.errors import ErrorCode, WireError
-from service.subjects import Header
+from service.protocol.errors import ErrorCode, WireError
+from service.protocol.subjects import Header
 
 
 class CoordinatorState(enum.StrEnum):

@@ -25,28 +25,27 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
-from handlers import HANDLERS
 from handlers.registry import HandlerRegistry, HandlerSpec
-from service.client_deliveries import ClientDeliveries
-from service.control import BroadcastResult, broadcast
-from service.direct_nats import DirectClient, DirectSubscription
-from service.engine_pool import EnginePool, EngineRecord
-from service.errors import ErrorCode, WireError
-from service.latency import RequestLatency
-from service.log_limit import RateLimitedLog
-from service.nats_connection import close_nats, connect_nats, flush_subscriptions
-from service.peers import CoordinatorPeers
-from service.request_table import ClientKey, InflightRequest, RequestTable
-from service.result_cache import ResultCache
-from service.routing import make_policy
-from service.settings import Settings
-from service.state import CoordinatorState
-from service.subjects import FANOUT_HEADERS, RESEND_REPLIES, Header, Subjects
-from service.timers import CoarseTimers
-from service.wire import (
+from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.broadcast import BroadcastResult, broadcast
+from service.bus.direct import DirectClient, DirectSubscription
+from service.coordinator.pool import EnginePool, EngineRecord
+from service.protocol.errors import ErrorCode, WireError
+from service.ops.latency import RequestLatency
+from service.ops.log_limit import RateLimitedLog
+from service.bus.connection import close_nats, connect_nats, flush_subscriptions
+from service.coordinator.peers import CoordinatorPeers
+from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
+from service.coordinator.results import ResultCache
+from service.coordinator.routing import make_policy
+from service.ops.settings import Settings
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import FANOUT_HEADERS, RESEND_REPLIES, Header, Subjects
+from service.coordinator.timers import CoarseTimers
+from service.protocol.codec import Encoding, detect_encoding, encode, encode_msgpack, msgpack_decoder, return_hints
+from service.protocol.messages import (
     ControlSignal,
     CoordinatorHeartbeat,
-    Encoding,
     Final,
     ReturnPath,
     RoutedAbort,
@@ -57,12 +56,7 @@ from service.wire import (
     RoutedRequestBatch,
     SubmitEnvelope,
     SubmitRequest,
-    detect_encoding,
-    encode,
-    encode_msgpack,
     error_reply,
-    msgpack_decoder,
-    return_hints,
 )
 
 log = logging.getLogger(__name__)
@@ -74,7 +68,7 @@ _resend_answer_decoder = msgpack_decoder(ResendAnswer)
 # Most orphan replies buffered while a new replica learns which peers are alive.
 MAX_BUFFERED_ORPHANS = 10_000
 
-# The hot path, handled on nats-py's reading task (service/direct_nats.py). Their handlers
+# The hot path, handled on nats-py's reading task (service/bus/direct.py). Their handlers
 # must never wait for another NATS message; publishing is fine.
 DIRECT_HEADERS: frozenset[str] = frozenset({Header.SUBMIT_REQUEST, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL})
 
@@ -96,7 +90,7 @@ class Sender:
 
 
 class Coordinator:
-    def __init__(self, settings: Settings, handlers: HandlerRegistry = HANDLERS) -> None:
+    def __init__(self, settings: Settings, handlers: HandlerRegistry) -> None:
         self.settings = settings
         self.id = settings.coordinator_id or f"c{uuid.uuid4().hex[:12]}"
         self.subjects = Subjects(settings.subject_prefix)

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from typing import NamedTuple
 
-from service.request_table import ClientKey
+from service.coordinator.requests import ClientKey
 
 SWEEPS_PER_TTL = 16
 

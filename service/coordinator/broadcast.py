@@ -10,7 +10,8 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from service.wire import EngineAck, msgpack_decoder
+from service.protocol.codec import msgpack_decoder
+from service.protocol.messages import EngineAck
 
 log = logging.getLogger(__name__)
 _ack_decoder = msgpack_decoder(EngineAck)

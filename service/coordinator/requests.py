@@ -9,8 +9,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from service.timers import CoarseTimer
-from service.wire import ClientRequestId, Encoding, ReturnPath, RoutedReply
+from service.coordinator.timers import CoarseTimer
+from service.protocol.codec import Encoding
+from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply
 
 ClientKey = tuple[str | None, ClientRequestId]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import signal
@@ -15,9 +16,11 @@ from typing import Any, get_args
 import msgspec
 from pydantic import ValidationError
 
-from service import event_loop, gc_tuning
-from service.settings import Settings
-from service.subjects import Header
+from service.ops import event_loop, gc_tuning
+from service.ops.settings import Settings
+from service.protocol.subjects import Header
+
+BENCHMARK_MODULE = "benchmarks.coordinator"
 
 CONTROL_COMMANDS: dict[str, Header] = {
     "pause": Header.PAUSE,
@@ -69,14 +72,28 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
     bench = commands.add_parser(
-        "bench", help="coordinator benchmark: dpcoord against raw NATS baselines measured in the same run",
-        description="Starts its own nats-server (unless --nats-url), coordinator, echo engines and raw nats-py peers; "
-        "prints dpcoord/raw ratios and writes JSON results.",
+        "bench", add_help=False,
+        help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run",
     )
-    from benchmarks.coordinator import add_arguments as add_bench_arguments
-
-    add_bench_arguments(bench)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)")
     return parser
+
+
+def _run_bench(argv: list[str]) -> int:
+    """The benchmarks live in the source checkout, not in the images: load them only here."""
+    try:
+        benchmark = importlib.import_module(BENCHMARK_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not BENCHMARK_MODULE.startswith(exc.name):
+            raise
+        print(
+            f"dpcoord bench: {BENCHMARK_MODULE} is not installed here; run it from a source checkout "
+            "(pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
+        return 2
+    args = benchmark.build_parser(prog="dpcoord bench").parse_args(argv)
+    return int(benchmark.main(args))
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -108,10 +125,11 @@ async def _serve(start: Callable[[], Awaitable[None]], wait: Callable[[], Awaita
 
 
 async def _run_coordinator(settings: Settings) -> int:
-    from service.coordinator import Coordinator
-    from service.coordinator_observability import coordinator_observability
+    from handlers import HANDLERS
+    from service.coordinator.coordinator import Coordinator
+    from service.coordinator.observability import coordinator_observability
 
-    coordinator = Coordinator(settings)
+    coordinator = Coordinator(settings, HANDLERS)
     observability = coordinator_observability(coordinator, settings.http_host, settings.http_port or None)
 
     gc_tuning.tune_for_throughput()
@@ -156,7 +174,7 @@ def _print_json(message: msgspec.Struct) -> None:
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     from service.client import DpcoordClient
-    from service.wire import Partial
+    from service.protocol.messages import Partial
 
     sampling: dict[str, Any] = {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
@@ -192,9 +210,7 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
-        from benchmarks.coordinator import main as run_bench
-
-        return run_bench(args)
+        return _run_bench(args.bench_args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:
@@ -209,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "engine":
             return event_loop.run(_run_engine(settings, args.model), settings.event_loop)
         if args.command == "up":
-            from service.stack import run_stack
+            from service.cli.stack import run_stack
 
             return asyncio.run(run_stack(settings, args.engines, args.model))
         if args.command == "submit":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
-from service.request_table import ClientKey
+from service.coordinator.requests import ClientKey
 
 log = logging.getLogger(__name__)
 
