@@ -13,14 +13,13 @@ import pytest
 
 from service.cli.main import build_parser, settings_from
 from service.ops.settings import Settings
-from tests.helpers import read_up_banner
+from tests.helpers import REPO_ROOT, read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(args: list[str], env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(DPCOORD + args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(DPCOORD + args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_setting_is_a_flag_and_flags_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +45,7 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
     env["DPCOORD_BACKEND"] = "echo"
     env["DPCOORD_SUBJECT_PREFIX"] = "clitest"
     log = (tmp_path / "up.log").open("w")
-    stack = subprocess.Popen(DPCOORD + ["up", "--engines", "2"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    stack = subprocess.Popen(DPCOORD + ["up", "--engines", "2"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert stack.stdout is not None
         lines = read_up_banner(stack.stdout)
@@ -76,7 +75,7 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
 
 def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:
     env = dict(os.environ, DPCOORD_NATS_URL=nats_url, DPCOORD_SUBJECT_PREFIX="shutdowntest")
-    coordinator = subprocess.Popen(DPCOORD + ["coordinator"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    coordinator = subprocess.Popen(DPCOORD + ["coordinator"], env=env, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
     try:
         assert coordinator.stderr is not None
         for line in coordinator.stderr:
