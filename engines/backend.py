@@ -56,6 +56,9 @@ class TokenOutput:
 
 class Backend(abc.ABC):
     name: str
+    # Tokens one request may hold, prompt plus generated; None: no bound. The runtime refuses a
+    # ``max_tokens`` beyond it (engines/limits.py).
+    max_context: int | None = None
 
     @abc.abstractmethod
     def add(self, request: GenerationRequest) -> None:

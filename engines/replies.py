@@ -2,9 +2,13 @@
 
 :class:`ActiveRequest` accumulates one request's tokens and builds its replies, already encoded
 for its client from the return path it carries, so the coordinator only forwards bytes.
-:class:`ReplyPublisher` sends them in as few messages as the server's ``max_payload`` allows,
-replaces a reply too large for any message with a 413 error, and remembers recent terminal
-replies so that one lost on the way (a NATS restart, say) can be sent again.
+:class:`ReplyPublisher` sends them, on ``<prefix>.<header>.<engine_id>``, in as few messages as
+the server's ``max_payload`` allows, counting every byte of each reply (its body and its whole
+return path, in UTF-8), so one oversized reply never takes its batch neighbours with it. A
+reply too large for any message is replaced with a 413 error, or dropped and counted when even
+that does not fit (a return path no coordinator would route). Recent terminal replies are
+remembered, bounded by count and bytes, so that one lost on the way (a NATS restart, say) can
+be sent again.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from service.protocol.messages import (
     RoutedReply,
     error_reply,
 )
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import Header, Subjects, utf8_length
 
 log = logging.getLogger(__name__)
 
@@ -85,21 +89,27 @@ class ActiveRequest:
 
 
 def reply_size(reply: RoutedReply) -> int:
-    """Bytes a reply takes in a batch: its body and the strings of its return path."""
+    """Bytes a reply takes in a batch: its body and the strings of its return path, in UTF-8 as
+    msgpack carries them (a character may take four bytes)."""
     return_path = reply.return_path
     return (
-        len(reply.body) + len(return_path.reply_to) + len(return_path.request_id) + len(return_path.coordinator_id)
-        + len(str(return_path.client_request_id)) + len(return_path.client_id or "") + ITEM_OVERHEAD
+        len(reply.body) + utf8_length(return_path.reply_to) + utf8_length(return_path.request_id)
+        + utf8_length(return_path.coordinator_id) + utf8_length(str(return_path.client_request_id))
+        + utf8_length(return_path.client_id or "") + utf8_length(return_path.encoding) + ITEM_OVERHEAD
     )
 
 
 class ReplyPublisher:
-    def __init__(self, engine_id: str, nc: DirectClient, subjects: Subjects, counters: Counter[str]) -> None:
+    def __init__(
+        self, engine_id: str, nc: DirectClient, subjects: Subjects, counters: Counter[str], recent_bytes: int = 64 * 1024 * 1024
+    ) -> None:
         self._engine_id = engine_id
         self._nc = nc
         self._subjects = subjects
         self._counters = counters
         self._recent: OrderedDict[str, RoutedReply] = OrderedDict()
+        self._recent_bytes = 0
+        self._max_recent_bytes = recent_bytes
 
     def recent(self, request_id: str) -> RoutedReply | None:
         return self._recent.get(request_id)
@@ -109,14 +119,11 @@ class ReplyPublisher:
         if not replies:
             return
         max_payload = self._nc.max_payload
-        replies = [reply if fits_alone(reply_size(reply), max_payload) else self._too_large(reply) for reply in replies]
+        if not all(fits_alone(reply_size(reply), max_payload) for reply in replies):
+            replies = [fitted for reply in replies if (fitted := self._fitted(reply, max_payload)) is not None]
         if remember and header == Header.ENGINE_REPLY:
-            recent = self._recent
-            for reply in replies:
-                recent[reply.return_path.request_id] = reply
-            while len(recent) > RECENT_REPLIES_KEPT:
-                recent.popitem(last=False)
-        subject = self._subjects.coordinator(header)
+            self._remember(replies)
+        subject = self._subjects.sent_by(header, self._engine_id)
         for batch in split_batches(replies, reply_size, max_payload):
             await self._send(subject, batch)
 
@@ -128,8 +135,28 @@ class ReplyPublisher:
             self._counters["replies_lost"] += len(batch)
             log.warning("engine_id=%s: %d replies lost: %s", self._engine_id, len(batch), exc)
 
-    def _too_large(self, reply: RoutedReply) -> RoutedReply:
+    def _remember(self, replies: list[RoutedReply]) -> None:
+        recent = self._recent
+        for reply in replies:
+            previous = recent.pop(reply.return_path.request_id, None)
+            if previous is not None:
+                self._recent_bytes -= reply_size(previous)
+            recent[reply.return_path.request_id] = reply
+            self._recent_bytes += reply_size(reply)
+        while recent and (len(recent) > RECENT_REPLIES_KEPT or self._recent_bytes > self._max_recent_bytes):
+            self._recent_bytes -= reply_size(recent.popitem(last=False)[1])
+
+    def _fitted(self, reply: RoutedReply, max_payload: int) -> RoutedReply | None:
+        """``reply`` if it fits one message, else a 413 error for its request if that fits, else None."""
+        if fits_alone(reply_size(reply), max_payload):
+            return reply
         return_path = reply.return_path
-        err = WireError(ErrorCode.TOO_LARGE, f"reply of {len(reply.body)} bytes exceeds NATS max_payload {self._nc.max_payload}")
+        err = WireError(ErrorCode.TOO_LARGE, f"reply of {len(reply.body)} bytes exceeds NATS max_payload {max_payload}")
         body = encode(error_reply(err, return_path.client_request_id, return_path.request_id), Encoding(return_path.encoding))
-        return RoutedReply(return_path, body, reply.seq)
+        error = RoutedReply(return_path, body, reply.seq)
+        if fits_alone(reply_size(error), max_payload):
+            return error
+        self._counters["replies_undeliverable"] += 1
+        log.warning("engine_id=%s request_id=%s: reply dropped, its return path alone exceeds NATS max_payload %d",
+                    self._engine_id, return_path.request_id[:64], max_payload)
+        return None

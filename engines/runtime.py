@@ -1,10 +1,17 @@
 """The engine runtime: one data-parallel rank on NATS, driving a backend.
 
-It registers with the coordinator, heartbeats its load, runs routed requests through the
-backend step by step, and sends one batched ``engine_reply_partial`` and one batched
-``engine_reply`` per step. Replies are encoded for the client here, from the return path each
-request carries, so the coordinator only forwards bytes. Control signals are applied and
-confirmed; pause is a barrier: its confirmation waits for the step in progress.
+It registers with the coordinator, heartbeats its load and step count, runs routed requests
+through the backend step by step, and sends one batched ``engine_reply_partial`` and one
+batched ``engine_reply`` per step. Everything it sends the coordinator goes on
+``<prefix>.<header>.<engine_id>``, so NATS permissions can let it speak only as itself.
+Replies are encoded for the client here, from the return path each request carries, so the
+coordinator only forwards bytes. Control signals are applied and confirmed; pause is a
+barrier: its confirmation waits for the step in progress.
+
+A routed request this engine cannot serve (undecodable, over the limits on stop strings or
+``max_tokens``, refused by the backend, or failing in any other way) gets its own error reply;
+the requests routed with it in the same message are not affected. The heartbeat and step
+loops never die (:mod:`service.ops.loops`), and registration retries whatever goes wrong.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from engines.handlers import ENGINE_HANDLERS
+from engines.limits import check_limits
 from engines.replies import ActiveRequest, ReplyPublisher
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient
 from service.bus.registry import HandlerSpec, Incoming
 from service.ops.log_limit import RateLimitedLog
+from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding, encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
@@ -33,6 +42,7 @@ from service.protocol.messages import (
     EngineAck,
     EngineDisconnect,
     EngineRegister,
+    ErrorReply,
     Heartbeat,
     RegisterAck,
     ResendAnswer,
@@ -46,6 +56,7 @@ from service.protocol.subjects import Header, Subjects
 log = logging.getLogger(__name__)
 
 _register_ack_decoder = msgpack_decoder(RegisterAck)
+_register_error_decoder = msgpack_decoder(ErrorReply)
 _submit_decoder = PayloadDecoder(SubmitRequest)
 
 
@@ -69,8 +80,9 @@ class EngineRuntime:
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._steps = 0
         self._nc = DirectClient()
-        self._replies = ReplyPublisher(self.engine_id, self._nc, self.subjects, self.counters)
+        self._replies = ReplyPublisher(self.engine_id, self._nc, self.subjects, self.counters, settings.recent_replies_bytes)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -92,7 +104,8 @@ class EngineRuntime:
         await self.nc.subscribe(self.subjects.broadcast_wildcard(), cb=self._on_broadcast)
         await flush_subscriptions(self.nc)
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
-        self._tasks = [asyncio.create_task(self._register()), self._heartbeat_task, asyncio.create_task(self._step_loop())]
+        step_loop = asyncio.create_task(keep_running("step", self._step_once, self.counters))
+        self._tasks = [asyncio.create_task(self._register()), self._heartbeat_task, step_loop]
         log.info("engine_id=%s started with backend %s", self.engine_id, self.backend.name)
 
     async def run_until_stopped(self) -> None:
@@ -113,7 +126,7 @@ class EngineRuntime:
         if self._nc.is_connected or self._nc.is_reconnecting:
             if self._nc.is_connected:
                 await self.nc.publish(
-                    self.subjects.coordinator(Header.DISCONNECT), encode_msgpack(EngineDisconnect(self.engine_id, reason))
+                    self.subjects.sent_by(Header.DISCONNECT, self.engine_id), encode_msgpack(EngineDisconnect(self.engine_id, reason))
                 )
             await close_nats(self._nc)
         await self.backend.close()
@@ -130,16 +143,22 @@ class EngineRuntime:
         message = encode_msgpack(
             EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused)
         )
+        subject = self.subjects.sent_by(Header.REGISTER, self.engine_id)
         delay = 0.05
         while True:
             try:
-                msg = await self.nc.request(self.subjects.coordinator(Header.REGISTER), message, timeout=2.0)
+                msg = await self.nc.request(subject, message, timeout=2.0)
                 ack = _register_ack_decoder.decode(msg.data)
                 break
-            except (NoRespondersError, NatsTimeoutError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (NoRespondersError, NatsTimeoutError) as exc:
                 log.info("engine_id=%s: registration not answered (%s); retrying", self.engine_id, type(exc).__name__)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("engine_id=%s: registration refused (%s); retrying", self.engine_id, _refusal(msg.data))
+            except Exception:
+                self.counters["loop_errors_register"] += 1
+                log.exception("engine_id=%s: registration failed; retrying", self.engine_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
         self.paused = ack.state != "running"
         self.epoch = ack.epoch
         self.registered.set()
@@ -149,13 +168,14 @@ class EngineRuntime:
     async def _heartbeat(self) -> None:
         """Beats only once registered: an early beat would make the coordinator adopt, then
         re-register, this engine. After that, beats let a restarted coordinator adopt it."""
-        subject = self.subjects.coordinator(Header.HEARTBEAT)
         await self.registered.wait()
-        while True:
-            if self._connected.is_set():
-                beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity, list(self._active))
-                await self.nc.publish(subject, encode_msgpack(beat))
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+        await keep_running("heartbeat", self._heartbeat_once, self.counters, self.settings.heartbeat_interval_s)
+
+    async def _heartbeat_once(self) -> None:
+        if self._connected.is_set():
+            beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity, list(self._active), self._steps)
+            await self.nc.publish(self.subjects.sent_by(Header.HEARTBEAT, self.engine_id), encode_msgpack(beat))
+        await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     # ------------------------------------------------------------ requests
 
@@ -190,9 +210,15 @@ class EngineRuntime:
         active = ActiveRequest(return_path, encoding)
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
+            check_limits(submit, self.settings, self.backend.max_context)
             self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit))
-        except WireError as err:
-            log.info("engine_id=%s request_id=%s refused: %s", self.engine_id, return_path.request_id, err)
+        except Exception as exc:
+            if isinstance(exc, WireError):
+                err = exc
+                self._malformed_log.warning("engine_id=%s request_id=%s refused: %s", self.engine_id, return_path.request_id, err)
+            else:
+                err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not start the request")
+                self._malformed_log.exception("engine_id=%s request_id=%s: starting it failed", self.engine_id, return_path.request_id)
             await self._replies.publish(Header.ENGINE_REPLY, [active.error(err)])
             return
         self._active[return_path.request_id] = active
@@ -220,27 +246,28 @@ class EngineRuntime:
         if incoming.reply:
             await self.nc.publish(incoming.reply, encode_msgpack(ResendAnswer(unknown)))
 
-    async def _step_loop(self) -> None:
-        """Steps while there is work, the fleet is not paused and NATS is reachable: tokens
-        generated with nowhere to send them would only fill the outbound buffer."""
-        while True:
-            await self._wake.wait()
-            if self.paused or not self.backend.has_work() or not self._connected.is_set():
-                self._wake.clear()
-                continue
-            try:
-                async with self._step_lock:
-                    if self.paused:  # a pause confirmed while this step waited for the lock
-                        continue
-                    outputs = await self.backend.step()
-            except Exception as exc:
-                log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
-                await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
-            else:
-                await self._publish_outputs(outputs)
-            # Between steps, let the reader and nats-py's flusher run: a backend's step need not
-            # yield, and yielding after publishing sends this step's replies a loop turn sooner.
-            await asyncio.sleep(0)
+    async def _step_once(self) -> None:
+        """One round of the step loop (run by :func:`~service.ops.loops.keep_running`). Steps
+        while there is work, the fleet is not paused and NATS is reachable: tokens generated
+        with nowhere to send them would only fill the outbound buffer."""
+        await self._wake.wait()
+        if self.paused or not self.backend.has_work() or not self._connected.is_set():
+            self._wake.clear()
+            return
+        try:
+            async with self._step_lock:
+                if self.paused:  # a pause confirmed while this step waited for the lock
+                    return
+                outputs = await self.backend.step()
+                self._steps += 1
+        except Exception as exc:
+            log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
+            await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
+        else:
+            await self._publish_outputs(outputs)
+        # Between steps, let the reader and nats-py's flusher run: a backend's step need not
+        # yield, and yielding after publishing sends this step's replies a loop turn sooner.
+        await asyncio.sleep(0)
 
     async def _fail_all(self, err: WireError) -> list[ActiveRequest]:
         failed = list(self._active.values())
@@ -327,3 +354,12 @@ class EngineRuntime:
 
     def stop_profiler(self) -> str:
         return self.backend.stop_profiler()
+
+
+def _refusal(body: bytes) -> str:
+    """The message of a coordinator's error reply, for the log."""
+    try:
+        error = _register_error_decoder.decode(body).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return f"undecodable answer of {len(body)} bytes"
+    return f"{error.code}: {error.message}"

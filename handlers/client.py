@@ -21,12 +21,15 @@ from service.protocol.messages import (
 from service.protocol.subjects import Header
 
 
-@message_handler(Header.CONNECT)
+@message_handler(Header.CONNECT, fanout=True)
 async def handle_connect(coordinator: ClientContext, incoming: Incoming, payload: ConnectRequest) -> None:
     """Sent by a client once, optionally, with the ``client_id`` it wants (or none).
 
-    Answers a ``ConnectAck``: the client id to use (a fresh one when none was given), this
-    coordinator's id and the protocol version."""
+    Every replica sees it (``fanout``) and remembers the owner of its reply subject as a
+    connected client (see ``shutdown``); each answers a ``ConnectAck``, of which a requester
+    reads the first: the client id to use (a fresh one when none was given), the coordinator's
+    id and the protocol version."""
+    coordinator.client_connected(incoming)
     client_id = payload.client_id or f"client-{uuid.uuid4().hex[:12]}"
     await coordinator.reply(incoming, ConnectAck(client_id, coordinator.id, PROTOCOL_VERSION))
 
@@ -48,14 +51,16 @@ async def handle_submit_request(
 
 @message_handler(Header.ABORT_REQUEST)
 async def handle_abort_request(coordinator: ClientContext, incoming: Incoming, payload: AbortRequest) -> None:
-    """Sent by a client: ``request_id``, or ``client_id`` and ``client_request_id``.
+    """Sent by a client: ``request_id``, or ``client_id`` and ``client_request_id``, with a reply
+    subject under the same inbox prefix as the request's (its owner).
 
     The request ends with a final whose finish reason is ``abort``; the sender gets an ``Ack``
-    naming the request id, or 404 when no such request is in flight."""
+    naming the request id, 404 when no such request is in flight, 403 when it is another
+    owner's."""
     if payload.request_id is not None:
-        request_id = await coordinator.abort(payload.request_id, None)
+        request_id = await coordinator.abort(incoming, payload.request_id, None)
     elif payload.client_request_id is not None:
-        request_id = await coordinator.abort(None, (payload.client_id, payload.client_request_id))
+        request_id = await coordinator.abort(incoming, None, (payload.client_id, payload.client_request_id))
     else:
         raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
     await coordinator.reply(incoming, Ack(Header.ABORT_REQUEST, request_id=request_id))
@@ -63,7 +68,8 @@ async def handle_abort_request(coordinator: ClientContext, incoming: Incoming, p
 
 @message_handler(Header.SHUTDOWN)
 async def handle_shutdown(coordinator: ClientContext, incoming: Incoming, payload: Empty) -> None:
-    """Sent by an admin client, with an empty body.
+    """Sent by an admin client, with an empty body, from an inbox prefix that sent ``connect``
+    (403 otherwise: a known client, besides the NATS permissions that reserve it to the admin).
 
     Answers an ``Ack`` with the state, then the coordinator stops; every open request gets an
     error reply on the way out."""

@@ -40,11 +40,18 @@ class ClientContext(Replier, Protocol):
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
         """Route ``submit`` to an engine, or queue it; raises WireError when it is refused."""
 
-    async def abort(self, request_id: str | None, client_key: tuple[str | None, ClientRequestId] | None) -> str:
-        """End the request so named with an ``abort`` final; its request id. Raises WireError 404."""
+    async def abort(
+        self, incoming: Incoming, request_id: str | None, client_key: tuple[str | None, ClientRequestId] | None
+    ) -> str:
+        """End the request so named with an ``abort`` final; its request id. Raises WireError 404,
+        or 403 when ``incoming`` comes from another owner than the request's."""
+
+    def client_connected(self, incoming: Incoming) -> None:
+        """Remember the owner of ``incoming``'s reply subject as a client that connected."""
 
     async def shut_down(self, incoming: Incoming) -> None:
-        """Acknowledge ``incoming``, then stop; open requests get an error reply on the way out."""
+        """Acknowledge ``incoming``, then stop; open requests get an error reply on the way out.
+        Raises WireError 403 unless ``incoming``'s owner connected."""
 
 
 class ControlContext(Replier, Protocol):
@@ -66,6 +73,8 @@ class ControlContext(Replier, Protocol):
 
 
 class EngineContext(Replier, Protocol):
+    """Engine ids reach these methods from the subject an engine sent on (see handlers/engine.py)."""
+
     async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int) -> None:
         """Add an engine with zero load (an engine registering again had restarted) and answer
         with the control state and epoch it must start in."""
@@ -83,5 +92,5 @@ class EngineContext(Replier, Protocol):
         """Drop an engine that left: what it had not streamed is routed again, the rest fails."""
 
     def peer_seen(self, coordinator_id: str) -> None:
-        """Note a live coordinator replica."""
+        """Note a live coordinator replica; raises WireError 400 for an invalid id."""
 

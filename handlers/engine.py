@@ -1,11 +1,18 @@
 """Handlers for engine messages (register, heartbeat, engine_reply(_partial), disconnect) and
-for heartbeats between coordinator replicas. Every replica must see these (``fanout``)."""
+for heartbeats between coordinator replicas. Every replica must see these (``fanout``).
+
+Engines send on ``<prefix>.<header>.<engine_id>`` (``per_sender``): NATS permissions can let
+each engine publish only there, and the engine a message is from is the one its subject names.
+A body naming another engine is refused (403), so no engine speaks for another; a reply is
+then relayed only if its request was routed to that engine (docs/security.md).
+"""
 
 from __future__ import annotations
 
 from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
+from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
     CoordinatorHeartbeat,
     EngineDisconnect,
@@ -16,48 +23,61 @@ from service.protocol.messages import (
 from service.protocol.subjects import Header
 
 
-@message_handler(Header.REGISTER, fanout=True)
+def sender(incoming: Incoming, claimed: str) -> str:
+    """The engine ``incoming`` is from: the one its subject names, which must be the one its
+    body claims (403 otherwise)."""
+    if incoming.sender != claimed:
+        raise WireError(ErrorCode.FORBIDDEN, f"engine {str(incoming.sender)[:64]!r} sent a {incoming.header} for engine {claimed[:64]!r}")
+    return claimed
+
+
+@message_handler(Header.REGISTER, fanout=True, per_sender=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
     """Sent by an engine when it starts: its ``engine_id`` and ``capacity`` (msgpack).
 
     The engine joins with zero load; one registering again had restarted, so its old work is
-    lost. Answers a ``RegisterAck`` with the control state and epoch to start in."""
-    await coordinator.register_engine(incoming, payload.engine_id, payload.capacity)
+    lost. Answers a ``RegisterAck`` with the control state and epoch to start in; 400 for an id
+    that cannot be a subject token, 429 when the pool holds ``max_engines``."""
+    await coordinator.register_engine(incoming, sender(incoming, payload.engine_id), payload.capacity)
 
 
-@message_handler(Header.HEARTBEAT, fanout=True)
+@message_handler(Header.HEARTBEAT, fanout=True, per_sender=True)
 async def handle_heartbeat(coordinator: EngineContext, incoming: Incoming, payload: Heartbeat) -> None:
-    """Sent by every engine each ``heartbeat_interval_s``: its load and the request ids it holds.
+    """Sent by every engine each ``heartbeat_interval_s``: its load, the request ids it holds and
+    the steps it has taken.
 
-    Refreshes liveness; an unknown engine (say, after a coordinator restart) is adopted.
-    Requests the engine no longer holds are reconciled. No answer."""
+    Refreshes liveness and progress; an unknown engine (say, after a coordinator restart) is
+    adopted. Requests the engine no longer holds are reconciled. No answer."""
+    sender(incoming, payload.engine_id)
     await coordinator.engine_heartbeat(payload)
 
 
-@message_handler(Header.ENGINE_REPLY, fanout=True, direct=True)
+@message_handler(Header.ENGINE_REPLY, fanout=True, direct=True, per_sender=True)
 async def handle_engine_reply(coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch) -> None:
     """Sent by an engine after each step: terminal replies (finals and errors), each already
     encoded for its client and carrying its own return path.
 
-    Each is sent to its client, and its engine slot freed. No answer."""
-    await coordinator.relay_finals(payload.engine_id, payload.replies)
+    Each is sent to its client, and its engine slot freed, if its request was routed to this
+    engine. No answer."""
+    await coordinator.relay_finals(sender(incoming, payload.engine_id), payload.replies)
 
 
-@message_handler(Header.ENGINE_REPLY_PARTIAL, fanout=True, direct=True)
+@message_handler(Header.ENGINE_REPLY_PARTIAL, fanout=True, direct=True, per_sender=True)
 async def handle_engine_reply_partial(coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch) -> None:
     """Sent by an engine after each step: streamed tokens of requests with ``stream``.
 
-    Each is sent to its client in order; the requests stay open. No answer."""
-    await coordinator.relay_partials(payload.engine_id, payload.replies)
+    Each is sent to its client in order, if its request was routed to this engine; the requests
+    stay open. No answer."""
+    await coordinator.relay_partials(sender(incoming, payload.engine_id), payload.replies)
 
 
-@message_handler(Header.DISCONNECT, fanout=True)
+@message_handler(Header.DISCONNECT, fanout=True, per_sender=True)
 async def handle_disconnect(coordinator: EngineContext, incoming: Incoming, payload: EngineDisconnect) -> None:
     """Sent by an engine that leaves: its ``engine_id`` and a reason.
 
     The engine is dropped: requests it had not streamed are routed again, the rest fail with
     503. No answer."""
-    await coordinator.remove_engine(payload.engine_id, payload.reason or "disconnected")
+    await coordinator.remove_engine(sender(incoming, payload.engine_id), payload.reason or "disconnected")
 
 
 @message_handler(Header.COORDINATOR_HEARTBEAT, fanout=True)

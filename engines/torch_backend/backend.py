@@ -69,6 +69,7 @@ class _Request:
 
 class TorchBackend(Backend):
     name = "torch"
+    max_context: int  # set from the model and the KV cache; the runtime holds max_tokens to it
 
     def __init__(self, settings: Settings, model_path: str | None = None) -> None:
         self.device = resolve_device(settings.device)

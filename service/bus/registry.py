@@ -11,6 +11,9 @@ header is declared on the same decorator, so a new header touches one file:
   coordinator replica must see; otherwise replicas share the subject in a queue group.
 - ``direct=True``: handled on nats-py's reading task (:mod:`service.bus.direct`), for the hot
   path; such a handler must never wait for another NATS message.
+- ``per_sender=True``: served on ``<header>.<sender>`` (a subscriber listens on ``<header>.*``)
+  instead of ``<header>``: the subject's last token names the sender, and NATS permissions can
+  let each sender publish only as itself. The handler reads it from :attr:`Incoming.sender`.
 
 Registering a header twice is an error at import time.
 """
@@ -30,12 +33,15 @@ Context = TypeVar("Context")
 @dataclass(slots=True)  # not frozen: a frozen dataclass costs 0.6 us more to build, once per message
 class Incoming:
     """A received message: its header, the NATS reply subject (None when the sender gave none),
-    the encoding detected from its body, and the body itself."""
+    the encoding detected from its body, the body itself, the sender named by the subject
+    (``per_sender`` headers) and the inbox prefix that owns the reply subject (coordinator)."""
 
     header: str
     reply: str | None
     encoding: Encoding
     body: bytes
+    sender: str | None = None
+    owner: str | None = None
 
 
 HandlerFn = Callable[[Any, Incoming, Any], Awaitable[None]]
@@ -48,6 +54,7 @@ class HandlerSpec:
     decoder: PayloadDecoder
     fanout: bool
     direct: bool
+    per_sender: bool = False
 
 
 class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
@@ -57,7 +64,7 @@ class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
         self._specs: dict[str, HandlerSpec] = dict(specs or {})
 
     def message_handler(
-        self, *headers: str, fanout: bool = False, direct: bool = False
+        self, *headers: str, fanout: bool = False, direct: bool = False, per_sender: bool = False
     ) -> Callable[[HandlerFn], HandlerFn]:
         """Register the decorated function as the handler of each header in ``headers``."""
         if not headers:
@@ -72,7 +79,7 @@ class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
                 key = str(header)
                 if key in self._specs:
                     raise ValueError(f"duplicate handler for header {key!r}: {self._specs[key].fn.__qualname__}")
-                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct)
+                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct, per_sender)
             return fn
 
         return register

@@ -2,22 +2,27 @@
 waiting for an engine.
 
 Contract:
-- A submission is refused before it is accepted (400 bad reply subject, 409 an anonymous
-  client's id already in flight, 429 queue full, 503 no engine), or accepted: then it holds a
-  deadline (504 when it passes) and ends with exactly one terminal reply (see the relay).
-- A named client's repeated ``(client_id, client_request_id)`` is answered, never run twice: a
-  request in flight answers the new reply subject, a cached result is sent again.
-- Accepted requests are routed at once while the coordinator runs and an engine has room;
-  otherwise they wait in the queue, in order, until :meth:`Admission.release_queue`. A replica
-  that has not yet heard the fleet (one heartbeat timeout after it starts) queues rather than
-  answering 503.
+- A submission is refused before it is accepted (400 bad reply subject, id too long, deadline
+  beyond ``max_request_timeout_s``; 403 a resubmission from another owner; 409 an anonymous
+  client's id already in flight, or a resubmission with another body; 429 queue full, by count
+  or bytes; 503 no engine), or accepted: then it holds a deadline (504 when it passes) and ends
+  with exactly one terminal reply (see the relay).
+- Replies go only to inboxes: ``reply_to`` must be under an inbox prefix, and under the same one
+  as the message's NATS reply subject when it has one. That prefix owns the request.
+- A named client's repeated ``(client_id, client_request_id)`` is answered, never run twice,
+  when it comes from the same owner with the same body: a request in flight answers the new
+  reply subject, a cached result is sent again.
+- Accepted requests are routed at once while the coordinator runs, an engine has room and no
+  one waits; otherwise they wait in the queue (:mod:`service.coordinator.fair_queue`), owners in
+  turn, until :meth:`Admission.release_queue`. A replica that has not yet heard the fleet (one
+  heartbeat timeout after it starts) queues rather than answering 503.
+- Request ids are random (:mod:`service.coordinator.request_ids`).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -26,19 +31,21 @@ import msgspec
 from service.bus.registry import Incoming
 from service.coordinator.control_state import ControlState
 from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.fair_queue import FairQueue
 from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.relay import ReplyRelay
+from service.coordinator.request_ids import RequestIds
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
 from service.coordinator.routing import RoutingPolicy
 from service.coordinator.timers import CoarseTimers
 from service.ops.settings import Settings
 from service.protocol.codec import detect_encoding
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import ReturnPath, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import Subjects
+from service.protocol.subjects import InboxPrefixes, Subjects, utf8_length
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +80,12 @@ class Admission:
         self._deliveries = deliveries
         self._counters = counters
         self._spawn = spawn
-        self._queue: deque[InflightRequest] = deque()
+        self._inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
+        self._queue = FairQueue(requests)
         self._deadlines = CoarseTimers()
-        self._sequence = itertools.count()
+        self._ids = RequestIds(coordinator_id)
+        self._max_id = settings.max_id_bytes
+        self._max_timeout = settings.max_request_timeout_s
 
     @property
     def queued(self) -> int:
@@ -83,10 +93,8 @@ class Admission:
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
         """Route or queue a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
-        if submit.reply_to is not None and (problem := self._subjects.reply_problem(submit.reply_to)):
-            raise WireError(ErrorCode.MALFORMED, f"reply_to {submit.reply_to!r} {problem}")
-        reply_to = submit.reply_to or incoming.reply
-        if reply_to is None:
+        reply_to, owner = self._reply_subject(incoming, submit.reply_to)
+        if reply_to is None or owner is None:
             self._counters["submit_without_reply"] += 1
             log.warning("submission without reply subject dropped (client_request_id=%s)", submit.client_request_id)
             return
@@ -94,30 +102,64 @@ class Admission:
             body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
         else:
             body, encoding, timeout_s = incoming.body, incoming.encoding, submit.sampling_params.timeout_s
+        self._check_ids(submit.client_request_id, submit.client_id)
+        if timeout_s is not None and not timeout_s <= self._max_timeout:  # also catches NaN
+            raise WireError(ErrorCode.MALFORMED, f"timeout_s {timeout_s} exceeds max_request_timeout_s ({self._max_timeout:g})")
         client_key = None
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
-            if await self._resubmitted(client_key, reply_to, submit.stream):
+            if await self._resubmitted(client_key, reply_to, submit.stream, owner, body):
                 return
         running = self._control.state is CoordinatorState.RUNNING
         if running and len(self._pool) == 0 and self._peers.warmed_up:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
-        engine = self._policy.choose(self._pool.ordered) if running else None
-        if engine is None and len(self._queue) >= self._settings.max_queued_requests:
-            raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self._settings.max_queued_requests} held)")
+        queue = self._queue
+        engine = self._policy.choose(self._pool.ordered) if running and not len(queue) else None
+        if engine is None:
+            settings = self._settings
+            if len(queue) >= settings.max_queued_requests:
+                raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_requests} held)")
+            if self._requests.queued_bytes + len(body) > settings.max_queued_bytes:
+                raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_bytes} bytes held)")
 
-        request_id = f"{self._id}-{next(self._sequence)}"
+        request_id = self._ids.new()
         return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(return_path, encoding, body, client_key)
+        entry = InflightRequest(return_path, encoding, body, client_key, owner)
         entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
         self._requests.add(entry)
         self._counters["submitted"] += 1
-        if engine is None:
-            self._queue.append(entry)
-        else:
+        if engine is not None:
             self._outbox.send(entry, engine)
+            return
+        queue.append(entry)
+        if running:
+            await self.release_queue()
 
-    async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool) -> bool:
+    def _reply_subject(self, incoming: Incoming, reply_to: str | None) -> tuple[str | None, str | None]:
+        """Where replies go and who owns them: ``reply_to`` under an inbox prefix, the sender's own
+        (its NATS reply subject's, which the coordinator checked on arrival) when it gave one."""
+        if reply_to is None:
+            return incoming.reply, incoming.owner
+        if utf8_length(reply_to) > self._max_id:
+            raise WireError(ErrorCode.MALFORMED, f"reply_to is longer than max_id_bytes ({self._max_id})")
+        if (problem := self._subjects.reply_problem(reply_to)) is not None:
+            raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to!r} {problem}")
+        owner = self._inboxes.owner(reply_to)
+        if owner is None:
+            raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to!r} is not under an inbox prefix ({self._inboxes.describe()})")
+        if incoming.owner is not None and owner != incoming.owner:
+            raise WireError(
+                ErrorCode.MALFORMED, f"reply_to {reply_to!r} is not under the sender's own inbox prefix {incoming.owner!r}"
+            )
+        return reply_to, owner
+
+    def _check_ids(self, client_request_id: ClientRequestId | None, client_id: str | None) -> None:
+        limit = self._max_id
+        for name, value in (("client_request_id", client_request_id), ("client_id", client_id)):
+            if isinstance(value, str) and (len(value) > limit or utf8_length(value) > limit):
+                raise WireError(ErrorCode.MALFORMED, f"{name} is longer than max_id_bytes ({limit})")
+
+    async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool, owner: str, body: bytes) -> bool:
         """Answer a repeated ``(client_id, client_request_id)``; False when it is new.
 
         Anonymous clients share one namespace, so for them a repeat in flight is refused."""
@@ -127,38 +169,62 @@ class Admission:
                 raise WireError(ErrorCode.CONFLICT, f"client_request_id {client_key[1]!r} is already in flight")
             return False
         if existing is not None:
+            _same_submission(client_key, existing.owner, existing.body, owner, body)
             existing.return_path = msgspec.structs.replace(existing.return_path, reply_to=reply_to, stream=stream)
             self._counters["resubmitted"] += 1
             return True
+        cached = self._relay.cached(client_key)
+        if cached is None:
+            return False
+        _same_submission(client_key, cached.owner, cached.request_body, owner, body)
         if self._deliveries.repoint(client_key, reply_to):
             self._counters["resubmitted"] += 1
             return True
-        return await self._relay.replay(client_key, reply_to, stream)
+        await self._relay.replay(client_key, cached, reply_to, stream)
+        return True
 
     def requeue(self, entry: InflightRequest) -> None:
         """Put a request whose engine lost it at the head of the queue, to be routed again."""
+        if entry.engine_id is not None:
+            self._requests.unrouted(entry)
         entry.engine_id = None
         self._queue.appendleft(entry)
 
     async def release_queue(self) -> None:
-        """Route queued requests while the coordinator runs and some engine has room."""
+        """Route queued requests while the coordinator runs and some engine has room: owners in
+        turn, passing over one that holds more than ``max_client_share`` of the fleet while others wait."""
         queue = self._queue
-        while queue and self._control.state is CoordinatorState.RUNNING:
-            entry = queue[0]
-            if entry.return_path.request_id not in self._requests:
-                queue.popleft()
-                continue
+        over_share = self._over_share()
+        while len(queue) and self._control.state is CoordinatorState.RUNNING:
+            entry = queue.peek(over_share)
+            if entry is None:
+                return
             if len(self._pool) == 0:
                 if not self._peers.warmed_up:
                     return  # heartbeats are about to introduce the fleet
-                queue.popleft()
+                queue.pop(entry)
                 await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
                 continue
             engine = self._policy.choose(self._pool.ordered)
             if engine is None:
                 return
-            queue.popleft()
+            queue.pop(entry)
             self._outbox.send(entry, engine)
+
+    def _over_share(self) -> Callable[[str], bool]:
+        share = self._settings.max_client_share
+        if share >= 1.0:
+            return _never
+        requests, pool = self._requests, self._pool
+        limit: float | None = None  # the fleet's slots, summed once per release and only if asked
+
+        def over_share(owner: str) -> bool:
+            nonlocal limit
+            if limit is None:
+                limit = share * sum(record.capacity for record in pool)
+            return requests.held_by(owner) >= limit
+
+        return over_share
 
     def _expire(self, request_id: str) -> None:
         entry = self._requests.get(request_id)
@@ -166,3 +232,20 @@ class Admission:
             return
         entry.deadline = None
         self._spawn(self._relay.fail(request_id, WireError(ErrorCode.TIMED_OUT, "request deadline passed")))
+
+
+def _never(owner: str) -> bool:
+    return False
+
+
+def _same_submission(client_key: ClientKey, owner: str, body: bytes | None, new_owner: str, new_body: bytes) -> None:
+    """A resubmission must come from the original's owner (403) with the original's body (409)."""
+    client_id, client_request_id = client_key
+    if new_owner != owner:
+        raise WireError(
+            ErrorCode.FORBIDDEN, f"client_request_id {client_request_id!r} of client_id {client_id!r} belongs to another owner"
+        )
+    if body is not None and new_body != body:
+        raise WireError(
+            ErrorCode.CONFLICT, f"client_request_id {client_request_id!r} of client_id {client_id!r} was submitted with another body"
+        )

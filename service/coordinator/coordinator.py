@@ -4,7 +4,11 @@ its handlers drive.
 Contract: every handler call is guarded. A message that fails to decode, or that a handler
 refuses, becomes an error reply (when the sender gave somewhere to reply), a rate-limited log
 line and a counter; the coordinator keeps serving. Every accepted request leaves through
-exactly one terminal reply (:mod:`service.coordinator.relay`).
+exactly one terminal reply (:mod:`service.coordinator.relay`). Replies go only to inboxes: a
+message whose NATS reply subject is not under an inbox prefix is dropped, and the prefix it is
+under (its owner) is what resubmissions, aborts and shutdown are checked against. Background
+loops never die (:mod:`service.ops.loops`), and a background task that fails is logged and
+counted.
 
 The jobs, one module each: admission (accepting, queueing, deadlines), the outbox to engines,
 the reply relay, the engine fleet, and control. This class wires them, owns the connection
@@ -18,7 +22,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
@@ -43,6 +47,7 @@ from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
+from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import detect_encoding, encode, encode_msgpack, return_hints
 from service.protocol.errors import ErrorCode, WireError
@@ -58,9 +63,12 @@ from service.protocol.messages import (
     error_reply,
 )
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import Header, InboxPrefixes, Subjects, id_problem
 
 log = logging.getLogger(__name__)
+
+# Owners (inbox prefixes) remembered as having connected, for shutdown; the least recent are forgotten.
+MAX_KNOWN_CLIENTS = 10_000
 
 
 class Coordinator:
@@ -73,13 +81,14 @@ class Coordinator:
         self.requests = RequestTable()
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
-        self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
+        self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes)
         self.control_state = ControlState()
+        self.inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
         self._handlers = handlers
-        self._deliveries = ClientDeliveries(self.nc)
+        self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
         self._relay = ReplyRelay(
             self.id, self.nc, self.subjects, self.requests, self.engines, self.peers, self.results, self._deliveries,
-            self.counters, self.spawn,
+            self.counters, self.spawn, self.inboxes, settings.max_buffered_bytes,
         )
         self._outbox = Outbox(self.nc, self.subjects, self.requests, self._relay)
         self._admission = Admission(
@@ -88,8 +97,8 @@ class Coordinator:
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._fleet = Fleet(
-            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay, self.counters,
-            self.spawn,
+            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay, self.control_state,
+            self.counters, self.spawn,
         )
         self._control = Control(
             settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.counters, self.reply
@@ -99,7 +108,12 @@ class Coordinator:
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._max_body = settings.max_payload_bytes
+        self._max_reply = settings.max_id_bytes
         self._refusal_log = RateLimitedLog(log)
+        self._failure_log = RateLimitedLog(log)
+        self._known_clients: OrderedDict[str, None] = OrderedDict()
+        self._heartbeat_subject = self.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
+        self._heartbeat_body = encode_msgpack(CoordinatorHeartbeat(self.id))
 
     # ------------------------------------------------------------ state others read
 
@@ -137,7 +151,7 @@ class Coordinator:
             self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
             queue = "" if spec.fanout else self.settings.queue_group
-            subject = self.subjects.coordinator(header)
+            subject = self.subjects.sent_by_any(header) if spec.per_sender else self.subjects.coordinator(header)
             subscription: Subscription | DirectSubscription
             if spec.direct:
                 subscription = await self.nc.subscribe_direct(subject, functools.partial(self._dispatch, spec), queue=queue)
@@ -145,9 +159,9 @@ class Coordinator:
                 subscription = await self.nc.subscribe(subject, queue=queue, cb=functools.partial(self._on_message, spec))
             self._subscriptions.append(subscription)
         await flush_subscriptions(self.nc)
-        self.spawn(self._fleet.watch_heartbeats())
-        self.spawn(self._heartbeat())
-        self.spawn(self._outbox.run())
+        self.spawn(keep_running("watchdog", self._fleet.watch_once, self.counters))
+        self.spawn(keep_running("heartbeat", self._heartbeat_once, self.counters, self.settings.heartbeat_interval_s))
+        self.spawn(keep_running("routing", self._outbox.route_once, self.counters))
         asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
@@ -182,9 +196,16 @@ class Coordinator:
         await self.stop()
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run ``coro`` in the background; if it fails, the failure is logged and counted."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[object]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.counters["task_errors"] += 1
+            self._failure_log.exception("background task %s failed", task.get_coro(), exc=exc)
 
     # ------------------------------------------------------------ dispatch
 
@@ -192,12 +213,18 @@ class Coordinator:
         await self._dispatch(spec, msg.subject, msg.reply, msg.data)
 
     async def _dispatch(self, spec: HandlerSpec, subject: str, reply: str, body: bytes) -> None:
-        """Decode, run the handler, answer any failure; ``subject`` is ``spec``'s own, unused."""
-        if reply and (problem := self.subjects.reply_problem(reply)):
-            self.counters["unsafe_reply_subject"] += 1
-            self._refusal_log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), reply, problem)
-            return
-        incoming = Incoming(spec.header, reply or None, detect_encoding(body), body)
+        """Decode, run the handler, answer any failure. ``subject`` is ``spec``'s own, or for a
+        ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender."""
+        owner = None
+        if reply:
+            owner = self.inboxes.owner(reply)
+            problem = self._reply_problem(reply, owner)
+            if problem is not None:
+                self.counters["unsafe_reply_subject"] += 1
+                self._refusal_log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), reply[:256], problem)
+                return
+        sender = subject[len(self.subjects.prefix) + len(spec.header) + 2 :] if spec.per_sender else None
+        incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner)
         try:
             if len(body) > self._max_body:
                 raise WireError(ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit")
@@ -205,14 +232,20 @@ class Coordinator:
         except WireError as err:
             await self._refuse(incoming, err)
         except Exception:
-            log.exception("handler for %s failed", spec.header)
+            self._failure_log.exception("handler for %s failed", spec.header)
             await self._refuse(incoming, WireError(ErrorCode.INTERNAL, f"internal error handling {spec.header}"))
+
+    def _reply_problem(self, reply: str, owner: str | None) -> str | None:
+        if owner is None:
+            return f"is not under an inbox prefix ({self.inboxes.describe()})"
+        if len(reply) > self._max_reply:
+            return f"is longer than max_id_bytes ({self._max_reply})"
+        return self.subjects.reply_problem(reply)
 
     async def _refuse(self, incoming: Incoming, err: WireError) -> None:
         self.counters[f"error_{err.code}"] += 1
         hints = return_hints(incoming.body, incoming.encoding)
-        usable = isinstance(hints.reply_to, str) and self.subjects.reply_problem(hints.reply_to) is None
-        reply_to = hints.reply_to if usable else incoming.reply
+        reply_to = hints.reply_to if self._usable_reply_to(hints.reply_to, incoming.owner) else incoming.reply
         client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
         self._refusal_log.warning(
             "refused %s (%d bytes, client_request_id=%s): %s %s",
@@ -224,6 +257,13 @@ class Coordinator:
         if hints.stream is True:
             await self.nc.publish(reply_to, b"")
 
+    def _usable_reply_to(self, reply_to: object, sender: str | None) -> bool:
+        """A ``reply_to`` read from a refused body: an inbox, the sender's own when it is known."""
+        if not isinstance(reply_to, str):
+            return False
+        owner = self.inboxes.owner(reply_to)
+        return self._reply_problem(reply_to, owner) is None and (sender is None or owner == sender)
+
     # ------------------------------------------------------------ handler contexts (handlers/context.py)
 
     async def reply(self, incoming: Incoming, message: Struct) -> None:
@@ -233,7 +273,7 @@ class Coordinator:
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
         await self._admission.admit(incoming, submit)
 
-    async def abort(self, request_id: str | None, client_key: ClientKey | None) -> str:
+    async def abort(self, incoming: Incoming, request_id: str | None, client_key: ClientKey | None) -> str:
         if request_id is not None:
             entry = self.requests.get(request_id)
             wanted = f"request_id {request_id!r}"
@@ -244,10 +284,24 @@ class Coordinator:
             raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
         if entry is None:
             raise WireError(ErrorCode.NOT_FOUND, f"no request in flight with {wanted}")
+        if incoming.owner != entry.owner:
+            raise WireError(ErrorCode.FORBIDDEN, f"the request with {wanted} belongs to another owner")
         await self._relay.abort(entry)
         return entry.return_path.request_id
 
+    def client_connected(self, incoming: Incoming) -> None:
+        owner = incoming.owner
+        if owner is None:
+            return
+        known = self._known_clients
+        known[owner] = None
+        known.move_to_end(owner)
+        if len(known) > MAX_KNOWN_CLIENTS:
+            known.popitem(last=False)
+
     async def shut_down(self, incoming: Incoming) -> None:
+        if incoming.owner is None or incoming.owner not in self._known_clients:
+            raise WireError(ErrorCode.FORBIDDEN, "shutdown is honoured only from a client that connected (send connect first)")
         await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state))
         await self.nc.flush()
         self.request_stop()
@@ -269,29 +323,30 @@ class Coordinator:
         await self._fleet.heartbeat(heartbeat)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        self._fleet.heard_from(engine_id)
         await self._relay.relay_finals(engine_id, replies)
 
     async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        self._fleet.heard_from(engine_id)
         await self._relay.relay_partials(engine_id, replies)
 
     async def remove_engine(self, engine_id: str, reason: str) -> None:
         await self._fleet.remove(engine_id, reason)
 
     def peer_seen(self, coordinator_id: str) -> None:
-        self.peers.saw(coordinator_id)
+        if id_problem(coordinator_id, self.settings.max_id_bytes) is not None:
+            raise WireError(ErrorCode.MALFORMED, f"coordinator_id {coordinator_id[:64]!r} is not a valid id")
+        if not self.peers.saw(coordinator_id):
+            self.counters["peers_ignored"] += 1
 
     # ------------------------------------------------------------ background
 
-    async def _heartbeat(self) -> None:
-        subject = self.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
-        beat = encode_msgpack(CoordinatorHeartbeat(self.id))
-        while True:
-            if self.nc.is_connected:
-                try:
-                    await self.nc.publish(subject, beat)
-                except Exception as exc:
-                    log.warning("coordinator heartbeat not sent: %s", exc)
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+    async def _heartbeat_once(self) -> None:
+        """One beat to the other replicas, and housekeeping: expired results are swept by time."""
+        self.results.sweep()
+        if self.nc.is_connected:
+            await self.nc.publish(self._heartbeat_subject, self._heartbeat_body)
+        await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""

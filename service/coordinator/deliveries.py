@@ -4,34 +4,51 @@ While the coordinator's connection is down, and for a grace period after it is b
 wait here in order, so that clients have re-subscribed their inboxes before replies reach
 them. A held reply of a named client follows that client's resubmission to its new reply
 subject instead of being sent twice.
+
+What is held is bounded by ``max_bytes`` (bodies and subjects): beyond it the oldest held
+replies are dropped and counted; a named client gets a dropped terminal reply again from the
+result cache when it resubmits. A reply that fails to publish on release is logged and
+skipped: the others still leave, and delivery opens again whatever happens.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
 from service.coordinator.requests import ClientKey
+from service.ops.log_limit import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
+# Bytes a held reply costs besides its body and subject.
+HELD_OVERHEAD = 100
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)
 class HeldDelivery:
     subject: str
     body: bytes
     client_key: ClientKey | None
 
+    @property
+    def size(self) -> int:
+        return len(self.body) + len(self.subject) + HELD_OVERHEAD
+
 
 class ClientDeliveries:
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, counters: Counter[str] | None = None, max_bytes: int = 64 * 1024 * 1024) -> None:
         self._nc = nc
+        self._counters = counters if counters is not None else Counter()
+        self._max_bytes = max_bytes
         self._open = True
         self._held: deque[HeldDelivery] = deque()
         self._held_by_client: dict[ClientKey, list[HeldDelivery]] = {}
+        self._held_bytes = 0
+        self._failures = RateLimitedLog(log)
 
     async def publish(self, subject: str, body: bytes, client_key: ClientKey | None) -> None:
         if self._open:
@@ -39,8 +56,22 @@ class ClientDeliveries:
             return
         delivery = HeldDelivery(subject, body, client_key)
         self._held.append(delivery)
+        self._held_bytes += delivery.size
         if client_key is not None:
             self._held_by_client.setdefault(client_key, []).append(delivery)
+        while self._held_bytes > self._max_bytes and self._held:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        dropped = self._held.popleft()
+        self._held_bytes -= dropped.size
+        self._counters["held_replies_dropped"] += 1
+        if dropped.client_key is not None:
+            held = self._held_by_client.get(dropped.client_key)
+            if held is not None:
+                held.pop(0)  # a client's held replies are in order too: its oldest is this one
+                if not held:
+                    del self._held_by_client[dropped.client_key]
 
     def repoint(self, client_key: ClientKey, subject: str) -> bool:
         """Send what is held for ``client_key`` to ``subject`` instead; False if nothing is held."""
@@ -57,8 +88,15 @@ class ClientDeliveries:
     async def release(self) -> None:
         """Publish everything held, in order, then deliver directly again."""
         log.info("delivering %d replies held across the NATS reconnect", len(self._held))
-        while self._held:
-            delivery = self._held.popleft()
-            await self._nc.publish(delivery.subject, delivery.body)
-        self._held_by_client.clear()
-        self._open = True
+        try:
+            while self._held:
+                delivery = self._held.popleft()
+                self._held_bytes -= delivery.size
+                try:
+                    await self._nc.publish(delivery.subject, delivery.body)
+                except Exception as exc:
+                    self._counters["held_replies_dropped"] += 1
+                    self._failures.warning("held reply to %s not delivered: %s", delivery.subject, exc)
+        finally:
+            self._held_by_client.clear()
+            self._open = True

@@ -10,7 +10,15 @@ Contract:
   times); the others fail with 503.
 - A heartbeat that no longer lists a request routed to that engine a while ago starts a
   reconciliation: the engine sends its replies again, and what it never received is queued
-  again (or fails, if part of it was streamed).
+  again (or fails, if part of it was streamed, or was routed ``max_retries`` times already).
+- An engine id becomes a subject token, so register refuses one outside the token charset or
+  longer than ``max_id_bytes`` (400), and beyond ``max_engines`` engines (429); a heartbeat
+  never adopts such an engine.
+- Progress is watched: an engine that holds requests yet neither replied nor reported a step
+  (heartbeat ``steps``) for ``engine_progress_timeout_s`` while the coordinator runs is
+  suspected (a black hole). It is removed as if silent (what it had not streamed is routed
+  again) and its heartbeats bring it back only after it answers something: a reply, such as
+  the final of an abort it is sent for each request taken from it, or registering again.
 """
 
 from __future__ import annotations
@@ -27,14 +35,17 @@ from nats.errors import Error as NatsError
 
 from service.bus.direct import DirectClient
 from service.coordinator.admission import Admission
+from service.coordinator.control_state import ControlState
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import RequestTable
+from service.ops.log_limit import RateLimitedLog
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import Heartbeat, ResendAnswer, ResendReplies
-from service.protocol.subjects import RESEND_REPLIES, Subjects
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import RESEND_REPLIES, Subjects, id_problem
 
 log = logging.getLogger(__name__)
 _resend_answer_decoder = msgpack_decoder(ResendAnswer)
@@ -50,6 +61,7 @@ class Fleet:
         requests: RequestTable,
         admission: Admission,
         relay: ReplyRelay,
+        control: ControlState,
         counters: Counter[str],
         spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
@@ -60,9 +72,12 @@ class Fleet:
         self._requests = requests
         self._admission = admission
         self._relay = relay
+        self._control = control
         self._counters = counters
         self._spawn = spawn
         self.changed = asyncio.Event()
+        self._suspects: dict[str, float] = {}  # engine id -> when it was last heard
+        self._refusals = RateLimitedLog(log)
 
     def add(self, engine_id: str, capacity: int) -> EngineRecord:
         record = self.pool.add(engine_id, capacity)
@@ -71,9 +86,15 @@ class Fleet:
         return record
 
     async def register(self, engine_id: str, capacity: int) -> None:
-        """An engine that registers again had restarted: its old work is lost."""
+        """An engine that registers again had restarted: its old work is lost. Raises WireError
+        400 for an id that cannot be a subject token, 429 when the pool is full."""
+        if (problem := id_problem(engine_id, self._settings.max_id_bytes)) is not None:
+            raise WireError(ErrorCode.MALFORMED, f"engine_id {engine_id[:64]!r} {problem}")
         if self.pool.get(engine_id) is not None:
             await self.remove(engine_id, "registered again")
+        elif len(self.pool) >= self._settings.max_engines:
+            raise WireError(ErrorCode.OVERLOADED, f"engine pool full ({self._settings.max_engines} engines)")
+        self._suspects.pop(engine_id, None)
         self.add(engine_id, capacity)
 
     async def remove(self, engine_id: str, reason: str, departed: bool = True) -> None:
@@ -97,35 +118,97 @@ class Fleet:
     async def heartbeat(self, heartbeat: Heartbeat) -> None:
         """Refresh liveness; adopt an unknown engine; reconcile, in the background, when the
         engine no longer holds requests routed to it."""
-        record = self.pool.get(heartbeat.engine_id)
+        engine_id = heartbeat.engine_id
+        record = self.pool.get(engine_id)
+        now = time.monotonic()
         if record is None:
-            if not self.pool.recently_departed(heartbeat.engine_id):
-                self.add(heartbeat.engine_id, heartbeat.capacity)
+            if engine_id in self._suspects:
+                self._suspects[engine_id] = now
+            elif not self.pool.recently_departed(engine_id) and self._adoptable(engine_id):
+                self.add(engine_id, heartbeat.capacity)
                 await self._admission.release_queue()
             return
-        record.last_seen = time.monotonic()
+        record.last_seen = now
+        if heartbeat.steps is not None and heartbeat.steps != record.steps:
+            if record.steps is not None:
+                record.last_progress = now
+            record.steps = heartbeat.steps
         active = set(heartbeat.active)
         if not record.reconciling and not record.requests <= active:
             self._spawn(self.reconcile(record, active))
 
-    async def watch_heartbeats(self) -> None:
-        """The silence watchdog; one failed round is logged and the next goes on."""
+    def _adoptable(self, engine_id: str) -> bool:
+        if id_problem(engine_id, self._settings.max_id_bytes) is not None:
+            self._counters["heartbeats_refused"] += 1
+            self._refusals.warning("heartbeat of engine_id %r not adopted: not a valid engine id", engine_id[:64])
+            return False
+        if len(self.pool) >= self._settings.max_engines:
+            self._counters["heartbeats_refused"] += 1
+            self._refusals.warning("heartbeat of engine_id %s not adopted: the pool is full", engine_id)
+            return False
+        return True
+
+    def heard_from(self, engine_id: str) -> None:
+        """A reply from ``engine_id``: it makes progress; a suspect is taken back by its next heartbeat."""
+        record = self.pool.get(engine_id)
+        if record is not None:
+            record.last_progress = time.monotonic()
+        elif self._suspects and self._suspects.pop(engine_id, None) is not None:
+            log.warning("engine_id=%s answered again after it was suspected", engine_id)
+
+    async def watch_once(self) -> None:
+        """One round of the watchdog (run by :func:`~service.ops.loops.keep_running`): engines
+        silent for ``heartbeat_timeout_s`` are removed, engines without progress suspected.
+        Each engine is handled on its own, so one that fails to go does not keep the others."""
         timeout = self._settings.heartbeat_timeout_s
-        while True:
-            await asyncio.sleep(timeout / 4)
-            if not self._nc.is_connected:
-                continue
-            try:
-                for record in self.pool.silent_since(time.monotonic() - timeout):
-                    await self.remove(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False)
-            except Exception:
-                log.exception("heartbeat watchdog round failed; continuing")
+        await asyncio.sleep(timeout / 4)
+        if not self._nc.is_connected:
+            return
+        now = time.monotonic()
+        for record in self.pool.silent_since(now - timeout):
+            await self._guarded(self.remove(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False), record.engine_id)
+        for record in self._stalled(now):
+            await self._guarded(self.suspect(record), record.engine_id)
+        self._suspects = {engine_id: heard for engine_id, heard in self._suspects.items() if now - heard < timeout}
+
+    async def _guarded(self, step: Coroutine[Any, Any, object], engine_id: str) -> None:
+        try:
+            await step
+        except Exception:
+            self._counters["watchdog_errors"] += 1
+            self._refusals.warning("engine_id=%s: the watchdog could not handle this engine; next round tries again", engine_id)
+
+    def _stalled(self, now: float) -> list[EngineRecord]:
+        """Engines holding requests that made no progress within ``engine_progress_timeout_s``.
+        While the coordinator is not running engines do not step, so their clocks restart."""
+        if self._control.state is not CoordinatorState.RUNNING:
+            for record in self.pool:
+                record.last_progress = now
+            return []
+        bound = self._settings.engine_progress_timeout_s
+        return [record for record in self.pool if record.requests and now - record.last_progress > bound]
+
+    async def suspect(self, record: EngineRecord) -> None:
+        """No new work for an engine that holds requests and makes no progress; what it had not
+        streamed goes elsewhere, and it is asked to abort that, which a live engine answers."""
+        engine_id = record.engine_id
+        taken = list(record.requests)
+        self._counters["engines_suspected"] += 1
+        bound = self._settings.engine_progress_timeout_s
+        await self.remove(engine_id, f"no reply and no step for {bound:g} s with {len(taken)} requests", departed=False)
+        self._suspects[engine_id] = time.monotonic()
+        for request_id in taken:
+            entry = self._requests.get(request_id)
+            if entry is not None and entry.engine_id != engine_id:
+                await self._relay.tell_engine_abort(engine_id, request_id)
 
     def forgive_silence(self) -> None:
-        """After this replica's own reconnect, engines get a full timeout to be heard again."""
+        """After this replica's own reconnect, engines get a full timeout to be heard again, and
+        to show progress."""
         now = time.monotonic()
         for record in self.pool:
             record.last_seen = now
+            record.last_progress = now
 
     async def reconcile(self, record: EngineRecord, active: set[str]) -> None:
         """Requests routed to an engine a while ago that it no longer holds: their submission or
@@ -155,7 +238,7 @@ class Fleet:
             if entry is None or entry.engine_id != record.engine_id:
                 continue
             record.requests.discard(request_id)
-            if entry.streamed:
+            if entry.streamed or entry.attempts > self._settings.max_retries:
                 await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
                 continue
             self._counters["redispatched"] += 1

@@ -19,20 +19,23 @@ from service.bus.direct import DirectClient
 from service.coordinator.pool import EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest, RequestTable
+from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import RoutedRequest, RoutedRequestBatch
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import Header, Subjects, utf8_length
 
 log = logging.getLogger(__name__)
 
 
 def routed_size(entry: InflightRequest) -> int:
-    """Bytes a routed request takes in a batch: its body and the variable strings of its return path."""
+    """Bytes a routed request takes in a batch: its body and the variable strings of its return
+    path, counted in UTF-8 as msgpack carries them."""
     return_path = entry.return_path
     return (
-        len(entry.body) + len(return_path.reply_to) + len(str(return_path.client_request_id)) + len(return_path.client_id or "")
-        + len(return_path.request_id) + len(return_path.coordinator_id) + ITEM_OVERHEAD
+        len(entry.body) + utf8_length(return_path.reply_to) + utf8_length(str(return_path.client_request_id))
+        + utf8_length(return_path.client_id or "") + len(return_path.request_id) + len(return_path.coordinator_id)
+        + ITEM_OVERHEAD
     )
 
 
@@ -44,13 +47,17 @@ class Outbox:
         self._relay = relay
         self._pending: dict[str, list[InflightRequest]] = {}
         self._ready = asyncio.Event()
+        self._failures = RateLimitedLog(log)
 
     def send(self, entry: InflightRequest, engine: EngineRecord) -> None:
         """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
         entry.engine_id = engine.engine_id
         entry.attempts += 1
-        entry.routed_at = time.monotonic()
+        entry.routed_at = now = time.monotonic()
+        if not engine.requests:
+            engine.last_progress = now  # idle until now: its progress is watched from here (fleet.py)
         engine.requests.add(entry.return_path.request_id)
+        self._requests.routed(entry)
         batch = self._pending.get(engine.engine_id)
         if batch is None:
             self._pending[engine.engine_id] = [entry]
@@ -58,17 +65,17 @@ class Outbox:
         else:
             batch.append(entry)
 
-    async def run(self) -> None:
-        """The routing task: publishes what each loop turn routed."""
-        while True:
-            await self._ready.wait()
-            self._ready.clear()
-            pending, self._pending = self._pending, {}
-            for engine_id, entries in pending.items():
-                try:
-                    await self._publish(engine_id, entries)
-                except Exception:
-                    log.exception("engine_id=%s: routing %d requests failed", engine_id, len(entries))
+    async def route_once(self) -> None:
+        """One round of the routing task (run by :func:`~service.ops.loops.keep_running`):
+        publishes what the loop turns since the last round routed."""
+        await self._ready.wait()
+        self._ready.clear()
+        pending, self._pending = self._pending, {}
+        for engine_id, entries in pending.items():
+            try:
+                await self._publish(engine_id, entries)
+            except Exception:
+                self._failures.exception("engine_id=%s: routing %d requests failed", engine_id, len(entries))
 
     async def _publish(self, engine_id: str, entries: list[InflightRequest]) -> None:
         max_payload = self._nc.max_payload
@@ -92,6 +99,6 @@ class Outbox:
         try:
             await self._nc.publish(subject, encode_msgpack(message))
         except Exception as exc:  # the routing task must outlive any one failed publish
-            log.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
+            self._failures.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for entry in batch:
                 await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"))

@@ -14,6 +14,9 @@ class EngineRecord:
     last_seen: float = field(default_factory=time.monotonic)
     requests: set[str] = field(default_factory=set)
     reconciling: bool = False
+    # Progress, watched while it holds requests (fleet.py): its last reply, step or start of work.
+    last_progress: float = field(default_factory=time.monotonic)
+    steps: int | None = None  # the step count its last heartbeat reported
 
     @property
     def load(self) -> int:

@@ -6,10 +6,15 @@ Contract:
   :meth:`ReplyRelay.fail` (deadline, engine lost, shutdown).
 - A stream's replies reach the client in order. Partials and finals travel on two subjects,
   so a final that overtook a partial waits for it (:data:`EARLY_FINAL_WAIT_S` at most).
+- A reply is accepted only from the engine its request was routed to; the engine is the one the
+  subject names (handlers/engine.py), so with per-engine NATS users no engine can answer for
+  another (``stale_engine_replies`` counts the rest).
 - A reply for a request this replica does not hold is an orphan: another live replica's
   (ignored), this replica's own late reply (counted), or one whose coordinator is gone, which
-  exactly one surviving replica delivers (:mod:`service.coordinator.peers`).
-- Terminal replies of named clients are cached, so a resubmission is answered, never run twice.
+  exactly one surviving replica delivers (:mod:`service.coordinator.peers`), to an inbox only.
+- Terminal replies of named clients are cached, so a resubmission is answered, never run twice;
+  an orphan's only when its coordinator is one this replica heard from, so a forged orphan
+  naming a made-up coordinator cannot answer a later resubmission.
 """
 
 from __future__ import annotations
@@ -25,19 +30,19 @@ from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
-from service.coordinator.results import ResultCache
+from service.coordinator.results import CachedResult, ResultCache
 from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.messages import Final, ReturnPath, RoutedAbort, RoutedReply, error_reply
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import Header, InboxPrefixes, Subjects
 
 log = logging.getLogger(__name__)
 
 # How long a final that overtook one of its partials waits for it before going out anyway.
 EARLY_FINAL_WAIT_S = 1.0
-# Most orphan replies buffered while a new replica learns which peers are alive.
+# Most orphan replies buffered while a new replica learns which peers are alive (bytes: a setting).
 MAX_BUFFERED_ORPHANS = 10_000
 
 
@@ -54,6 +59,8 @@ class ReplyRelay:
         deliveries: ClientDeliveries,
         counters: Counter[str],
         spawn: Callable[[Coroutine[Any, Any, object]], None],
+        inboxes: InboxPrefixes,
+        max_buffered_bytes: int,
     ) -> None:
         self._id = coordinator_id
         self._nc = nc
@@ -67,7 +74,10 @@ class ReplyRelay:
         self._spawn = spawn
         self.latency = RequestLatency()
         self._refusal_log = RateLimitedLog(log)
+        self._inboxes = inboxes
         self._orphans: list[tuple[RoutedReply, bool]] = []
+        self._orphan_bytes = 0
+        self._max_buffered_bytes = max_buffered_bytes
         self.on_slot_freed: Callable[[], Awaitable[None]] | None = None
 
     def finish(self, request_id: str) -> InflightRequest | None:
@@ -83,30 +93,32 @@ class ReplyRelay:
                 engine.requests.discard(request_id)
         return entry
 
-    async def reply(self, return_path: ReturnPath, body: bytes, terminal: bool) -> None:
+    async def reply(
+        self, return_path: ReturnPath, body: bytes, terminal: bool, owner: str | None = None, request_body: bytes | None = None
+    ) -> None:
         """Send one reply along ``return_path``: this replica's own (its reply subject was checked on
-        admission), or an orphan's that :meth:`_on_orphan` checked, since an engine wrote it."""
+        admission), or an orphan's that :meth:`_on_orphan` checked, since an engine wrote it.
+        A terminal reply of a named client is cached for ``owner`` (None: not cached)."""
         client_key = None
         if return_path.client_id is not None and return_path.client_request_id is not None:
             client_key = (return_path.client_id, return_path.client_request_id)
         await self._deliveries.publish(return_path.reply_to, body, client_key)
         if terminal:
             self._counters["completed"] += 1
-            if client_key is not None:
-                self._results.put(client_key, body)
+            if client_key is not None and owner is not None:
+                self._results.put(client_key, body, owner, request_body)
             if return_path.stream:
                 await self._deliveries.publish(return_path.reply_to, b"", client_key)
 
-    async def replay(self, client_key: ClientKey, reply_to: str, stream: bool) -> bool:
-        """Send a named client's cached terminal reply again; False when none is cached."""
-        cached = self._results.get(client_key)
-        if cached is None:
-            return False
+    def cached(self, client_key: ClientKey) -> CachedResult | None:
+        return self._results.get(client_key)
+
+    async def replay(self, client_key: ClientKey, cached: CachedResult, reply_to: str, stream: bool) -> None:
+        """Send a named client's cached terminal reply again."""
         self._counters["replayed"] += 1
         await self._deliveries.publish(reply_to, cached.body, client_key)
         if stream:
             await self._deliveries.publish(reply_to, b"", client_key)
-        return True
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         for reply in replies:
@@ -128,7 +140,7 @@ class ReplyRelay:
             asyncio.get_running_loop().call_later(EARLY_FINAL_WAIT_S, self._send_early_final, request_id)
             return
         self.finish(request_id)
-        await self.reply(entry.return_path, reply.body, terminal=True)
+        await self.reply(entry.return_path, reply.body, True, entry.owner, entry.body)
 
     async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
         for reply in replies:
@@ -150,7 +162,7 @@ class ReplyRelay:
         early = entry.early_final
         if early is not None and early.seq <= entry.partials_delivered:
             self.finish(reply.return_path.request_id)
-            await self.reply(entry.return_path, early.body, terminal=True)
+            await self.reply(entry.return_path, early.body, True, entry.owner, entry.body)
 
     def _send_early_final(self, request_id: str) -> None:
         """The partial a final waited for never came: send the final, which carries every token."""
@@ -158,7 +170,7 @@ class ReplyRelay:
         if entry is not None and entry.early_final is not None:
             self._counters["partials_lost"] += 1
             self.finish(request_id)
-            self._spawn(self.reply(entry.return_path, entry.early_final.body, terminal=True))
+            self._spawn(self.reply(entry.return_path, entry.early_final.body, True, entry.owner, entry.body))
 
     async def _on_orphan(self, reply: RoutedReply, terminal: bool) -> None:
         return_path = reply.return_path
@@ -168,12 +180,20 @@ class ReplyRelay:
                 log.info("request_id=%s: engine reply after the request ended", return_path.request_id)
             return
         if not self._peers.warmed_up:
-            if len(self._orphans) < MAX_BUFFERED_ORPHANS:
+            size = len(reply.body) + len(return_path.reply_to)
+            if len(self._orphans) < MAX_BUFFERED_ORPHANS and self._orphan_bytes + size <= self._max_buffered_bytes:
                 self._orphans.append((reply, terminal))
+                self._orphan_bytes += size
+            else:
+                self._counters["orphans_dropped"] += 1
             return
         if not self._peers.should_adopt(return_path.coordinator_id):
             return
-        if (problem := self._subjects.reply_problem(return_path.reply_to)) is not None:
+        owner = self._inboxes.owner(return_path.reply_to)
+        problem = self._subjects.reply_problem(return_path.reply_to) or (
+            None if owner is not None else f"is not under an inbox prefix ({self._inboxes.describe()})"
+        )
+        if problem is not None:
             # Admission refuses such a reply_to, so only an engine that rewrote the route gets here.
             self._counters["unsafe_reply_subject"] += 1
             self._refusal_log.warning(
@@ -181,11 +201,13 @@ class ReplyRelay:
             )
             return
         self._counters["orphans_delivered"] += 1
-        await self.reply(return_path, reply.body, terminal)
+        cache_owner = owner if self._peers.known(return_path.coordinator_id) else None
+        await self.reply(return_path, reply.body, terminal, cache_owner)
 
     async def settle_orphans(self) -> None:
         """Once every live peer has been heard: deliver the orphans buffered until then."""
         orphans, self._orphans = self._orphans, []
+        self._orphan_bytes = 0
         for reply, terminal in orphans:
             await self._on_orphan(reply, terminal)
 
@@ -197,12 +219,12 @@ class ReplyRelay:
         if entry is None:
             return False
         if entry.early_final is not None:
-            await self.reply(entry.return_path, entry.early_final.body, terminal=True)
+            await self.reply(entry.return_path, entry.early_final.body, True, entry.owner, entry.body)
             return True
         self._counters[f"failed_{err.code}"] += 1
         log.info("request_id=%s engine_id=%s failed: %s", request_id, entry.engine_id, err)
         message = error_reply(err, entry.return_path.client_request_id, request_id)
-        await self.reply(entry.return_path, encode(message, entry.encoding), terminal=True)
+        await self.reply(entry.return_path, encode(message, entry.encoding), True, entry.owner, entry.body)
         if entry.engine_id is not None:
             await self.tell_engine_abort(entry.engine_id, request_id)
         if self.on_slot_freed is not None:
@@ -218,8 +240,13 @@ class ReplyRelay:
         if self.finish(entry.return_path.request_id) is None:
             return
         final = Final(entry.return_path.request_id, entry.return_path.client_request_id, None, [], "", "abort")
-        await self.reply(entry.return_path, encode(final, entry.encoding), terminal=True)
+        await self.reply(entry.return_path, encode(final, entry.encoding), True, entry.owner, entry.body)
 
     async def tell_engine_abort(self, engine_id: str, request_id: str) -> None:
+        """Best effort: the request is answered already, so a failed publish is only logged."""
         subject = self._subjects.engine(engine_id, Header.ABORT_REQUEST)
-        await self._nc.publish(subject, encode_msgpack(RoutedAbort(request_id)))
+        try:
+            await self._nc.publish(subject, encode_msgpack(RoutedAbort(request_id)))
+        except Exception as exc:
+            self._counters["engine_aborts_lost"] += 1
+            self._refusal_log.warning("engine_id=%s request_id=%s: abort not sent: %s", engine_id, request_id, exc)

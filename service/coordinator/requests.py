@@ -1,6 +1,11 @@
 """Requests the coordinator has accepted and not yet answered with a terminal reply.
 
 Popping an entry is the right to send its terminal reply: whoever pops it answers, once.
+
+The table also keeps two tallies that admission needs and that must follow every way a request
+leaves: how many requests (and body bytes) wait in the queue, and how many engine slots each
+owner (the inbox prefix its replies go to) holds. ``routed``, ``unrouted``, ``enqueued`` and
+``dequeued`` move an entry between those states; :meth:`RequestTable.pop` settles both.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ class InflightRequest:
     encoding: Encoding
     body: bytes
     client_key: ClientKey | None
+    owner: str = ""  # the inbox prefix its replies go to: only that owner may resubmit or abort it
     engine_id: str | None = None
     streamed: bool = False
+    queued: bool = False
     attempts: int = 0
     deadline: CoarseTimer | None = None
     routed_at: float = 0.0
@@ -36,6 +43,9 @@ class RequestTable:
     def __init__(self) -> None:
         self._by_id: dict[str, InflightRequest] = {}
         self._by_client: dict[ClientKey, str] = {}
+        self._held: dict[str, int] = {}  # owner -> engine slots its requests hold
+        self.queued_count = 0
+        self.queued_bytes = 0
 
     def add(self, entry: InflightRequest) -> None:
         self._by_id[entry.return_path.request_id] = entry
@@ -57,7 +67,42 @@ class RequestTable:
             entry.deadline.cancel()
         if entry.client_key is not None:
             self._by_client.pop(entry.client_key, None)
+        if entry.queued:
+            self.dequeued(entry)
+        if entry.engine_id is not None:
+            self._release_slot(entry.owner)
         return entry
+
+    # ------------------------------------------------------------ where it is
+
+    def routed(self, entry: InflightRequest) -> None:
+        """``entry`` now holds a slot on an engine."""
+        owner = entry.owner
+        self._held[owner] = self._held.get(owner, 0) + 1
+
+    def unrouted(self, entry: InflightRequest) -> None:
+        """``entry``'s engine no longer holds it (it goes back to the queue)."""
+        self._release_slot(entry.owner)
+
+    def held_by(self, owner: str) -> int:
+        return self._held.get(owner, 0)
+
+    def _release_slot(self, owner: str) -> None:
+        held = self._held.get(owner, 0) - 1
+        if held > 0:
+            self._held[owner] = held
+        else:
+            self._held.pop(owner, None)
+
+    def enqueued(self, entry: InflightRequest) -> None:
+        entry.queued = True
+        self.queued_count += 1
+        self.queued_bytes += len(entry.body)
+
+    def dequeued(self, entry: InflightRequest) -> None:
+        entry.queued = False
+        self.queued_count -= 1
+        self.queued_bytes -= len(entry.body)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._by_id

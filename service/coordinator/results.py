@@ -1,11 +1,16 @@
 """Terminal replies of named clients, kept for a while so a resubmission (after a reconnect,
 say) gets the answer again instead of running the request twice.
 
-Every completed request of a named client passes through here, so both calls are kept
-cheap: ``get`` checks only the entry it finds, and ``put`` sweeps expired entries (oldest
-first, as they were stored in time order) at most every ``ttl_s / 16``. Entries are plain
-tuples of atoms, which the garbage collector stops tracking, so a full cache adds nothing
-to its sweeps.
+Each result remembers its owner (the inbox prefix its replies went to) and, for requests this
+replica admitted, the body it was submitted with: a resubmission must match both (see
+admission). The cache is bounded by count and by bytes (bodies and keys), oldest dropped
+first, and expired entries are swept by time (:meth:`ResultCache.sweep`, which the coordinator
+calls every heartbeat), not only when new results arrive.
+
+Every completed request of a named client passes through here, so both calls are kept cheap:
+``get`` checks only the entry it finds, and ``put`` sweeps expired entries (oldest first, as
+they were stored in time order) at most every ``ttl_s / 16``. Entries are plain tuples of
+atoms, which the garbage collector stops tracking, so a full cache adds nothing to its sweeps.
 """
 
 from __future__ import annotations
@@ -15,35 +20,47 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 from service.coordinator.requests import ClientKey
+from service.protocol.subjects import utf8_length
 
 SWEEPS_PER_TTL = 16
+# Bytes an entry costs besides its bodies and key strings: the tuple, the dict slot, the floats.
+ENTRY_OVERHEAD = 200
 
 
 class CachedResult(NamedTuple):
     body: bytes
     stored_at: float
+    owner: str
+    request_body: bytes | None  # None for a result this replica delivered for a peer (an orphan)
+    size: int
 
 
 class ResultCache:
-    def __init__(self, ttl_s: float, max_entries: int) -> None:
+    def __init__(self, ttl_s: float, max_entries: int, max_bytes: int) -> None:
         self._ttl_s = ttl_s
         self._max_entries = max_entries
+        self._max_bytes = max_bytes
         self._results: OrderedDict[ClientKey, CachedResult] = OrderedDict()
         self._next_sweep = 0.0
+        self.bytes = 0
 
-    def put(self, key: ClientKey, body: bytes) -> None:
+    def put(self, key: ClientKey, body: bytes, owner: str, request_body: bytes | None) -> None:
         if self._max_entries == 0:
             return
         now = time.monotonic()
         results = self._results
-        if key in results:
-            del results[key]  # stored again: it moves to the young end
-        results[key] = CachedResult(body, now)
+        size = len(body) + len(request_body or b"") + _key_bytes(key) + len(owner) + ENTRY_OVERHEAD
+        if size > self._max_bytes:
+            return
+        previous = results.pop(key, None)  # stored again: it moves to the young end
+        if previous is not None:
+            self.bytes -= previous.size
+        results[key] = CachedResult(body, now, owner, request_body, size)
+        self.bytes += size
         if now >= self._next_sweep:
-            self._expire(now)
-            self._next_sweep = now + self._ttl_s / SWEEPS_PER_TTL
-        if len(results) > self._max_entries:
-            results.popitem(last=False)
+            self.sweep(now)
+        while len(results) > self._max_entries or self.bytes > self._max_bytes:
+            self.bytes -= results.popitem(last=False)[1].size
 
     def get(self, key: ClientKey) -> CachedResult | None:
         cached = self._results.get(key)
@@ -51,14 +68,24 @@ class ResultCache:
             return None
         return cached
 
-    def _expire(self, now: float) -> None:
+    def sweep(self, now: float | None = None) -> None:
+        """Drop expired entries, oldest first."""
+        now = time.monotonic() if now is None else now
+        self._next_sweep = now + self._ttl_s / SWEEPS_PER_TTL
         results = self._results
         while results:
             key, oldest = next(iter(results.items()))
             if now - oldest.stored_at < self._ttl_s:
                 return
             del results[key]
+            self.bytes -= oldest.size
 
     def __len__(self) -> int:
         """Entries held, including expired ones not yet swept (``get`` never returns those)."""
         return len(self._results)
+
+
+def _key_bytes(key: ClientKey) -> int:
+    client_id, client_request_id = key
+    request_part = utf8_length(client_request_id) if isinstance(client_request_id, str) else 8
+    return (utf8_length(client_id) if client_id is not None else 0) + request_part

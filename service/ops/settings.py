@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.protocol.subjects import ID_PATTERN
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DPCOORD_", extra="ignore")
@@ -32,7 +34,7 @@ class Settings(BaseSettings):
     nats_connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt")
 
     # Coordinator
-    coordinator_id: str | None = Field(None, description="Coordinator replica id; random when unset")
+    coordinator_id: str | None = Field(None, pattern=ID_PATTERN, description="Coordinator replica id; random when unset")
     queue_group: str = Field("dpcoord-coordinators", description="Queue group shared by coordinator replicas")
     routing_policy: Literal["least_loaded", "round_robin"] = Field("least_loaded", description="How a request picks an engine")
     max_inflight_per_engine: int = Field(256, ge=1, description="Requests in flight per engine before queueing")
@@ -45,14 +47,45 @@ class Settings(BaseSettings):
     result_ttl_s: float = Field(60.0, ge=0, description="How long named clients' results are kept for resubmissions")
     result_cache_size: int = Field(100_000, ge=0, description="Most results kept for resubmissions")
     reconnect_grace_s: float = Field(1.5, ge=0, description="After a NATS reconnect, hold replies this long so clients resubscribe first")
+    # Limits on what peers may send or make the coordinator hold (docs/security.md)
+    reply_inbox_prefixes: str = Field(
+        "_INBOX", pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*(,[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*)*$",
+        description="Comma-separated inbox prefixes replies may go to, each also covering itself plus _ and a name "
+        "(_INBOX covers _INBOX_client); the prefix a reply subject is under owns the request",
+    )
+    max_id_bytes: int = Field(
+        256, ge=16, description="Longest client_id, client_request_id, engine or coordinator id and reply subject, in UTF-8 bytes (400 beyond)"
+    )
+    max_request_timeout_s: float = Field(3600.0, gt=0, description="Longest deadline a request may ask for in timeout_s (400 beyond)")
+    max_queued_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Bytes of request bodies the coordinator queue holds before 429")
+    max_client_share: float = Field(
+        0.5, gt=0, le=1,
+        description="Most of the fleet's slots one client (inbox prefix) holds while others wait; 1: no limit",
+    )
+    max_engines: int = Field(4096, ge=1, description="Engines the coordinator admits (register beyond: 429)")
+    engine_progress_timeout_s: float = Field(
+        10.0, gt=0,
+        description="An engine holding requests that sends no reply and takes no step this long is suspected: "
+        "its requests are retried elsewhere and it gets no new work until it answers",
+    )
+    result_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="Bytes of results kept for resubmissions (oldest dropped first)")
+    max_buffered_bytes: int = Field(
+        64 * 1024 * 1024, ge=0,
+        description="Bytes of replies held for later delivery (across a NATS reconnect; orphans while a replica starts); oldest dropped first",
+    )
 
     # Engine
-    engine_id: str | None = Field(None, description="Engine id; random when unset")
+    engine_id: str | None = Field(None, pattern=ID_PATTERN, description="Engine id (letters, digits, '_', '-'); random when unset")
     backend: Literal["echo", "torch"] = Field("torch", description="Engine backend: torch runs a model, echo is the protocol test double")
     token_delay_ms: float = Field(0.0, ge=0, description="Echo backend: delay per generated token")
     engine_capacity: int = Field(256, ge=1, description="Requests an engine accepts at once")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Engine heartbeat period")
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed partial")
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings a request may give (400 beyond)")
+    max_stop_string_bytes: int = Field(256, ge=1, description="Longest stop string, in UTF-8 bytes (400 beyond)")
+    recent_replies_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="Bytes of terminal replies an engine remembers to send again after a loss"
+    )
 
     # Torch backend (see docs/engines.md)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="Torch device: auto (cuda when available), cpu, cuda or cuda:N")
@@ -95,6 +128,14 @@ class Settings(BaseSettings):
             raise ValueError(f"choose one NATS authentication method, not {' and '.join(chosen)}")
         if self.nats_tls_key_file and not self.nats_tls_cert_file:
             raise ValueError("nats_tls_key_file is set without nats_tls_cert_file")
+        return self
+
+    @model_validator(mode="after")
+    def _ids_fit(self) -> Settings:
+        for name in ("coordinator_id", "engine_id"):
+            value = getattr(self, name)
+            if value is not None and len(value) > self.max_id_bytes:
+                raise ValueError(f"{name} is longer than max_id_bytes ({self.max_id_bytes})")
         return self
 
     @model_validator(mode="after")

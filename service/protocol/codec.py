@@ -4,8 +4,9 @@ A payload is a JSON object or a msgpack map, detected per message: a body whose 
 non-blank byte is ``{`` is JSON (a msgpack map never starts with it), an empty body is
 ``{}`` in JSON, anything else is msgpack. A reply uses the encoding of what it answers.
 
-Unknown keys are ignored (forward compatibility); wrong types and missing required
-fields raise :class:`~service.protocol.errors.WireError` with code 400.
+Unknown keys are ignored (forward compatibility); wrong types, missing required fields and
+bodies nested too deeply to decode raise :class:`~service.protocol.errors.WireError` with code
+400.
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class PayloadDecoder:
             raise WireError(ErrorCode.MALFORMED, f"invalid {_type_name(self.type)}: {exc}") from None
         except msgspec.DecodeError as exc:
             raise WireError(ErrorCode.MALFORMED, f"undecodable {encoding.value} body: {exc}") from None
+        except RecursionError:
+            raise WireError(ErrorCode.MALFORMED, f"undecodable {encoding.value} body: nested too deeply") from None
 
 
 def _type_name(payload_type: Any) -> str:
@@ -138,7 +141,7 @@ def return_hints(body: bytes, encoding: Encoding) -> ReturnHints:
             envelope = _lenient_envelope.decode(body)
             return ReturnHints(envelope.reply_to, envelope.stream, envelope.client_request_id)
         return _lenient_msgpack.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         return ReturnHints()
 
 

@@ -14,7 +14,11 @@ from msgspec import Meta, Struct
 
 from service.protocol.errors import WireError
 
-ClientRequestId = str | int
+# Integers that cross the wire fit msgpack's 64 bits: a bigger one (JSON allows any) would be
+# accepted, then fail to encode on its way on, taking its batch neighbours with it.
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]  # every tokenizer's ids fit 31 bits; engines check their vocabulary
+ClientRequestId = str | Int64
 FinishReason = Literal["length", "stop", "abort"]
 
 
@@ -24,17 +28,17 @@ FinishReason = Literal["length", "stop", "abort"]
 class SamplingParams(Struct, omit_defaults=True):
     """Engines apply their own defaults to fields left out (see engines/backend.py)."""
 
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: list[str] | None = None
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
 
 
 class SubmitRequest(Struct):
-    prompt: str | list[Annotated[int, Meta(ge=0)]]
+    prompt: str | list[TokenId]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
     client_request_id: ClientRequestId | None = None
@@ -159,12 +163,14 @@ class RegisterAck(Struct):
 
 class Heartbeat(Struct):
     """``active`` lists the requests the engine holds, so the coordinator can notice one that
-    a lost message left unanswered."""
+    a lost message left unanswered; ``steps`` shows an engine busy with long requests is
+    still working (see the coordinator's progress watch)."""
 
     engine_id: str
     load: Annotated[int, Meta(ge=0)] = 0
     capacity: Annotated[int, Meta(ge=1)] = 256
     active: list[str] = msgspec.field(default_factory=list)
+    steps: Int64 | None = None  # steps taken since the engine started: progress while no reply is due
 
 
 class ResendReplies(Struct):

@@ -1,14 +1,21 @@
 """Message headers and the NATS subjects they become.
 
-A header ``h`` is served by the coordinator on ``<prefix>.<h>``. Engines listen on
-``<prefix>.engine.<engine_id>.<h>`` for messages routed to them and on
+A header ``h`` is served by the coordinator on ``<prefix>.<h>``; engine messages also on
+``<prefix>.<h>.<engine_id>``, the subject engines send them on, so that NATS permissions can
+let each engine speak only as itself and the coordinator takes the sender from the subject.
+Engines listen on ``<prefix>.engine.<engine_id>.<h>`` for messages routed to them and on
 ``<prefix>.engines.<h>`` for broadcasts. Each process also answers NATS Services API status
 requests on ``<prefix>.status.<role>.<id>``.
+
+Replies go only to inboxes (:class:`InboxPrefixes`): the first tokens of a reply subject name
+its owner, whom NATS permissions let alone read it.
 """
 
 from __future__ import annotations
 
 import enum
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -52,6 +59,26 @@ ENGINE_HEADERS: frozenset[Header] = frozenset(
 
 # Second tokens under the prefix that carry routed requests and broadcasts to engines.
 _ENGINE_NAMESPACES = frozenset({"engine", "engines"})
+_HEADERS = frozenset(Header)
+
+# What an engine or coordinator id may hold: it becomes a subject token, so no dots, wildcards or
+# whitespace; this is stricter than NATS, so an id is also safe in logs, URLs and metric labels.
+_ID = re.compile(r"[A-Za-z0-9_-]+")
+ID_PATTERN = r"^[A-Za-z0-9_-]+$"
+
+
+def id_problem(value: str, max_bytes: int) -> str | None:
+    """Why ``value`` cannot be an engine or coordinator id, or None when it can."""
+    if len(value) > max_bytes:
+        return f"is longer than {max_bytes} bytes"
+    if not _ID.fullmatch(value):
+        return "may hold only letters, digits, '_' and '-' (it becomes a NATS subject token)"
+    return None
+
+
+def utf8_length(text: str) -> int:
+    """Bytes of ``text`` in UTF-8, without encoding it when it is ASCII (the common case)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _publishable(subject: str) -> bool:
@@ -77,6 +104,13 @@ class Subjects:
     def coordinator(self, header: str) -> str:
         return f"{self.prefix}.{header}"
 
+    def sent_by(self, header: str, sender: str) -> str:
+        """The subject an engine sends ``header`` on: the sender's id is its last token."""
+        return f"{self.prefix}.{header}.{sender}"
+
+    def sent_by_any(self, header: str) -> str:
+        return f"{self.prefix}.{header}.*"
+
     def engine(self, engine_id: str, header: str) -> str:
         return f"{self.prefix}.engine.{engine_id}.{header}"
 
@@ -99,8 +133,9 @@ class Subjects:
         The coordinator publishes replies with NATS rights broader than its clients'. A reply
         subject that dpcoord itself serves would let a client turn a reply into a control
         signal or an engine message (a confused deputy): ``<prefix>.<header>`` (any single
-        token, so future headers are covered), ``<prefix>.engine.>`` and ``<prefix>.engines.>``.
-        System subjects (``$SYS``, ``$JS``, ...) and malformed subjects are refused too."""
+        token, so future headers are covered), ``<prefix>.<header>.>``, ``<prefix>.engine.>``
+        and ``<prefix>.engines.>``. System subjects (``$SYS``, ``$JS``, ...) and malformed
+        subjects are refused too."""
         if not _publishable(subject):
             return "is not a valid publish subject"
         if subject[0] == "$":
@@ -109,10 +144,49 @@ class Subjects:
             return f"is a subject dpcoord serves under {self.prefix}"
         if subject.startswith(self.prefix) and subject[len(self.prefix)] == ".":
             head, dot, _ = subject[len(self.prefix) + 1 :].partition(".")
-            if not dot or head in _ENGINE_NAMESPACES:
+            if not dot or head in _ENGINE_NAMESPACES or head in _HEADERS:
                 return f"is a subject dpcoord serves under {self.prefix}"
         return None
 
     def header_of(self, subject: str) -> str:
         """The last token of a subject: the header it carries."""
         return subject.rpartition(".")[2]
+
+
+class InboxPrefixes:
+    """The inbox prefixes replies may go under, and the owner a reply subject names.
+
+    A subject is under prefix ``P`` when its first tokens are ``P``'s, with at least one token
+    after them; the last of them may also extend ``P``'s last token with ``_`` and more, so
+    ``_INBOX`` also covers the per-user ``_INBOX_client.…`` and ``_INBOX_admin.…`` (nats-py's
+    and the ``nats`` CLI's ``--inbox-prefix``). The owner is those first tokens as the subject
+    spells them: where NATS lets each user subscribe only under its own inbox prefix, a reply
+    to one owner reaches no other user."""
+
+    __slots__ = ("_multi", "_single", "prefixes")
+
+    def __init__(self, prefixes: Sequence[str]) -> None:
+        if not prefixes:
+            raise ValueError("at least one inbox prefix is needed")
+        self.prefixes = tuple(prefixes)
+        self._single = tuple((prefix, prefix + "_") for prefix in prefixes if "." not in prefix)
+        self._multi = tuple(prefix.split(".") for prefix in prefixes if "." in prefix)
+
+    def owner(self, subject: str) -> str | None:
+        """The inbox prefix ``subject`` is under, as spelled there; None when it is under none."""
+        first, dot, rest = subject.partition(".")
+        if dot and rest:
+            for exact, extended in self._single:
+                if first == exact or first.startswith(extended):
+                    return first
+        if self._multi:
+            tokens = subject.split(".")
+            for prefix in self._multi:
+                count = len(prefix)
+                last = tokens[count - 1] if len(tokens) > count else ""
+                if last and tokens[: count - 1] == prefix[:-1] and (last == prefix[-1] or last.startswith(prefix[-1] + "_")):
+                    return ".".join(tokens[:count])
+        return None
+
+    def describe(self) -> str:
+        return ", ".join(f"{prefix}.>" for prefix in self.prefixes)

@@ -104,9 +104,13 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     assert SIGNALS | BETWEEN_COORDINATORS | FROM_ENGINES | FROM_CLIENTS == set(Header)
     rules = permissions(rendered_auth({}).auth_conf)
     assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS)
-    assert set(rules["engine"]["publish"]["allow"]) == subjects(FROM_ENGINES)
-    assert set(rules["coordinator"]["publish"]["deny"]) == subjects(SIGNALS | FROM_CLIENTS)
-    assert rules["coordinator"]["publish"]["allow"] == [">"]  # replies go wherever clients ask
+    # Engines send on dpcoord.<header>.<engine_id>; one shared user may send as any engine.
+    assert set(rules["engine"]["publish"]["allow"]) == {f"{subject}.*" for subject in subjects(FROM_ENGINES)}
+    # Coordinators route to engines, broadcast, beat to each other and reply into inboxes only.
+    assert set(rules["coordinator"]["publish"]["allow"]) == (
+        {"dpcoord.engine.*.*", "dpcoord.engines.*", "_INBOX.>"} | subjects(BETWEEN_COORDINATORS)
+    )
+    assert "deny" not in rules["coordinator"]["publish"]
     assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]
 
 
@@ -197,7 +201,7 @@ async def test_engines_and_coordinators_stay_in_their_lanes(secured: Any, connec
     for forbidden in ("dpcoord.submit_request", "dpcoord.pause", "dpcoord.engines.stop"):
         assert f'permissions violation for publish to "{forbidden.lower()}"' in await engine_user.refused(forbidden)
     coordinator_user = await connect(url, "coordinator", auth.passwords["coordinator"])
-    for forbidden in ("dpcoord.shutdown", "dpcoord.submit_request"):
+    for forbidden in ("dpcoord.shutdown", "dpcoord.submit_request", "dpcoord.engine_reply.e1", "billing.charge"):
         assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(forbidden)
 
 

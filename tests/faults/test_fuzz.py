@@ -21,7 +21,7 @@ from engines.runtime import EngineRuntime
 from handlers import HANDLERS
 from service.coordinator.coordinator import Coordinator
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import Header
+from service.protocol.subjects import ENGINE_HEADERS, Header
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
 
@@ -62,7 +62,7 @@ class FuzzTarget:
     async def start(self) -> None:
         await self.coordinator.start()
         self.nc = await nats.connect(self.settings.nats_url)
-        await self.nc.subscribe("fuzz.replies.>", cb=self._on_reply)
+        await self.nc.subscribe("_INBOX.fuzz.>", cb=self._on_reply)
         await self.add_engine()
         await self.add_engine()
 
@@ -111,8 +111,11 @@ def target(nats_url: str) -> Iterator[tuple[LoopThread, FuzzTarget]]:
 
 def subjects_of(target: FuzzTarget) -> list[str]:
     prefix = target.settings.subject_prefix
-    coordinator = [f"{prefix}.{header}" for header in Header if header is not Header.SHUTDOWN]
     engine_id = target.engines[0].engine_id
+    coordinator = [
+        f"{prefix}.{header}.{engine_id}" if header in ENGINE_HEADERS else f"{prefix}.{header}"
+        for header in Header if header is not Header.SHUTDOWN
+    ]
     routed = [f"{prefix}.engine.{engine_id}.{header}" for header in (Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, "bogus")]
     broadcast = [f"{prefix}.engines.{header}" for header in Header if header not in (Header.STOP, Header.SHUTDOWN)]
     return coordinator + routed + broadcast
@@ -126,7 +129,7 @@ def test_garbage_on_every_subject_never_breaks_the_service(target: tuple[LoopThr
     @given(subject=st.sampled_from(subjects), body=bodies)
     @hypothesis_settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def publish(subject: str, body: bytes) -> None:
-        thread.run(fuzz_target.publish(subject, body, f"fuzz.replies.{next(counter)}"))
+        thread.run(fuzz_target.publish(subject, body, f"_INBOX.fuzz.{next(counter)}"))
 
     publish()
     reply = thread.run(fuzz_target.recover_and_submit())

@@ -138,7 +138,7 @@ async def test_unconfirmed_signal_gets_504_naming_the_engine_and_state_stands(
 ) -> None:
     await start_engines(1)
     silent = EngineRegister("silent-engine")
-    await nc.request(subject(coordinator, "register"), encode_msgpack(silent), timeout=5)
+    await nc.request(coordinator.subjects.sent_by("register", silent.engine_id), encode_msgpack(silent), timeout=5)
     reply = await request_json(nc, subject(coordinator, "pause"), {}, timeout=10)
     assert reply["type"] == "error" and reply["error"]["code"] == 504
     assert "silent-engine" in reply["error"]["message"]
@@ -152,6 +152,7 @@ async def test_shutdown_acks_and_fails_open_requests(coordinator: Coordinator, s
     sub = await nc.subscribe(inbox)
     await nc.publish(subject(coordinator, "submit_request"), b'{"prompt": "held", "stream": true}', reply=inbox)
     await barrier(nc, coordinator)
+    assert (await request_json(nc, subject(coordinator, "connect"), {}))["type"] == "connect_ack"  # a known client
     assert (await request_json(nc, subject(coordinator, "shutdown"), {}))["signal"] == "shutdown"
     await coordinator.run_until_stopped()
     await coordinator.stop()

@@ -87,9 +87,11 @@ async def test_malformed_envelope_gets_400_from_the_coordinator(
 async def test_envelope_reply_to_and_stream_are_honoured_on_refusal(coordinator: Coordinator, nc: NATS) -> None:
     """No engine (once the start-up grace is over): 503 goes to the envelope's reply_to,
     followed by the stream's empty message."""
-    sub = await nc.subscribe("results.envelope")
+    sub = await nc.subscribe("_INBOX.results.envelope")
     await nc.flush()
-    await nc.publish(submit_subject(coordinator), envelope(inner("x"), stream=True, client_request_id=5, reply_to="results.envelope"))
+    await nc.publish(
+        submit_subject(coordinator), envelope(inner("x"), stream=True, client_request_id=5, reply_to="_INBOX.results.envelope")
+    )
     error, empty = await sub.next_msg(timeout=5), await sub.next_msg(timeout=5)
     assert msgpack.unpackb(error.data)["error"]["code"] == 503
     assert empty.data == b""

@@ -257,7 +257,15 @@ async def test_engine_user_gets_403_from_the_client_library(fleet: Fleet) -> Non
     assert connect.value.code == 403 and "dpcoord.connect" in connect.value.message
 
 
-@pytest.mark.parametrize("subject", ["dpcoord.pause", "dpcoord.register", "dpcoord.engine_reply", "$SYS.REQ.SERVER.PING"])
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "dpcoord.pause", "dpcoord.register", "dpcoord.engine_reply", "dpcoord.engine_reply.e1", "dpcoord.heartbeat.e1",
+        "$SYS.REQ.SERVER.PING",
+        # Replies go only to inboxes: nothing else, whatever a client names.
+        "billing.charge", "_INBOX.elsewhere", "dpcoord.status.coordinator.c1",
+    ],
+)
 async def test_coordinator_cannot_forge_client_admin_or_engine_messages(fleet: Fleet, subject: str) -> None:
     async with connected(role_settings(fleet.url, "coordinator")) as (nc, violations):
         await nc.publish(subject, b"{}")
@@ -308,7 +316,7 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
                 final = Final(request_id, None, "rogue", [1], "x", "length")
                 replies.append(RoutedReply(return_path, msgspec.msgpack.encode(final), 0))
             batch = EngineReplyBatch("rogue", replies)
-            await engine.publish(subjects.coordinator("engine_reply"), msgspec.msgpack.encode(batch))
+            await engine.publish(subjects.sent_by("engine_reply", "rogue"), msgspec.msgpack.encode(batch))
             # Delivered once the coordinator has heard its peers (a heartbeat timeout), in order.
             delivered = decode_reply((await observed.next_msg(timeout=10)).data)
             assert broadcasts.pending_msgs == 0
@@ -331,6 +339,8 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
         ("dpcoord", False),
         ("dpcoord.engines.stop", False),
         ("dpcoord.engine.e1.submit_request", False),
+        ("dpcoord.engine_reply.e1", False),
+        ("dpcoord.register.e1", False),
         ("$SYS.REQ.SERVER.PING", False),
         ("$JS.API.STREAM.DELETE.x", False),
         ("a.*.b", False),

@@ -97,7 +97,7 @@ async def test_non_streamed_request_gets_exactly_one_reply(coordinator: Coordina
 
 async def test_reply_to_takes_precedence_over_nats_reply(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
     await start_engines(1)
-    nats_inbox, reply_to = nc.new_inbox(), f"{coordinator.subjects.prefix}.results.client-a"
+    nats_inbox, reply_to = nc.new_inbox(), "_INBOX.results.client-a"
     nats_sub, reply_sub = await nc.subscribe(nats_inbox), await nc.subscribe(reply_to)
     await nc.publish(submit_subject(coordinator), json.dumps({"prompt": "p", "reply_to": reply_to}).encode(), reply=nats_inbox)
     assert decode_reply((await reply_sub.next_msg(timeout=5)).data)["type"] == "final"
@@ -106,10 +106,10 @@ async def test_reply_to_takes_precedence_over_nats_reply(coordinator: Coordinato
 
 
 async def test_nats_pub_with_reply_to_and_nats_sub(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
-    """`nats sub results` in one terminal, `nats pub dpcoord.submit_request '{...reply_to...}'` in another."""
+    """`nats sub _INBOX.results` in one terminal, `nats pub dpcoord.submit_request '{...reply_to...}'` in another."""
     await start_engines(1)
-    sub = await nc.subscribe("results.manual")
-    await nc.publish(submit_subject(coordinator), b'{"prompt": "hi", "stream": true, "reply_to": "results.manual"}')
+    sub = await nc.subscribe("_INBOX.results.manual")
+    await nc.publish(submit_subject(coordinator), b'{"prompt": "hi", "stream": true, "reply_to": "_INBOX.results.manual"}')
     replies = []
     while (msg := await sub.next_msg(timeout=5)).data:
         replies.append(decode_reply(msg.data))

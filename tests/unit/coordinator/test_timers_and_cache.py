@@ -65,9 +65,13 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     return fake
 
 
+OWNER = "_INBOX"
+MiB = 1 << 20
+
+
 def test_result_is_returned_until_its_ttl_then_never(clock: _Clock) -> None:
-    cache = ResultCache(ttl_s=60, max_entries=10)
-    cache.put(("c", 1), b"one")
+    cache = ResultCache(ttl_s=60, max_entries=10, max_bytes=MiB)
+    cache.put(("c", 1), b"one", OWNER, None)
     clock.now += 59.9
     assert cache.get(("c", 1)).body == b"one"
     clock.now += 0.1
@@ -75,21 +79,21 @@ def test_result_is_returned_until_its_ttl_then_never(clock: _Clock) -> None:
 
 
 def test_expired_results_are_swept_on_a_later_put(clock: _Clock) -> None:
-    cache = ResultCache(ttl_s=60, max_entries=1000)
+    cache = ResultCache(ttl_s=60, max_entries=1000, max_bytes=MiB)
     for index in range(100):
-        cache.put(("c", index), b"x")
+        cache.put(("c", index), b"x", OWNER, None)
     clock.now += 61
-    cache.put(("c", "new"), b"y")
+    cache.put(("c", "new"), b"y", OWNER, None)
     assert len(cache) == 1
 
 
 def test_storing_again_renews_an_entry(clock: _Clock) -> None:
-    cache = ResultCache(ttl_s=60, max_entries=2)
-    cache.put(("c", 1), b"first")
+    cache = ResultCache(ttl_s=60, max_entries=2, max_bytes=MiB)
+    cache.put(("c", 1), b"first", OWNER, None)
     clock.now += 30
-    cache.put(("c", 2), b"two")
-    cache.put(("c", 1), b"again")
-    cache.put(("c", 3), b"three")  # over the bound: the oldest, now 2, goes
+    cache.put(("c", 2), b"two", OWNER, None)
+    cache.put(("c", 1), b"again", OWNER, None)
+    cache.put(("c", 3), b"three", OWNER, None)  # over the bound: the oldest, now 2, goes
     assert cache.get(("c", 2)) is None
     assert cache.get(("c", 1)).body == b"again"
     clock.now += 45
@@ -97,10 +101,31 @@ def test_storing_again_renews_an_entry(clock: _Clock) -> None:
 
 
 def test_cache_size_is_bounded_and_zero_disables_it(clock: _Clock) -> None:
-    cache = ResultCache(ttl_s=60, max_entries=3)
+    cache = ResultCache(ttl_s=60, max_entries=3, max_bytes=MiB)
     for index in range(10):
-        cache.put(("c", index), b"x")
+        cache.put(("c", index), b"x", OWNER, None)
     assert len(cache) == 3 and cache.get(("c", 9)) is not None and cache.get(("c", 6)) is None
-    disabled = ResultCache(ttl_s=60, max_entries=0)
-    disabled.put(("c", 1), b"x")
+    disabled = ResultCache(ttl_s=60, max_entries=0, max_bytes=MiB)
+    disabled.put(("c", 1), b"x", OWNER, None)
     assert disabled.get(("c", 1)) is None and len(disabled) == 0
+
+
+def test_cache_is_bounded_by_bytes_and_an_entry_over_the_bound_is_not_kept(clock: _Clock) -> None:
+    cache = ResultCache(ttl_s=60, max_entries=1000, max_bytes=10_000)
+    for index in range(10):
+        cache.put(("c", index), b"x" * 2000, OWNER, b"body")
+    assert cache.bytes <= 10_000 and len(cache) == 4
+    assert cache.get(("c", 9)) is not None and cache.get(("c", 5)) is None
+    cache.put(("c", "huge"), b"x" * 20_000, OWNER, None)
+    assert cache.get(("c", "huge")) is None and len(cache) == 4
+    cache.put(("c" * 5000, "long id"), b"", OWNER, None)  # its key's 5,000 bytes push out two results
+    assert len(cache) == 3 and cache.get(("c", 7)) is None and cache.get(("c", 8)) is not None
+
+
+def test_expired_results_are_swept_by_time_without_a_put(clock: _Clock) -> None:
+    cache = ResultCache(ttl_s=60, max_entries=1000, max_bytes=MiB)
+    for index in range(100):
+        cache.put(("c", index), b"x" * 100, OWNER, b"body")
+    clock.now += 61
+    cache.sweep()
+    assert len(cache) == 0 and cache.bytes == 0
