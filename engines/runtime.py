@@ -264,14 +264,23 @@ class EngineRuntime:
             log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
             await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
         else:
-            await self._publish_outputs(outputs)
+            try:
+                await self._publish_outputs(outputs)
+            except Exception:
+                # Tokens of this step may be lost: its requests end with an error rather than a gap.
+                log.exception("engine_id=%s: replies of a step failed; failing its %d requests", self.engine_id, len(outputs))
+                err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not send a step's replies")
+                await self._fail([output.request_id for output in outputs], err)
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not
         # yield, and yielding after publishing sends this step's replies a loop turn sooner.
         await asyncio.sleep(0)
 
     async def _fail_all(self, err: WireError) -> list[ActiveRequest]:
-        failed = list(self._active.values())
-        self._active.clear()
+        return await self._fail(list(self._active), err)
+
+    async def _fail(self, request_ids: list[str], err: WireError) -> list[ActiveRequest]:
+        """End the named requests this engine still holds with ``err``."""
+        failed = [active for request_id in request_ids if (active := self._active.pop(request_id, None)) is not None]
         for active in failed:
             self.backend.abort(active.return_path.request_id)
         await self._replies.publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])

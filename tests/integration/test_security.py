@@ -137,9 +137,11 @@ class Fleet:
 
 
 @asynccontextmanager
-async def running_fleet(coordinator_settings: Settings, engine_settings: Settings, url: str) -> AsyncIterator[Fleet]:
+async def running_fleet(
+    coordinator_settings: Settings, engine_settings: Settings, url: str, token_delay_ms: float = 0.0
+) -> AsyncIterator[Fleet]:
     async with Coordinator(coordinator_settings, HANDLERS) as coordinator:
-        engine = EngineRuntime(engine_settings, EchoBackend())
+        engine = EngineRuntime(engine_settings, EchoBackend(token_delay_ms=token_delay_ms))
         await engine.start()
         try:
             await asyncio.wait_for(engine.registered.wait(), 10)
