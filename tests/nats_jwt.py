@@ -52,15 +52,28 @@ def _jwt(issuer: NKey, subject: str, name: str, claims: dict[str, Any]) -> str:
 
 @dataclass
 class Operator:
-    """An operator with one account; ``user`` writes a .creds file for a new user of it."""
+    """An operator with one account; ``user`` writes a .creds file for a new user of it.
+
+    ``scope`` adds a scoped signing key to the account: users it signs (``scoped_user``) carry no
+    permissions of their own but get the scope's template, in which NATS replaces ``{{name()}}``
+    with each user's name. Add scopes before ``server_config``, which signs the account."""
 
     directory: Path
     operator: NKey = field(default_factory=lambda: NKey.new(nkeys.PREFIX_BYTE_OPERATOR))
     account: NKey = field(default_factory=lambda: NKey.new(nkeys.PREFIX_BYTE_ACCOUNT))
+    scopes: dict[str, tuple[NKey, dict[str, Any]]] = field(default_factory=dict)
+
+    def scope(self, role: str, template: dict[str, Any]) -> None:
+        self.scopes[role] = (NKey.new(nkeys.PREFIX_BYTE_ACCOUNT), template)
 
     def server_config(self) -> Path:
         operator_jwt = _jwt(self.operator, self.operator.public, "dpcoord-test", {"type": "operator", "version": 2})
-        account_jwt = _jwt(self.operator, self.account.public, "dpcoord", {"limits": _UNLIMITED, "type": "account", "version": 2})
+        signing_keys = [
+            {"kind": "user_scope", "key": key.public, "role": role, "template": {"subs": -1, "data": -1, "payload": -1, **template}}
+            for role, (key, template) in self.scopes.items()
+        ]
+        account_claims = {"limits": _UNLIMITED, "type": "account", "version": 2, "signing_keys": signing_keys}
+        account_jwt = _jwt(self.operator, self.account.public, "dpcoord", account_claims)
         path = self.directory / "operator.conf"
         path.write_text(
             f"operator: {operator_jwt}\nresolver: MEMORY\nresolver_preload: {{ {self.account.public}: {account_jwt} }}\n"
@@ -72,6 +85,19 @@ class Operator:
         user = NKey.new(nkeys.PREFIX_BYTE_USER)
         claims = {"subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2, **(permissions or {})}
         user_jwt = _jwt(self.account, user.public, name, claims)
+        path = self.directory / f"{name}.creds"
+        path.write_text(
+            f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n------END USER NKEY SEED------\n"
+        )
+        return path
+
+    def scoped_user(self, name: str, role: str) -> Path:
+        """A user signed by ``role``'s scoped key: its permissions are that scope's template."""
+        key, _ = self.scopes[role]
+        user = NKey.new(nkeys.PREFIX_BYTE_USER)
+        claims = {"type": "user", "version": 2, "issuer_account": self.account.public}
+        user_jwt = _jwt(key, user.public, name, claims)
         path = self.directory / f"{name}.creds"
         path.write_text(
             f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"

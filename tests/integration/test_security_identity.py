@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -30,6 +31,7 @@ from service.protocol.messages import (
     ReturnPath,
     RoutedReply,
 )
+from tests.conftest import make_settings
 from tests.helpers import REPO_ROOT, decode_reply
 from tests.integration.test_security import (
     PASSWORDS,
@@ -41,6 +43,7 @@ from tests.integration.test_security import (
     secured_nats,  # noqa: F401  (a fixture)
     server_env,  # noqa: F401  (a fixture)
 )
+from tests.nats_jwt import Operator
 
 PER_ENGINE_CONFIG = REPO_ROOT / "docs" / "nats-server.per-engine.example.conf"
 ENGINES = ("engine-0", "engine-1")
@@ -186,3 +189,38 @@ async def test_client_error_is_raised_for_403(slow_fleet: Fleet) -> None:
         with pytest.raises(ClientError) as refused:
             await other.submit("owned", max_tokens=2, client_request_id="x", timeout=5)
     assert final.generated_text == "ow" and refused.value.code == 403
+
+
+def engine_template() -> dict[str, object]:
+    """One permission template for every engine user of an account (a scoped signing key's):
+    NATS puts each user's JWT name, its engine id, where the template says {{name()}}."""
+    sent = [f"dpcoord.{header}.{{{{name()}}}}" for header in ("register", "heartbeat", "engine_reply", "engine_reply_partial", "disconnect")]
+    return {
+        "pub": {"allow": sent},
+        "sub": {"allow": ["dpcoord.engine.{{name()}}.*", "dpcoord.engines.*", "_INBOX_engine.>"]},
+        "resp": {"max": 1, "ttl": 0},
+    }
+
+
+async def test_jwt_name_templates_let_each_engine_speak_only_as_itself(tmp_path: Path) -> None:
+    operator = Operator(tmp_path)
+    operator.scope("engine", engine_template())
+    with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config()))) as server:
+        fleet = make_settings(server.url, subject_prefix="dpcoord", nats_creds_file=str(operator.user("fleet")))
+        engines = {
+            engine_id: make_settings(
+                server.url, subject_prefix="dpcoord", engine_id=engine_id, nats_inbox_prefix="_INBOX_engine",
+                nats_creds_file=str(operator.scoped_user(engine_id, "engine")),
+            )
+            for engine_id in ("engine-7", "engine-8")
+        }
+        async with Coordinator(fleet, HANDLERS) as coordinator, EngineRuntime(engines["engine-7"], EchoBackend()) as engine:
+            await asyncio.wait_for(engine.registered.wait(), 10)
+            async with await DpcoordClient.connect(fleet) as client:
+                assert (await client.submit("jwt", max_tokens=3)).engine_id == "engine-7"
+            async with connected(engines["engine-8"]) as (rogue, violations):
+                await rogue.publish("dpcoord.disconnect.engine-7", encode_msgpack(EngineDisconnect("engine-7")))
+                await violations.wait_for("publish", "dpcoord.disconnect.engine-7")
+                await rogue.subscribe("dpcoord.engine.engine-7.*")
+                await violations.wait_for("subscription", "dpcoord.engine.engine-7.*")
+            assert coordinator.engines.get("engine-7") is not None
