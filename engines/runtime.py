@@ -76,6 +76,7 @@ class ActiveRequest:
     unsent_text: list[str] = field(default_factory=list)
     partials_sent: int = 0
     epochs: list[EpochSpan] = field(default_factory=list)
+    prompt_tokens: int | None = None
 
     def record(self, output: TokenOutput, epoch: int | None) -> None:
         if output.new_tokens:
@@ -102,7 +103,7 @@ class ActiveRequest:
         route = self.route
         message = Final(
             route.request_id, route.client_request_id, engine_id, self.tokens, "".join(self.text), finish_reason,
-            epochs=self.epochs or None,
+            epochs=self.epochs or None, prompt_tokens=self.prompt_tokens,
         )
         return RoutedReply(route, encode(message, self.encoding), seq=self.partials_sent)
 
@@ -117,6 +118,7 @@ class EngineRuntime:
         self.settings = settings
         self.backend = backend
         self.engine_id = settings.engine_id or f"e{uuid.uuid4().hex[:12]}"
+        self.served_model_name = settings.served_model_name or backend.default_model_name
         self.subjects = Subjects(settings.subject_prefix)
         self.paused = False
         self.epoch: int | None = None
@@ -203,7 +205,7 @@ class EngineRuntime:
 
     async def _register(self) -> None:
         message = encode_msgpack(
-            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused)
+            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused, self.served_model_name)
         )
         delay = 0.05
         while True:
@@ -219,7 +221,10 @@ class EngineRuntime:
         self.epoch = ack.epoch
         self.registered.set()
         self._wake.set()
-        log.info("engine_id=%s registered with coordinator %s (state %s)", self.engine_id, ack.coordinator_id, ack.state)
+        log.info(
+            "engine_id=%s registered with coordinator %s (model %s, state %s)",
+            self.engine_id, ack.coordinator_id, self.served_model_name, ack.state,
+        )
 
     async def _heartbeat(self) -> None:
         """Beats only once registered: an early beat would make the coordinator adopt, then
@@ -228,7 +233,9 @@ class EngineRuntime:
         await self.registered.wait()
         while True:
             if self._connected.is_set():
-                beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity, list(self._active))
+                beat = Heartbeat(
+                    self.engine_id, self.load, self.settings.engine_capacity, list(self._active), self.served_model_name
+                )
                 await self.nc.publish(subject, encode_msgpack(beat))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -265,7 +272,8 @@ class EngineRuntime:
         active = ActiveRequest(route, encoding)
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
-            self.backend.add(GenerationRequest.from_submit(route.request_id, submit))
+            prompt = submit.prompt if submit.prompt is not None else self.backend.render_chat(submit.messages or ())
+            active.prompt_tokens = self.backend.add(GenerationRequest.from_submit(route.request_id, submit, prompt))
         except WireError as err:
             log.info("engine_id=%s request_id=%s refused: %s", self.engine_id, route.request_id, err)
             await self._publish(Header.ENGINE_REPLY, [active.error(err)])

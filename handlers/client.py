@@ -1,4 +1,4 @@
-"""Handlers for client messages: connect, submit_request, abort_request, shutdown."""
+"""Handlers for client messages: connect, submit_request, abort_request, list_models, shutdown."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from service.protocol.messages import (
     ConnectAck,
     ConnectRequest,
     Empty,
+    ModelList,
     SubmitEnvelope,
     SubmitRequest,
 )
@@ -54,6 +55,13 @@ async def handle_abort_request(coordinator: Coordinator, sender: Sender, payload
         raise WireError(ErrorCode.NOT_FOUND, f"no request in flight with {wanted}")
     await coordinator.abort(entry)
     await coordinator.reply(sender, Ack(Header.ABORT_REQUEST, request_id=entry.route.request_id))
+
+
+@message_handler(Header.LIST_MODELS)
+async def handle_list_models(coordinator: Coordinator, sender: Sender, payload: Empty) -> None:
+    """Sent by clients (the HTTP gateway's ``/v1/models``); answers the models this replica's
+    engines serve, with their engine count, capacity and requests in flight."""
+    await coordinator.reply(sender, ModelList(coordinator.models.served()))
 
 
 @message_handler(Header.SHUTDOWN)

@@ -24,10 +24,11 @@ if TYPE_CHECKING:
 
 @message_handler(Header.REGISTER)
 async def handle_register(coordinator: Coordinator, sender: Sender, payload: EngineRegister) -> None:
-    """Add an engine with zero load; one registering again had restarted, so its old work is lost."""
+    """Add an engine with zero load, serving its ``served_model_name``; one registering again had
+    restarted, so its old work is lost."""
     if coordinator.engines.get(payload.engine_id) is not None:
         await coordinator.remove_engine(payload.engine_id, "registered again")
-    coordinator.add_engine(payload.engine_id, payload.capacity)
+    coordinator.add_engine(payload.engine_id, payload.capacity, payload.served_model_name)
     if sender.reply:
         ack = RegisterAck(coordinator.id, coordinator.state, coordinator.epoch)
         await coordinator.nc.publish(sender.reply, encode_msgpack(ack))
@@ -41,7 +42,7 @@ async def handle_heartbeat(coordinator: Coordinator, sender: Sender, payload: He
     if record is None and coordinator.engines.recently_departed(payload.engine_id):
         return
     if record is None:
-        coordinator.add_engine(payload.engine_id, payload.capacity)
+        coordinator.add_engine(payload.engine_id, payload.capacity, payload.served_model_name)
         await coordinator.dispatch_held()
         return
     record.last_seen = time.monotonic()

@@ -1,4 +1,5 @@
-"""The async client library: submit, stream, abort, control and shutdown, each with a timeout.
+"""The async client library: submit, stream, abort, list models, control and shutdown, each with
+a timeout.
 
 It speaks msgpack. Error replies raise :class:`ClientError` with the wire code.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -38,6 +39,7 @@ from service.protocol.codec import encode_msgpack
 from service.protocol.messages import (
     AbortRequest,
     Ack,
+    ChatMessage,
     ClientRequestId,
     ConnectAck,
     ConnectRequest,
@@ -45,6 +47,7 @@ from service.protocol.messages import (
     Empty,
     ErrorReply,
     Final,
+    ModelList,
     Partial,
     Reply,
     SamplingParams,
@@ -142,23 +145,28 @@ class DpcoordClient:
         await self.close()
 
     def _submission(
-        self, prompt: str | list[int], stream: bool, client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any]
+        self, prompt: str | list[int] | None, messages: Sequence[ChatMessage] | None, model: str | None, stream: bool,
+        client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any],
     ) -> bytes:
         """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
         request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
-        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id))
-        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s))
+        chat = list(messages) if messages is not None else None
+        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
+        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model))
 
     async def submit(
-        self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any
+        self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
-        ``timeout`` bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, False, client_request_id, timeout, sampling)
+        Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
+        ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
+        bounds the wait and is also the request's deadline at the coordinator."""
+        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
         async with aclosing(self._exchange(body, timeout)) as replies:
             async for reply in replies:
                 if isinstance(reply, Final):
@@ -166,10 +174,11 @@ class DpcoordClient:
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
 
     async def stream(
-        self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any
+        self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
     ) -> AsyncIterator[Partial | Final]:
-        """Yield partials, then the final; ``timeout`` bounds the whole stream."""
-        body = self._submission(prompt, True, client_request_id, timeout, sampling)
+        """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream."""
+        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         async with aclosing(self._exchange(body, timeout)) as replies:
             async for reply in replies:
                 yield reply
@@ -234,6 +243,13 @@ class DpcoordClient:
     ) -> Ack:
         message = AbortRequest(client_request_id, self.client_id if request_id is None else None, request_id)
         return await self._ack(Header.ABORT_REQUEST, message, timeout)
+
+    async def list_models(self, timeout: float = 10.0) -> ModelList:
+        """The models the fleet serves, as the coordinator that answers sees it."""
+        reply = await _call(self.nc, self._refusals, self.subjects.coordinator(Header.LIST_MODELS), Empty(), timeout)
+        if not isinstance(reply, ModelList):
+            raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {Header.LIST_MODELS}: {reply!r}")
+        return reply
 
     async def control(self, signal: Header, epoch: int | None = None, timeout: float = 30.0) -> Ack:
         """Send a control or profiler signal; returns once every engine confirmed it."""

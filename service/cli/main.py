@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", parents=[settings], help="run NATS (embedded unless --nats-url), a coordinator and engines")
     up.add_argument("--engines", type=int, default=2, help="number of engines (default 2)")
     up.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
+    up.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible HTTP gateway")
+    gateway = commands.add_parser("gateway", parents=[settings], help="run the OpenAI-compatible HTTP gateway")
+    gateway.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="an API key clients must send as 'Authorization: Bearer KEY' (repeatable; see also --gateway-api-key-file)",
+    )
     submit = commands.add_parser("submit", parents=[settings], help="submit a prompt and print the reply")
     submit.add_argument("prompt")
     submit.add_argument("--stream", action="store_true", help="print tokens as they arrive")
@@ -168,6 +174,18 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     return 0
 
 
+async def _run_gateway(settings: Settings, api_keys: list[str]) -> int:
+    from service.gateway.auth import ApiKeys
+    from service.gateway.server import serve
+
+    try:
+        keys = ApiKeys.load(api_keys, settings.gateway_api_key_file)
+    except ValueError as exc:
+        print(f"dpcoord gateway: {exc}", file=sys.stderr)
+        return 2
+    return await serve(settings, keys)
+
+
 def _print_json(message: msgspec.Struct) -> None:
     print(msgspec.json.encode(message).decode())
 
@@ -224,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             return event_loop.run(_run_coordinator(settings), settings.event_loop)
         if args.command == "engine":
             return event_loop.run(_run_engine(settings, args.model), settings.event_loop)
+        if args.command == "gateway":
+            return event_loop.run(_run_gateway(settings, args.api_key), settings.event_loop)
         if args.command == "up":
             from service.cli.stack import run_stack
 
-            return asyncio.run(run_stack(settings, args.engines, args.model))
+            return asyncio.run(run_stack(settings, args.engines, args.model, gateway=not args.no_gateway))
         if args.command == "submit":
             return asyncio.run(_submit(settings, args))
         return asyncio.run(_control(settings, args))

@@ -1,12 +1,15 @@
-"""``dpcoord up``: an embedded nats-server (unless a NATS URL is given), one coordinator and N
-engines as child processes, stopped together on Ctrl-C or SIGTERM."""
+"""``dpcoord up``: an embedded nats-server (unless a NATS URL is given), one coordinator, N
+engines and the OpenAI-compatible HTTP gateway (unless ``--no-gateway``) as child processes,
+stopped together on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 
 from service.client import ClientError, DpcoordClient
@@ -59,7 +62,60 @@ async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> 
             await asyncio.sleep(0.1)
 
 
-async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
+GATEWAY_PORT = 8000  # the gateway's port when it is free and --gateway-port is not given
+GATEWAY_READY_TIMEOUT_S = 120.0  # models load before the gateway is ready
+
+
+def gateway_port(settings: Settings) -> int:
+    """--gateway-port when given, else 8000 when free, else a free port."""
+    if "gateway_port" in settings.model_fields_set:
+        return settings.gateway_port
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", GATEWAY_PORT))
+        except OSError:
+            return free_port()
+    return GATEWAY_PORT
+
+
+async def _http_status(host: str, port: int, path: str) -> int | None:
+    """The status of one GET, or None when nothing answers."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        status_line = await reader.readline()
+    except OSError:
+        return None
+    finally:
+        writer.close()
+    parts = status_line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+async def _wait_for_gateway(host: str, port: int, timeout_s: float = GATEWAY_READY_TIMEOUT_S) -> bool:
+    """True once the gateway's /readyz says a model is served; False after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        if await _http_status(host, port, "/readyz") == 200:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+def _gateway_lines(url: str, models: list[str]) -> str:
+    model = models[0] if models else "MODEL"
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
+    return (
+        f"OpenAI API: {url}/v1 (models: {', '.join(models) or 'none yet'})\n"
+        f"   curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+    )
+
+
+async def run_stack(settings: Settings, engines: int, model: str | None, gateway: bool = True) -> int:
     server: EmbeddedNatsServer | None = None
     if "nats_url" not in settings.model_fields_set:
         server = EmbeddedNatsServer().start()
@@ -77,6 +133,13 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env | {_PORT_ENV: str(port)})
         for port in ports[1:]
     ]
+    gateway_host = settings.gateway_host if "gateway_host" in settings.model_fields_set else "127.0.0.1"
+    gateway_url = ""
+    if gateway:
+        port = gateway_port(settings)
+        gateway_env = env | {"DPCOORD_GATEWAY_HOST": gateway_host, "DPCOORD_GATEWAY_PORT": str(port)}
+        children.append(await asyncio.create_subprocess_exec(*python, "gateway", env=gateway_env))
+        gateway_url = f"http://{'127.0.0.1' if gateway_host == '0.0.0.0' else gateway_host}:{port}"
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,6 +149,13 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
     coordinator_exit.add_done_callback(lambda _: stop.set())
     try:
         client = await _wait_for_coordinator(settings)
+        gateway_text = ""
+        if gateway_url:
+            host, _, port_text = gateway_url.removeprefix("http://").rpartition(":")
+            if not await _wait_for_gateway(host, int(port_text)):
+                log.warning("the gateway at %s is not ready after %.0f s", gateway_url, GATEWAY_READY_TIMEOUT_S)
+            models = [served.name for served in (await client.list_models()).models]
+            gateway_text = _gateway_lines(gateway_url, models)
         await client.close()
         prefix = settings.subject_prefix
         sys.stdout.write(
@@ -93,6 +163,7 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
             f"NATS: {settings.nats_url}\n"
             f"Submit: dpcoord submit 'Hello' --stream --nats-url {settings.nats_url}\n"
             f"   or: nats request -s {settings.nats_url} {prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
+            f"{gateway_text}"
             f"{_http_lines(ports)}"
             "Ctrl-C stops everything.\n"
         )

@@ -16,7 +16,8 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -29,6 +30,7 @@ from handlers.registry import HandlerRegistry, HandlerSpec
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.broadcast import BroadcastResult, broadcast
 from service.bus.direct import DirectClient, DirectSubscription
+from service.coordinator.models import HeldRequests, ModelRoutes
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.protocol.errors import ErrorCode, WireError
 from service.ops.latency import RequestLatency
@@ -97,6 +99,7 @@ class Coordinator:
         self.state = CoordinatorState.RUNNING
         self.epoch: int | None = None
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
+        self.models = ModelRoutes()
         self.requests = RequestTable()
         self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
@@ -105,7 +108,7 @@ class Coordinator:
         self.engines_changed = asyncio.Event()
         self._handlers = handlers
         self._policy = make_policy(settings.routing_policy)
-        self._held: deque[InflightRequest] = deque()
+        self._held = HeldRequests()
         self._deadlines = CoarseTimers()
         self._outbox: dict[str, list[InflightRequest]] = {}
         self._outbox_ready = asyncio.Event()
@@ -264,13 +267,15 @@ class Coordinator:
         if running and len(self.engines) == 0 and self.peers.warmed_up:
             # A replica just started holds instead: heartbeats are about to introduce the fleet.
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
-        engine = self._policy.choose(self.engines.ordered) if running else None
+        model = submit.model
+        engines = self.engines.ordered if model is None else self._engines_serving(model)
+        engine = self._policy.choose(engines) if running else None
         if engine is None and len(self._held) >= self.settings.max_queued_requests:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self.settings.max_queued_requests} held)")
 
         request_id = f"{self.id}-{next(self._sequence)}"
         route = ReturnPath(request_id, self.id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(route, encoding, body, client_key)
+        entry = InflightRequest(route, encoding, body, client_key, model)
         entry.deadline = self._deadlines.call_later(timeout_s or self.settings.request_timeout_s, self._expire, request_id)
         self.requests.add(entry)
         self.counters["submitted"] += 1
@@ -278,6 +283,19 @@ class Coordinator:
             self._held.append(entry)
         else:
             self._send(entry, engine)
+
+    def _engines_serving(self, model: str) -> Sequence[EngineRecord]:
+        """404 for a model no engine serves, unless this replica is still learning the fleet."""
+        engines = self.models.engines_for(model)
+        if engines is not None:
+            return engines
+        if not self.peers.warmed_up:
+            return ()
+        raise self._unknown_model(model)
+
+    def _unknown_model(self, model: str) -> WireError:
+        served = ", ".join(self.models.names()) or "none"
+        return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
 
     async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool) -> bool:
         """A named client's repeated (client_id, client_request_id) is answered, never run twice:
@@ -366,23 +384,26 @@ class Coordinator:
                 await self.fail(routed.route.request_id, WireError(ErrorCode.NO_ENGINE, f"could not route to engine: {exc}"))
 
     async def dispatch_held(self) -> None:
-        """Route held requests while the coordinator runs and some engine has room."""
-        while self._held and self.state is CoordinatorState.RUNNING:
-            entry = self._held[0]
-            if entry.route.request_id not in self.requests:
-                self._held.popleft()
-                continue
-            if len(self.engines) == 0:
-                if not self.peers.warmed_up:
-                    return  # heartbeats are about to introduce the fleet
-                self._held.popleft()
-                await self.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
-                continue
-            engine = self._policy.choose(self.engines.ordered)
-            if engine is None:
-                return
-            self._held.popleft()
-            self._send(entry, engine)
+        """Route held requests while the coordinator runs and some engine serving their model has room."""
+        for model, queue in self._held.queues():
+            while queue and self.state is CoordinatorState.RUNNING:
+                entry = queue[0]
+                if entry.route.request_id not in self.requests:
+                    self._held.popleft(model)
+                    continue
+                engines = self.engines.ordered if model is None else self.models.engines_for(model)
+                if not engines:
+                    if not self.peers.warmed_up:
+                        break  # heartbeats are about to introduce the fleet
+                    self._held.popleft(model)
+                    err = WireError(ErrorCode.NO_ENGINE, "no engine available") if model is None else self._unknown_model(model)
+                    await self.fail(entry.route.request_id, err)
+                    continue
+                engine = self._policy.choose(engines)
+                if engine is None:
+                    break
+                self._held.popleft(model)
+                self._send(entry, engine)
 
     def take(self, request_id: str) -> InflightRequest | None:
         """Pop a request for its terminal reply and free its engine slot."""
@@ -529,10 +550,11 @@ class Coordinator:
 
     # ------------------------------------------------------------ engines
 
-    def add_engine(self, engine_id: str, capacity: int) -> EngineRecord:
-        record = self.engines.add(engine_id, capacity)
+    def add_engine(self, engine_id: str, capacity: int, model: str | None = None) -> EngineRecord:
+        record = self.engines.add(engine_id, capacity, model)
+        self.models.add(record)
         self.engines_changed.set()
-        log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, record.capacity, len(self.engines))
+        log.info("engine_id=%s joined (model %s, capacity %d, %d engines)", engine_id, model, record.capacity, len(self.engines))
         return record
 
     async def remove_engine(self, engine_id: str, reason: str, departed: bool = True) -> None:
@@ -540,6 +562,7 @@ class Coordinator:
         record = self.engines.remove(engine_id, departed)
         if record is None:
             return
+        self.models.remove(record)
         self.engines_changed.set()
         log.warning("engine_id=%s removed (%s); %d requests in flight", engine_id, reason, record.load)
         for request_id in record.requests:

@@ -53,6 +53,10 @@ class Settings(BaseSettings):
     engine_capacity: int = Field(256, ge=1, description="Requests an engine accepts at once")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Engine heartbeat period")
     stream_interval: int = Field(1, ge=1, description="Tokens per streamed partial")
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="Model name the engine serves (routing by model, the gateway's /v1/models); unset: the model directory's name, dpcoord-random for the random default, dpcoord-echo for echo",
+    )
 
     # Torch backend (see docs/engines.md)
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="Torch device: auto (cuda when available), cpu, cuda or cuda:N")
@@ -76,6 +80,13 @@ class Settings(BaseSettings):
     # Health and metrics over HTTP (Kubernetes probes, Prometheus)
     http_host: str = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")
     http_port: int = Field(8080, ge=0, le=65535, description="Port of /healthz, /readyz and /metrics; 0 turns them off")
+
+    # The OpenAI-compatible HTTP gateway (dpcoord gateway; docs/gateway.md)
+    gateway_host: str = Field("0.0.0.0", description="Address the HTTP gateway listens on")
+    gateway_port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP gateway (/v1/*, /healthz, /readyz, /metrics); 0: a free port")
+    gateway_api_key_file: str | None = Field(
+        None, description="File of API keys, one per line, the gateway accepts as 'Authorization: Bearer <key>'; unset (and no --api-key): no key needed",
+    )
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level")
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="Event loop; auto takes uvloop when installed")
