@@ -79,7 +79,6 @@ class Gateway:
         self.connected = asyncio.Event()
         self._client: DpcoordClient | None = None
         self._connecting: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._refusal_log = RateLimitedLog(log)
         self.app = Router(
             routes=[
@@ -103,8 +102,6 @@ class Gateway:
         """Safe to call twice."""
         if self._connecting is not None:
             self._connecting.cancel()
-        for task in list(self._tasks):
-            task.cancel()
         client, self._client = self._client, None
         if client is not None:
             await client.close()
@@ -130,11 +127,6 @@ class Gateway:
                 delay = min(2 * delay, CONNECT_RETRY_MAX_S)
         self.connected.set()
         log.info("gateway connected to coordinator %s as %s", self._client.coordinator_id, client_id)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     @property
     def client(self) -> DpcoordClient:
@@ -216,6 +208,7 @@ class Gateway:
             finals = await self._complete(client, plan, ids)
         finally:
             watch.stop()
+            self.metrics.disconnects += watch.disconnected
         self.metrics.used(usage_of(finals))
         return Response(json_encoder.encode(endpoint.respond(plan, finals)), media_type=JSON)
 
@@ -271,6 +264,7 @@ class Gateway:
         writer = ChunkWriter(plan, endpoint.chat)
 
         def done() -> None:
+            self.metrics.disconnects += watch.disconnected
             self.metrics.in_flight -= 1
             self.metrics.answered(endpoint.name, 200, time.perf_counter() - started)
             self.metrics.used(usage_of(choice.final for choice in writer.choices.values() if choice.final is not None))
@@ -312,21 +306,24 @@ class Gateway:
             for task in pumps:
                 task.cancel()
 
-    async def _aborted(self, client: DpcoordClient, ids: list[str]) -> None:
-        """The HTTP client left: abort its submissions, so engines free their slots and KV memory."""
-        self.metrics.disconnects += 1
-        for client_request_id in ids:
-            self._spawn(_abort(client, client_request_id))
+    async def _aborted(self, client: DpcoordClient, ids: list[str]) -> bool:
+        """The HTTP client left: abort its submissions, so engines free their slots and KV memory.
+        False when some submission was not found (not arrived yet, or already ended)."""
+        found = await asyncio.gather(*(_abort(client, client_request_id) for client_request_id in ids))
+        return all(found)
 
 
-async def _abort(client: DpcoordClient, client_request_id: str) -> None:
+async def _abort(client: DpcoordClient, client_request_id: str) -> bool:
+    """True when the coordinator held the request (and so aborts it)."""
     try:
         await client.abort(client_request_id, timeout=5.0)
+        return True
     except ClientError as exc:
-        if exc.code != ErrorCode.NOT_FOUND:  # 404: it had already ended
+        if exc.code != ErrorCode.NOT_FOUND:
             log.warning("abort of client_request_id=%s failed: %s", client_request_id, exc)
     except TimeoutError as exc:
         log.warning("abort of client_request_id=%s not answered: %s", client_request_id, exc)
+    return False
 
 
 def _too_large(size: int, limit: int) -> GatewayError:

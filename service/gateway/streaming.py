@@ -47,18 +47,19 @@ def event(payload: bytes) -> bytes:
 
 
 class DisconnectWatch:
-    """Waits for the HTTP client to leave, until ``stop()``; then calls ``on_disconnect``.
+    """Waits for the HTTP client to leave, until ``stop()``; then calls ``on_disconnect``, which
+    answers whether it found every submission to abort.
 
-    A client that leaves within moments of its request can beat the submission to the
-    coordinator, which then knows no such request; so a stream calls ``on_disconnect`` once more
-    at the first reply after the disconnect (:meth:`replied`), when the submission surely arrived."""
+    A client that leaves within moments of its request can beat its submission to the
+    coordinator, which then knows no such request; a stream then calls ``on_disconnect`` once
+    more at the next reply (:meth:`replied`), when the submission has surely arrived."""
 
-    def __init__(self, receive: Receive, on_disconnect: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, receive: Receive, on_disconnect: Callable[[], Awaitable[bool]]) -> None:
         self.disconnected = False
         self._receive = receive
         self._on_disconnect = on_disconnect
         self._stopped = False
-        self._repeated = False
+        self._missed = False
         self._task = asyncio.ensure_future(self._watch())
 
     async def _watch(self) -> None:
@@ -66,11 +67,11 @@ class DisconnectWatch:
             pass
         if not self._stopped:
             self.disconnected = True
-            await self._on_disconnect()
+            self._missed = not await self._on_disconnect()
 
     async def replied(self) -> None:
-        if self.disconnected and not self._repeated:
-            self._repeated = True
+        if self._missed:
+            self._missed = False
             await self._on_disconnect()
 
     def stop(self) -> None:
