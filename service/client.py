@@ -3,6 +3,10 @@ a timeout.
 
 It speaks msgpack. Error replies raise :class:`ClientError` with the wire code.
 
+Replies to every submission arrive on one wildcard subscription per client,
+``<inbox>.*``, each submission on its own token of it (as nats-py's own request/reply does), so
+a submission costs no SUB and UNSUB of its own.
+
 Core NATS delivers at most once; the library closes the gap for submissions. Every submission
 carries this client's id and a unique client_request_id, which makes it idempotent at the
 coordinator (a repeat is answered from the request in flight or from the result cache, never
@@ -18,6 +22,7 @@ callback, so the call would otherwise wait out its timeout.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -27,6 +32,7 @@ from typing import Any, TypeVar
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -82,13 +88,31 @@ class _Refused:
 
 
 class _Exchanges:
-    """Reply queues of the submissions in progress; each hears about reconnects."""
+    """Reply queues of the submissions in progress, by their token of the reply inbox; each
+    hears about reconnects."""
 
     def __init__(self) -> None:
-        self.queues: set[asyncio.Queue[object]] = set()
+        self.queues: dict[str, asyncio.Queue[object]] = {}
+        self.inbox = ""  # the reply subjects' prefix, set once connected
+        self._tokens = itertools.count()
+
+    def open(self) -> tuple[str, asyncio.Queue[object]]:
+        """A fresh reply subject and the queue its replies go to."""
+        token = str(next(self._tokens))
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        self.queues[token] = queue
+        return f"{self.inbox}.{token}", queue
+
+    def close(self, reply_subject: str) -> None:
+        self.queues.pop(reply_subject.rpartition(".")[2], None)
+
+    async def on_reply(self, msg: Msg) -> None:
+        queue = self.queues.get(msg.subject.rpartition(".")[2])
+        if queue is not None:  # else a late reply to a submission that ended
+            queue.put_nowait(msg)
 
     def reconnected(self) -> None:
-        for queue in self.queues:
+        for queue in self.queues.values():
             queue.put_nowait(_RECONNECTED)
 
 
@@ -102,6 +126,7 @@ class DpcoordClient:
         owns_connection: bool,
         exchanges: _Exchanges,
         refusals: PublishRefusals,
+        replies: Subscription,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -110,6 +135,7 @@ class DpcoordClient:
         self._owns_connection = owns_connection
         self._exchanges = exchanges
         self._refusals = refusals
+        self._replies = replies
 
     @classmethod
     async def connect(
@@ -124,19 +150,25 @@ class DpcoordClient:
             settings, name="dpcoord-client", on_reconnect=exchanges.reconnected, on_error=refusals.on_error
         )
         subjects = Subjects(settings.subject_prefix)
+        exchanges.inbox = connection.new_inbox()
+        replies = await connection.subscribe(f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1)
         try:
             ack = await _call(connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout)
         except BaseException:
             if owns:
                 await connection.close()
+            else:
+                await replies.unsubscribe()
             raise
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals)
+        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies)
 
     async def close(self) -> None:
         if self._owns_connection:
             await close_nats(self.nc)
+        elif not (self.nc.is_closed or self.nc.is_draining):
+            await self._replies.unsubscribe()
 
     async def __aenter__(self) -> DpcoordClient:
         return self
@@ -189,14 +221,7 @@ class DpcoordClient:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
         deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
         subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
-        queue: asyncio.Queue[object] = asyncio.Queue()
-
-        async def on_reply(msg: Msg) -> None:
-            queue.put_nowait(msg)
-
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=on_reply)
-        self._exchanges.queues.add(queue)
+        inbox, queue = self._exchanges.open()
         backoff = 0.02
         try:
             with self._refusals.watch(subject, lambda message: queue.put_nowait(_Refused(message))):
@@ -226,9 +251,7 @@ class DpcoordClient:
                         if isinstance(reply, Final):
                             return
         finally:
-            self._exchanges.queues.discard(queue)
-            if not (self.nc.is_closed or self.nc.is_draining):
-                await sub.unsubscribe()
+            self._exchanges.close(inbox)
 
     async def _publish(self, subject: str, body: bytes, inbox: str) -> None:
         try:

@@ -21,6 +21,7 @@ from service.ops.settings import Settings
 from service.protocol.subjects import Header
 
 BENCHMARK_MODULE = "benchmarks.coordinator"
+GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
 
 CONTROL_COMMANDS: dict[str, Header] = {
     "pause": Header.PAUSE,
@@ -86,19 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_bench(argv: list[str]) -> int:
-    """The benchmarks live in the source checkout, not in the images: load them only here."""
+    """The benchmarks live in the source checkout, not in the images: load them only here.
+    ``--gateway`` runs the gateway benchmark instead of the coordinator's."""
+    module = GATEWAY_BENCHMARK_MODULE if "--gateway" in argv else BENCHMARK_MODULE
+    argv = [arg for arg in argv if arg != "--gateway"]
     try:
-        benchmark = importlib.import_module(BENCHMARK_MODULE)
+        benchmark = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not BENCHMARK_MODULE.startswith(exc.name):
+        if exc.name is None or not module.startswith(exc.name):
             raise
         print(
-            f"dpcoord bench: {BENCHMARK_MODULE} is not installed here; run it from a source checkout "
+            f"dpcoord bench: {module} is not installed here; run it from a source checkout "
             "(pip install -e '.[bench]')",
             file=sys.stderr,
         )
         return 2
-    args = benchmark.build_parser(prog="dpcoord bench").parse_args(argv)
+    prog = "dpcoord bench --gateway" if module == GATEWAY_BENCHMARK_MODULE else "dpcoord bench"
+    args = benchmark.build_parser(prog=prog).parse_args(argv)
     return int(benchmark.main(args))
 
 
@@ -226,9 +231,10 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # argparse's REMAINDER drops a first argument that looks like an option
+        return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return _run_bench(args.bench_args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:

@@ -29,6 +29,7 @@ def uvicorn_config(gateway: Gateway, settings: Settings) -> uvicorn.Config:
         http="httptools",
         lifespan="on",
         access_log=False,
+        proxy_headers=False,  # X-Forwarded-* change nothing the gateway does
         log_config=None,  # dpcoord's logging configuration stays in force
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
