@@ -20,6 +20,8 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 COORDINATOR = ROOT / "docker" / "coordinator.Dockerfile"
 ENGINE = ROOT / "docker" / "engine.Dockerfile"
+GATEWAY = ROOT / "docker" / "gateway.Dockerfile"
+WEB_STACK = {"starlette", "uvicorn", "httptools"}  # the gateway extra's, which the coordinator goes without
 TORCH_STACK = {"torch", "triton"}  # and every nvidia-* CUDA wheel
 
 
@@ -92,6 +94,7 @@ def test_coordinator_requirements_exclude_torch() -> None:
     installed = closure(project_requirements(extras=set()))
     assert "nats-py" in installed and "prometheus-client" in installed
     assert not torch_stack(installed), f"the coordinator image would install {torch_stack(installed)}"
+    assert not WEB_STACK & closure(project_requirements(extras={"fast"})), "the coordinator image would install the gateway's web stack"
     # The same resolution does see torch where it is asked for: the engine image's install set.
     assert "torch" in closure(project_requirements(extras={"engine"}))
 
@@ -121,7 +124,28 @@ def test_engine_image_is_cuda_pytorch_with_the_engine_extra() -> None:
     assert pip_install_targets(ENGINE) == [".[engine,fast]"]
 
 
-@pytest.mark.parametrize("dockerfile", [COORDINATOR, ENGINE], ids=["coordinator", "engine"])
+def test_gateway_image_installs_the_gateway_extra_without_torch() -> None:
+    assert pip_install_targets(GATEWAY) == [".[gateway]"]
+    installed = closure(project_requirements(extras={"gateway"}))
+    assert WEB_STACK <= installed and "uvloop" in installed
+    assert not torch_stack(installed), f"the gateway image would install {torch_stack(installed)}"
+
+
+def test_the_coordinator_and_engines_do_not_import_the_gateway_stack() -> None:
+    """The coordinator image has no Starlette or uvicorn: nothing it runs may import them."""
+    probe = (
+        "import importlib, sys\n"
+        "for name in ('service.cli.main', 'service.coordinator.coordinator', 'service.coordinator.observability',\n"
+        "             'handlers', 'engines.runtime', 'engines.echo', 'service.client'):\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules} & {'starlette', 'uvicorn', 'httptools', 'jinja2'}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("dockerfile", [COORDINATOR, ENGINE, GATEWAY], ids=["coordinator", "engine", "gateway"])
 def test_images_build_from_the_repository_as_non_root(dockerfile: Path) -> None:
     steps = instructions(dockerfile)
     ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
