@@ -229,7 +229,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await stack.start_dpcoord(probe)
         port = free_port()
         await stack.start_gateway(port)
-        settings = Settings(nats_url=stack.nats_url, subject_prefix=config.prefix)
+        settings = Settings.model_validate({"nats_url": stack.nats_url, "subject_prefix": config.prefix})
         async with await DpcoordClient.connect(settings) as client:
             measure = Measure(args, stack, client, port)
             steps = [step for step in measure.steps() if not args.only or step[0].split("_")[0] in args.only]

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -208,7 +208,7 @@ class DpcoordClient:
     async def stream(
         self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
         model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
-    ) -> AsyncIterator[Partial | Final]:
+    ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream."""
         body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         async with aclosing(self._exchange(body, timeout)) as replies:
@@ -217,7 +217,7 @@ class DpcoordClient:
                 if isinstance(reply, Final):
                     return
 
-    async def _exchange(self, body: bytes, timeout: float) -> AsyncIterator[Partial | Final]:
+    async def _exchange(self, body: bytes, timeout: float) -> AsyncGenerator[Partial | Final, None]:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
         deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
         subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)

@@ -111,19 +111,22 @@ async def test_unknown_model_is_404_and_no_engine_is_503(
 
 async def test_overload_is_429_with_retry_after(nats_url: str) -> None:
     settings = make_settings(nats_url, max_inflight_per_engine=1, max_queued_requests=0)
-    async with Coordinator(settings, HANDLERS) as coordinator, serve_gateway(settings) as served:
-        async with EngineRuntime(settings, EchoBackend(token_delay_ms=20)) as engine:
-            await engine.registered.wait()
-            await coordinator.wait_for_engines(1)
-            client = sdk(served)
-            busy = await client.completions.create(model=ECHO, prompt="Hi", max_tokens=10_000, stream=True)
-            await anext(aiter(busy))  # the engine's only slot is taken
-            with pytest.raises(openai.RateLimitError) as refused:
-                await client.completions.create(model=ECHO, prompt="Hi")
-            assert refused.value.response.headers["retry-after"] == "1"
-            assert refused.value.body["type"] == "rate_limit_error"  # type: ignore[index]
-            await busy.close()
-            await client.close()
+    async with (
+        Coordinator(settings, HANDLERS) as coordinator,
+        serve_gateway(settings) as served,
+        EngineRuntime(settings, EchoBackend(token_delay_ms=20)) as engine,
+    ):
+        await engine.registered.wait()
+        await coordinator.wait_for_engines(1)
+        client = sdk(served)
+        busy = await client.completions.create(model=ECHO, prompt="Hi", max_tokens=10_000, stream=True)
+        await anext(aiter(busy))  # the engine's only slot is taken
+        with pytest.raises(openai.RateLimitError) as refused:
+            await client.completions.create(model=ECHO, prompt="Hi")
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert refused.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+        await busy.close()
+        await client.close()
 
 
 async def test_deadline_is_504(settings: Settings, coordinator: Coordinator, start_engines: EngineFactory) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +39,15 @@ from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import ModelCard, ModelCards, chat_decoder, completion_decoder, json_encoder
 from service.gateway.streaming import ChunkWriter, DisconnectWatch, Reply, send_stream, sse_events
-from service.gateway.translate import Job, Plan, chat_plan, chat_response, completion_plan, completion_response, usage_of
+from service.gateway.translate import (
+    Job,
+    Plan,
+    chat_plan,
+    chat_response,
+    completion_plan,
+    completion_response,
+    usage_of,
+)
 from service.ops.log_limit import RateLimitedLog
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
@@ -184,8 +192,8 @@ class Gateway:
         except GatewayError as err:
             answer, status = _error(err), err.status
         except ClientError as exc:
-            err = from_wire(exc.code, exc.message)
-            answer, status = _error(err), err.status
+            refusal = from_wire(exc.code, exc.message)
+            answer, status = _error(refusal), refusal.status
         except TimeoutError as exc:
             answer, status = _error(GatewayError(ErrorCode.TIMED_OUT, str(exc))), ErrorCode.TIMED_OUT
         if not isinstance(answer, EventStream):  # a stream counts once it ends
@@ -275,7 +283,7 @@ class Gateway:
 
         return EventStream(sse_events(writer, first, replies), replies, watch, done)
 
-    async def _replies(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> AsyncIterator[Reply]:
+    async def _replies(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> AsyncGenerator[Reply, None]:
         """Every reply of the plan's submissions, interleaved as they arrive."""
         if len(plan.jobs) == 1:
             job = plan.jobs[0]
@@ -290,7 +298,7 @@ class Gateway:
                 async with aclosing(client.stream(**self._submission(client, plan, job, client_request_id))) as replies:
                     async for reply in replies:
                         queue.put_nowait((job, reply))
-            except Exception as exc:
+            except (ClientError, TimeoutError) as exc:
                 queue.put_nowait(exc)
             finally:
                 queue.put_nowait(None)
@@ -349,7 +357,7 @@ def _error(err: GatewayError) -> Response:
 class EventStream:
     """The ASGI response of a stream whose first reply arrived: its events, then ``on_done``."""
 
-    def __init__(self, events: AsyncIterator[bytes], replies: AsyncIterator[Reply], watch: DisconnectWatch,
+    def __init__(self, events: AsyncGenerator[bytes, None], replies: AsyncGenerator[Reply, None], watch: DisconnectWatch,
                  on_done: Callable[[], None]) -> None:
         self._events = events
         self._replies = replies
@@ -358,7 +366,7 @@ class EventStream:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with aclosing(self._replies), aclosing(self._events):  # type: ignore[type-var]
+            async with aclosing(self._replies), aclosing(self._events):
                 await send_stream(send, self._events, self._watch)
         finally:
             self._on_done()

@@ -14,8 +14,10 @@ exactly one ``[DONE]`` ends every stream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+
+from starlette.types import Receive, Send
 
 from service.client import ClientError
 from service.gateway.errors import GatewayError, from_wire
@@ -38,8 +40,6 @@ SSE_HEADERS = [
 ]
 
 Reply = tuple[Job, Partial | Final]
-Receive = Callable[[], Awaitable[dict[str, object]]]
-Send = Callable[[dict[str, object]], Awaitable[None]]
 
 
 def event(payload: bytes) -> bytes:
@@ -134,7 +134,7 @@ class ChunkWriter:
         return event(json_encoder.encode(chunk))
 
 
-async def sse_events(writer: ChunkWriter, first: Reply, rest: AsyncIterator[Reply]) -> AsyncIterator[bytes]:
+async def sse_events(writer: ChunkWriter, first: Reply, rest: AsyncIterator[Reply]) -> AsyncGenerator[bytes, None]:
     """Every event of a stream whose first reply already arrived, ending with one ``[DONE]``."""
     try:
         for chunk in writer.chunks(*first):
