@@ -231,7 +231,7 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # argparse's REMAINDER drops a first argument that looks like an option
+    if argv[:1] == ["bench"]:  # the benchmark parses its own arguments, options included
         return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
