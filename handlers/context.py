@@ -65,7 +65,7 @@ class ControlContext(Replier, Protocol):
         """Broadcast ``signal`` to every engine, settle what it changes, and answer ``incoming``
         with ``state`` once every engine confirmed (or with the engines that did not)."""
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background, so a handler never blocks on engine acknowledgements."""
 
 

@@ -128,6 +128,11 @@ def sse_data(body: bytes) -> list[str]:
 
 async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     """For state with no event to wait on (an engine's load): check it every few milliseconds."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        if condition():
+            return
+        if loop.time() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.01)

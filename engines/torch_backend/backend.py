@@ -10,13 +10,13 @@ ids.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import logging
 import os
 import random
 import tempfile
 import threading
 import time
-import collections.abc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +33,8 @@ from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.scheduler import BlockAllocator, ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from engines.torch_backend.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from engines.torch_backend.weights import build_model, checkpoint_weights, random_weights
-from service.protocol.errors import ErrorCode, WireError
 from service.ops.settings import Settings
+from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import ChatMessage, FinishReason
 
 log = logging.getLogger(__name__)
