@@ -207,7 +207,9 @@ async def test_a_stream_whose_client_hangs_up_is_aborted_at_the_engine(
     assert engine.load == 1
     writer.close()
     await wait_until(lambda: engine.load == 0 and len(coordinator.requests) == 0)
-    assert gateway.gateway.metrics.disconnects == 1
+    metrics = gateway.gateway.metrics
+    await wait_until(lambda: metrics.in_flight == 0)  # the stream's response ends after the abort's final
+    assert metrics.disconnects == 1
 
 
 async def test_a_request_whose_client_hangs_up_is_aborted_at_the_engine(
