@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from nats.errors import Error as NatsError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 from starlette.requests import Request
@@ -129,8 +130,8 @@ class Gateway:
             try:
                 self._client = await DpcoordClient.connect(self.settings, client_id=client_id, timeout=2.0)
                 break
-            except (ClientError, TimeoutError, OSError) as exc:
-                log.info("gateway: coordinator not reachable yet (%s); retrying", exc)
+            except (ClientError, TimeoutError, OSError, NatsError) as exc:
+                log.info("gateway: NATS or the coordinator not reachable yet (%s); retrying", exc)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, CONNECT_RETRY_MAX_S)
         self.connected.set()
@@ -242,7 +243,7 @@ class Gateway:
             if not message.get("more_body", False):
                 return body
 
-    def _submission(self, client: DpcoordClient, plan: Plan, job: Job, client_request_id: str) -> dict[str, Any]:
+    def _submission(self, plan: Plan, job: Job, client_request_id: str) -> dict[str, Any]:
         return dict(
             prompt=job.prompt, messages=job.messages, model=plan.model, client_request_id=client_request_id,
             timeout=self.settings.request_timeout_s, **plan.sampling,
@@ -250,9 +251,9 @@ class Gateway:
 
     async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> list[Final]:
         if len(plan.jobs) == 1:
-            return [await client.submit(**self._submission(client, plan, plan.jobs[0], ids[0]))]
+            return [await client.submit(**self._submission(plan, plan.jobs[0], ids[0]))]
         outcomes = await asyncio.gather(
-            *(client.submit(**self._submission(client, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)),
+            *(client.submit(**self._submission(plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)),
             return_exceptions=True,
         )
         finals = [outcome for outcome in outcomes if isinstance(outcome, Final)]
@@ -287,7 +288,7 @@ class Gateway:
         """Every reply of the plan's submissions, interleaved as they arrive."""
         if len(plan.jobs) == 1:
             job = plan.jobs[0]
-            async with aclosing(client.stream(**self._submission(client, plan, job, ids[0]))) as replies:
+            async with aclosing(client.stream(**self._submission(plan, job, ids[0]))) as replies:
                 async for reply in replies:
                     yield job, reply
             return
@@ -295,7 +296,7 @@ class Gateway:
 
         async def pump(job: Job, client_request_id: str) -> None:
             try:
-                async with aclosing(client.stream(**self._submission(client, plan, job, client_request_id))) as replies:
+                async with aclosing(client.stream(**self._submission(plan, job, client_request_id))) as replies:
                     async for reply in replies:
                         queue.put_nowait((job, reply))
             except (ClientError, TimeoutError) as exc:
