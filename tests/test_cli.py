@@ -13,7 +13,7 @@ import pytest
 
 from service.cli.main import build_parser, main, settings_from
 from service.ops.settings import SettingGroup, Settings, group_of
-from tests.helpers import read_up_banner
+from tests.helpers import new_shell_env, read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +64,16 @@ def test_flags_win_over_env_and_every_command_reads_every_setting_from_env(monke
         build_parser().parse_args(["submit", "Hello", "--max-batch", "3"])
 
 
+def test_up_help_says_what_engines_run_how_to_use_an_existing_nats_and_where_logs_go(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    help_text = help_of("up", capsys)
+    assert "the torch backend runs the model in --model" in help_text and "output is noise" in help_text
+    assert "--backend echo" in help_text
+    assert "unless --nats-url (DPCOORD_NATS_URL) points at an\nexisting server" in help_text
+    assert "every process logs to this command's stderr" in help_text
+
+
 def test_invalid_settings_are_reported_and_exit_2(tmp_path: Path) -> None:
     env = dict(os.environ, DPCOORD_HEARTBEAT_INTERVAL_S="5", DPCOORD_HEARTBEAT_TIMEOUT_S="1")
     result = run(["coordinator"], env)
@@ -71,8 +81,7 @@ def test_invalid_settings_are_reported_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env.pop("DPCOORD_NATS_URL", None)
+    env = new_shell_env(os.environ)  # `make up` without the virtual environment activated
     env["DPCOORD_BACKEND"] = "echo"
     env["DPCOORD_SUBJECT_PREFIX"] = "clitest"
     log = (tmp_path / "up.log").open("w")
@@ -85,14 +94,12 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         assert url.startswith("nats://127.0.0.1:")
         client_env = dict(env, DPCOORD_NATS_URL=url)
 
-        # As a second terminal runs it: the venv not activated, no DPCOORD_ variables.
+        # In a second terminal: no DPCOORD_ variables, the virtual environment not activated.
         printed = next(line.removeprefix("Submit: ") for line in lines if line.startswith("Submit: "))
-        assert printed.startswith(".venv/bin/dpcoord submit 'Hello' --stream")
-        shell_env = {key: value for key, value in env.items() if not key.startswith("DPCOORD_")}
-        shell_env["PATH"] = os.pathsep.join(
-            entry for entry in env["PATH"].split(os.pathsep) if Path(entry).resolve() != Path(sys.executable).parent.resolve()
+        assert not printed.startswith("dpcoord ")
+        as_printed = subprocess.run(
+            printed, shell=True, env=new_shell_env(env), cwd=ROOT, capture_output=True, text=True, timeout=30, check=False
         )
-        as_printed = subprocess.run(printed, shell=True, env=shell_env, cwd=ROOT, capture_output=True, text=True, timeout=30)
         assert as_printed.returncode == 0, as_printed.stderr
         assert json.loads(as_printed.stdout.splitlines()[-1])["generated_text"].startswith("Hello")
 

@@ -60,7 +60,7 @@ def _read(fd: int) -> bytes:
 
 def in_pipe(args: list[str]) -> tuple[int, str, str]:
     """Run with stdout and stderr on pipes: its exit code, stdout and stderr (carriage returns kept)."""
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, timeout=30)
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, timeout=30, check=False)
     return done.returncode, done.stdout.decode(), done.stderr.decode()
 
 
