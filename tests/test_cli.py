@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,9 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         assert stack.stdout is not None
         lines = read_up_banner(stack.stdout)
         assert lines[0] == "dpcoord is up: coordinator + 2 echo engine(s)\n"
+        metrics = next(line.split()[3] for line in lines if line.startswith("Health and metrics:"))
+        with urllib.request.urlopen(metrics.replace("/metrics", "/readyz"), timeout=5) as ready:
+            assert ready.read() == b"ok: 2 engine(s), state running\n"  # the banner waits for every engine
         url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
         assert url.startswith("nats://127.0.0.1:")
         client_env = dict(env, DPCOORD_NATS_URL=url)

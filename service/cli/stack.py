@@ -166,10 +166,11 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
     python = [sys.executable, "-m", "service"]
     engine_args = ["--model", model] if model else []
     children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env | {_PORT_ENV: str(ports[0])})]
-    children += [
+    engine_processes = [
         await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env | {_PORT_ENV: str(port)})
         for port in ports[1:]
     ]
+    children += engine_processes
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -178,7 +179,7 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
     coordinator_exit = asyncio.ensure_future(children[0].wait())
     coordinator_exit.add_done_callback(lambda _: stop.set())
     try:
-        ready = asyncio.ensure_future(_until_ready(settings, children[1:]))
+        ready = asyncio.ensure_future(_until_ready(settings, engine_processes))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
         if not stopping.done():
