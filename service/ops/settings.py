@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     http_host: ServiceSetting[str] = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")
     http_port: ServiceSetting[int] = Field(
         8080, ge=0, le=65535,
-        description="Port of /healthz, /readyz and /metrics; 0 turns them off. Unset and busy: a free port, logged",
+        description="Port of /healthz, /readyz and /metrics; 0 turns them off. Left unset and taken: a free port, logged",
     )
 
     log_level: ServiceSetting[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field("INFO", description="Log level")
