@@ -10,11 +10,10 @@ import shlex
 import shutil
 import signal
 import sys
-import uuid
 from pathlib import Path
 
 import msgspec
-from nats.errors import NoRespondersError
+from nats.errors import Error as NatsError
 
 from service.bus.server import EmbeddedNatsServer, free_port
 from service.client import ClientError, DpcoordClient
@@ -72,7 +71,8 @@ async def _registered_engines(client: DpcoordClient) -> int | None:
     subject = client.subjects.status("coordinator", client.coordinator_id)
     try:
         reply = await client.nc.request(subject, b"", timeout=2.0)
-    except (NoRespondersError, TimeoutError):
+    except NatsError as exc:
+        log.debug("coordinator status not read yet: %s", exc)
         return None
     return len(msgspec.json.decode(reply.data, type=CoordinatorStatus).engines)
 
@@ -154,10 +154,6 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         server = EmbeddedNatsServer().start()
         settings = settings.model_copy(update={"nats_url": server.url})
         settings.model_fields_set.add("nats_url")
-    if "coordinator_id" not in settings.model_fields_set:
-        # Known here, so that the stack can ask its coordinator when every engine has registered.
-        settings = settings.model_copy(update={"coordinator_id": f"c{uuid.uuid4().hex[:12]}"})
-        settings.model_fields_set.add("coordinator_id")
     env = _child_env(settings)
     if "cpu_threads" not in settings.model_fields_set:
         # Engines sharing one machine's cores must not each start a thread per core.
