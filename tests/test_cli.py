@@ -127,6 +127,14 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         log.close()
 
 
+def test_up_exits_1_without_a_banner_when_every_engine_fails_to_start(tmp_path: Path) -> None:
+    env = dict(new_shell_env(os.environ), DPCOORD_SUBJECT_PREFIX="clifail")
+    result = run(["up", "--engines", "1", "--backend", "echo", "--model", str(tmp_path)], env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "--model needs the torch backend" in result.stderr
+    assert "every engine exited before registering" in result.stderr
+
+
 def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:
     env = dict(os.environ, DPCOORD_NATS_URL=nats_url, DPCOORD_SUBJECT_PREFIX="shutdowntest")
     coordinator = subprocess.Popen(DPCOORD + ["coordinator"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)

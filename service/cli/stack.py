@@ -89,7 +89,7 @@ async def _until_ready(settings: Settings, engines: list[asyncio.subprocess.Proc
             await asyncio.sleep(0.1)
     finally:
         await client.close()
-    if registered < len(engines):
+    if 0 < registered < len(engines):
         log.warning("%d of %d engines exited before registering; their logs are above", len(engines) - registered, len(engines))
     return registered
 
@@ -174,11 +174,16 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         loop.add_signal_handler(signum, stop.set)
     coordinator_exit = asyncio.ensure_future(children[0].wait())
     coordinator_exit.add_done_callback(lambda _: stop.set())
+    exit_code = 0
     try:
         ready = asyncio.ensure_future(_until_ready(settings, engine_processes))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if not stopping.done():
+        if not stopping.done() and ready.result() == 0 < engines:
+            log.error("every engine exited before registering; their logs are above")
+            exit_code = 1
+            stop.set()
+        elif not stopping.done():
             sys.stdout.write(_banner(settings, model, ready.result(), ports))
             sys.stdout.flush()
         ready.cancel()
@@ -195,4 +200,4 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
                 await child.wait()
         if server is not None:
             server.stop()
-    return 0
+    return exit_code
