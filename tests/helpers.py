@@ -17,6 +17,8 @@ from nats.aio.msg import Msg
 
 from service.coordinator.coordinator import Coordinator
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 
 def decode_reply(data: bytes) -> dict[str, Any]:
     """Decode a reply the way a client would: JSON if it starts with '{', else msgpack."""

@@ -63,7 +63,7 @@ class DirectClient(NATS):
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
         handler = self._direct.get(sid)
         if handler is None:
-            await super()._process_msg(sid, subject, reply, data, headers)
+            await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]  # None: no headers
             return
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
