@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from service.cli import main as cli_main
 from service.cli.main import build_parser, main, settings_from
 from service.ops.settings import SettingGroup, Settings, group_of
 from tests.helpers import REPO_ROOT, new_shell_env, read_up_banner
@@ -148,3 +149,16 @@ def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:
     finally:
         if coordinator.poll() is None:
             coordinator.kill()
+
+
+def test_bench_passes_its_own_options_through() -> None:
+    result = run(["bench", "--help"], dict(os.environ))
+    assert result.returncode == 0 and "--quick" in result.stdout and "dpcoord bench" in result.stdout
+
+
+def test_bench_says_clearly_when_the_benchmarks_are_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli_main, "BENCHMARK_MODULE", "benchmarks.not_installed_here")
+    assert cli_main.main(["bench", "--quick"]) == 2
+    assert "benchmarks.not_installed_here is not installed here" in capsys.readouterr().err
