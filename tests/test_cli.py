@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cli.main import build_parser, settings_from
+from service.cli.main import build_parser, main, settings_from
 from service.ops.settings import Settings
 from tests.helpers import read_up_banner
 
@@ -38,6 +38,14 @@ def test_invalid_settings_are_reported_and_exit_2(tmp_path: Path) -> None:
     env = dict(os.environ, DPCOORD_HEARTBEAT_INTERVAL_S="5", DPCOORD_HEARTBEAT_TIMEOUT_S="1")
     result = run(["coordinator"], env)
     assert result.returncode == 2 and "heartbeat_interval_s" in result.stderr
+
+
+def test_bench_hands_every_argument_to_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    """Options after `bench`, --help included, are the benchmark's own."""
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--duration", "1", "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: dpcoord bench")
 
 
 def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:

@@ -71,11 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
-    bench = commands.add_parser(
+    # Listed for `dpcoord --help` only: main() hands everything after `bench` to the benchmark's own parser.
+    commands.add_parser(
         "bench", add_help=False,
         help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run",
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)")
     return parser
 
 
@@ -208,9 +208,11 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        # Not through argparse: a REMAINDER positional does not take arguments that start with "-".
+        return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return _run_bench(args.bench_args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:
