@@ -24,11 +24,11 @@ from helm_python import Chart, HelmValuesError, lint, values_from_yaml
 from service.ops.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
 from service.ops.settings import Settings
 from tests.chart.contract import CHART, DERIVED_SETTINGS, settings_schema, valued_settings
+from tests.chart.render import Manifest, render_objects
 
 RELEASE = "rel"
 NAMESPACE = "llm"
 NON_DEFAULT_VALUES = CHART / "ci" / "external-nats-values.yaml"
-Manifest = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +43,7 @@ def non_default_values() -> dict[str, Any]:
 
 def render(chart: Chart, values: dict[str, Any] | None = None, release: str = RELEASE) -> list[Manifest]:
     """Every object the chart renders, parsed."""
-    objects = []
-    for path, text in chart.render(values or {}, name=release, namespace=NAMESPACE).items():
-        if not path.endswith(".yaml"):
-            continue
-        for document in re.split(r"^---\s*$", text, flags=re.MULTILINE):
-            if document.strip():
-                parsed = values_from_yaml(document)
-                if parsed:
-                    objects.append(parsed)
-    return objects
+    return render_objects(chart, values or {}, release, NAMESPACE)
 
 
 def only(objects: list[Manifest], kind: str, component: str | None = None) -> Manifest:
