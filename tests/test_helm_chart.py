@@ -327,8 +327,11 @@ def test_settings_set_per_pod_are_set(chart: Chart, auth: str) -> None:
         assert "DPCOORD_COORDINATOR_ID" not in env
     engine_env = env_of(only(objects, "StatefulSet"), objects)
     assert engine_env["DPCOORD_ENGINE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the rank's pod name
+    for kind, role in (("Deployment", "coordinator"), ("StatefulSet", "engine")):
+        # The role's inbox prefix, which docs/nats-server.example.conf lets that role subscribe to.
+        assert env_of(only(objects, kind), objects)["DPCOORD_NATS_INBOX_PREFIX"] == f"_INBOX_{role}"
     covered = {name.removeprefix("DPCOORD_").lower() for names in per_auth.values() for name in names}
-    assert covered | {"nats_url", "coordinator_id", "engine_id"} == set(DERIVED_SETTINGS)
+    assert covered | {"nats_url", "nats_inbox_prefix", "coordinator_id", "engine_id"} == set(DERIVED_SETTINGS)
 
 
 def test_default_settings_are_valid_settings(chart: Chart) -> None:

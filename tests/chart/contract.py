@@ -20,6 +20,7 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "dpcoord"
 # Settings the chart sets per pod rather than from values, and where from.
 DERIVED_SETTINGS: dict[str, str] = {
     "nats_url": "nats.enabled (the bundled NATS Service) or externalNats.url",
+    "nats_inbox_prefix": "the role's reply-inbox prefix, _INBOX_<component> (docs/security.md)",
     "coordinator_id": "left unset: random per process, so a restarted container never reuses its request ids",
     "engine_id": "the engine pod's name (its data-parallel rank)",
     "nats_user": "the credentials Secret, key <component>-user",

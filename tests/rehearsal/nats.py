@@ -110,8 +110,8 @@ def bundled_nats(rendered: Rendered, folder: Path) -> Iterator[Nats]:
         ]
         for server in servers:
             stack.enter_context(server)
-        inbox = str(rendered.values["settings"]["nats_inbox_prefix"])
-        yield Nats([server.url for server in servers], credentials, dict.fromkeys(USERS, inbox), ())
+        # People use the nats CLI's default inbox, as NOTES.txt's `nats request` does; the pods set their own.
+        yield Nats([server.url for server in servers], credentials, dict.fromkeys(USERS, "_INBOX"), ())
 
 
 @contextmanager
