@@ -1,8 +1,9 @@
 """Every way the rehearsal departs from the images and the chart, each with why.
 
 This is the one place: the code that builds the images' environments and starts the pods takes
-these values from here, and the comments say why. A new departure goes here or nowhere. What the rehearsal cannot do at all (build the
-images, run as the pods' user on a read-only root, GPUs, TLS) is in tests/rehearsal/__init__.py.
+these values from here, and the comments say why. A new departure goes here or nowhere. How a
+pod's volumes become folders of its own is pods.py's docstring; what the rehearsal cannot do at
+all (build the images, the pods' user and read-only root, GPUs, TLS) is tests/rehearsal/__init__.py's.
 """
 
 from __future__ import annotations
