@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import json
 import logging
 import signal
 import sys
@@ -71,11 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
-    # Listed for `dpcoord --help` only: main() hands everything after `bench` to the benchmark's own parser.
-    commands.add_parser(
+    bench = commands.add_parser(
         "bench", add_help=False,
         help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run",
     )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)")
     return parser
 
 
@@ -209,8 +208,7 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        # Not through argparse: a REMAINDER positional does not take arguments that start with "-".
+    if argv[:1] == ["bench"]:  # the benchmark parses its own arguments, options included
         return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:

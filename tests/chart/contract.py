@@ -2,7 +2,7 @@
 
 Every field of ``Settings`` is either a value under ``settings:`` in values.yaml, with the
 JSON schema that pydantic derives for it in values.schema.json, or set per pod by the chart
-(``DERIVED_SETTINGS``). The drift tests in tests/test_helm_chart.py hold the chart to it.
+(``DERIVED_SETTINGS``). The drift tests in tests/chart/test_helm_chart.py hold the chart to it.
 When a field is added to Settings, add it to values.yaml under ``settings:`` and paste the
 schema printed by ``python -m tests.chart.contract`` into values.schema.json.
 """

@@ -1,7 +1,7 @@
 """The images' Python environments, installed from their build contexts, run as the images run
 them: the coordinator's starts and holds no torch, the engine's keeps its base image's torch.
 
-The images themselves are not built (no Docker engine here); tests/test_images.py reads what
+The images themselves are not built (no Docker engine here); tests/chart/test_images.py reads what
 only a build would show (the base image, the user)."""
 
 from __future__ import annotations
