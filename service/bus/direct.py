@@ -1,8 +1,8 @@
 """nats-py with direct subscriptions, so the hot path skips nats-py's per-message machinery.
 
 nats-py hands each message of a callback subscription to that subscription's own queue and
-task, building a ``Msg`` on the way: about 2.5 us of the coordinator's CPU per message on the
-2-core reference machine, more than routing the request costs (docs/performance.md). A
+task, building a ``Msg`` on the way: more of the coordinator's CPU per message than routing
+the request costs (measured in docs/performance.md). A
 direct subscription's handler is awaited by nats-py's reading task as soon as the message is
 parsed, with just the subject, the reply subject and the body.
 
