@@ -1,10 +1,16 @@
 """``dpcoord gateway``: the gateway's ASGI app under uvicorn, with httptools parsing HTTP and the
-event loop the settings choose (uvloop when installed). uvicorn handles SIGINT and SIGTERM: it
-stops accepting, lets requests in progress finish, then the app closes its NATS connection."""
+event loop the settings choose (uvloop when installed). SIGINT and SIGTERM stop it as they stop
+the other dpcoord processes: uvicorn stops accepting, lets requests in progress finish, the app
+closes its NATS connection, and the process exits 0 (uvicorn's own handlers would re-raise the
+signal and exit with it)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
+from collections.abc import Generator
 
 import uvicorn
 
@@ -36,9 +42,20 @@ def uvicorn_config(gateway: Gateway, settings: Settings) -> uvicorn.Config:
     )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: :func:`serve` installs the loop's own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
 async def serve(settings: Settings, api_keys: ApiKeys) -> int:
     gateway = Gateway(settings, api_keys)
-    server = uvicorn.Server(uvicorn_config(gateway, settings))
+    server = _Server(uvicorn_config(gateway, settings))
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, setattr, server, "should_exit", True)
     log.info(
         "gateway on http://%s:%d (API keys %s)", settings.gateway_host, settings.gateway_port,
         "required" if api_keys.required else "not required",

@@ -1,5 +1,5 @@
-"""The chart's gateway: its Deployment and Service run `dpcoord gateway` as the NATS `client` user
-with probes on the endpoints it serves; the optional Ingress, autoscaler and API keys render as
+"""The chart's gateway: its Deployment and Service run `dpcoord gateway` as the NATS `gateway` user
+(the client's permissions) with probes on the endpoints it serves; the optional Ingress, autoscaler and API keys render as
 configured; the values schema holds them to sane values."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def gateway_objects(objects: list[dict[str, Any]]) -> list[tuple[str, str]]:
     )
 
 
-def test_the_gateway_runs_as_the_nats_client_user_with_probes_on_its_port(chart: Chart) -> None:
+def test_the_gateway_runs_as_its_nats_user_with_probes_on_its_port(chart: Chart) -> None:
     objects = render(chart)
     assert gateway_objects(objects) == [("Deployment", "rel-dpcoord-gateway"), ("Service", "rel-dpcoord-gateway")]
     deployment = only(objects, "Deployment", "gateway")
@@ -43,8 +43,9 @@ def test_the_gateway_runs_as_the_nats_client_user_with_probes_on_its_port(chart:
     assert main["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     env = env_of(deployment, objects)
     assert env["DPCOORD_GATEWAY_PORT"] == str(port)
-    assert env["DPCOORD_NATS_USER"] == {"secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "client-user"}}
-    assert env["DPCOORD_NATS_PASSWORD"] == {"secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "client-password"}}
+    assert env["DPCOORD_NATS_USER"] == {"secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "gateway-user"}}
+    assert env["DPCOORD_NATS_PASSWORD"] == {"secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "gateway-password"}}
+    assert env["DPCOORD_NATS_INBOX_PREFIX"] == "_INBOX_gateway"
     assert "DPCOORD_GATEWAY_API_KEY_FILE" not in env
     assert deployment["spec"]["replicas"] == 2
     service = only(objects, "Service", "gateway")
@@ -57,11 +58,11 @@ def test_the_gateway_runs_as_the_nats_client_user_with_probes_on_its_port(chart:
     assert f"port-forward svc/rel-dpcoord-gateway {port}" in notes and f"localhost:{port}/v1/completions" in notes
 
 
-def test_external_nats_gives_the_gateway_the_client_credentials(chart: Chart) -> None:
+def test_external_nats_gives_the_gateway_its_credentials(chart: Chart) -> None:
     values = {"nats": {"enabled": False}, "externalNats": {"url": "nats://n:4222", "credentialsSecret": "s", "auth": "creds"}}
     objects = render(chart, values)
     deployment = only(objects, "Deployment", "gateway")
-    assert env_of(deployment, objects)["DPCOORD_NATS_CREDS_FILE"] == "/etc/dpcoord/nats-credentials/client.creds"
+    assert env_of(deployment, objects)["DPCOORD_NATS_CREDS_FILE"] == "/etc/dpcoord/nats-credentials/gateway.creds"
     volumes = deployment["spec"]["template"]["spec"]["volumes"]
     assert {"name": "nats-credentials", "secret": {"secretName": "s", "defaultMode": 0o440}} in volumes
 
