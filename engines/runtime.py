@@ -65,6 +65,7 @@ class EngineRuntime:
         self.settings = settings
         self.backend = backend
         self.engine_id = settings.engine_id or f"e{uuid.uuid4().hex[:12]}"
+        self.served_model_name = settings.served_model_name or backend.default_model_name
         self.subjects = Subjects(settings.subject_prefix)
         self.paused = False
         self.epoch: int | None = None
@@ -141,7 +142,7 @@ class EngineRuntime:
 
     async def _register(self) -> None:
         message = encode_msgpack(
-            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused)
+            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused, self.served_model_name)
         )
         subject = self.subjects.sent_by(Header.REGISTER, self.engine_id)
         delay = 0.05
@@ -163,7 +164,10 @@ class EngineRuntime:
         self.epoch = ack.epoch
         self.registered.set()
         self._wake.set()
-        log.info("engine_id=%s registered with coordinator %s (state %s)", self.engine_id, ack.coordinator_id, ack.state)
+        log.info(
+            "engine_id=%s registered with coordinator %s (model %s, state %s)",
+            self.engine_id, ack.coordinator_id, self.served_model_name, ack.state,
+        )
 
     async def _heartbeat(self) -> None:
         """Beats only once registered: an early beat would make the coordinator adopt, then
@@ -173,7 +177,9 @@ class EngineRuntime:
 
     async def _heartbeat_once(self) -> None:
         if self._connected.is_set():
-            beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity, list(self._active), self._steps)
+            beat = Heartbeat(
+                self.engine_id, self.load, self.settings.engine_capacity, list(self._active), self.served_model_name, self._steps
+            )
             await self.nc.publish(self.subjects.sent_by(Header.HEARTBEAT, self.engine_id), encode_msgpack(beat))
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -211,7 +217,8 @@ class EngineRuntime:
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
             check_limits(submit, self.settings, self.backend.max_context)
-            self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit))
+            prompt = submit.prompt if submit.prompt is not None else self.backend.render_chat(submit.messages or ())
+            active.prompt_tokens = self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit, prompt))
         except Exception as exc:
             if isinstance(exc, WireError):
                 err = exc

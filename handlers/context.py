@@ -18,6 +18,7 @@ from service.protocol.messages import (
     ControlSignal,
     Heartbeat,
     RoutedReply,
+    ServedModel,
     SubmitEnvelope,
     SubmitRequest,
 )
@@ -49,6 +50,9 @@ class ClientContext(Replier, Protocol):
     def client_connected(self, incoming: Incoming) -> None:
         """Remember the owner of ``incoming``'s reply subject as a client that connected."""
 
+    def served_models(self) -> list[ServedModel]:
+        """The models this replica's engines serve, with their engines, capacity and load."""
+
     async def shut_down(self, incoming: Incoming) -> None:
         """Acknowledge ``incoming``, then stop; open requests get an error reply on the way out.
         Raises WireError 403 unless ``incoming``'s owner connected."""
@@ -75,9 +79,9 @@ class ControlContext(Replier, Protocol):
 class EngineContext(Replier, Protocol):
     """Engine ids reach these methods from the subject an engine sent on (see handlers/engine.py)."""
 
-    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int) -> None:
-        """Add an engine with zero load (an engine registering again had restarted) and answer
-        with the control state and epoch it must start in."""
+    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
+        """Add an engine with zero load, serving ``model`` (an engine registering again had
+        restarted), and answer with the control state and epoch it must start in."""
 
     async def engine_heartbeat(self, heartbeat: Heartbeat) -> None:
         """Refresh an engine's liveness; adopt an unknown one; reconcile what it no longer holds."""

@@ -33,12 +33,13 @@ def sender(incoming: Incoming, claimed: str) -> str:
 
 @message_handler(Header.REGISTER, fanout=True, per_sender=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
-    """Sent by an engine when it starts: its ``engine_id`` and ``capacity`` (msgpack).
+    """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
 
-    The engine joins with zero load; one registering again had restarted, so its old work is
-    lost. Answers a ``RegisterAck`` with the control state and epoch to start in; 400 for an id
-    that cannot be a subject token, 429 when the pool holds ``max_engines``."""
-    await coordinator.register_engine(incoming, sender(incoming, payload.engine_id), payload.capacity)
+    The engine joins with zero load, serving that model; one registering again had restarted,
+    so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start
+    in; 400 for an id that cannot be a subject token, 429 when the pool holds ``max_engines``."""
+    engine_id = sender(incoming, payload.engine_id)
+    await coordinator.register_engine(incoming, engine_id, payload.capacity, payload.served_model_name)
 
 
 @message_handler(Header.HEARTBEAT, fanout=True, per_sender=True)

@@ -3,19 +3,22 @@ waiting for an engine.
 
 Contract:
 - A submission is refused before it is accepted (400 bad reply subject, id too long, deadline
-  beyond ``max_request_timeout_s``; 403 a resubmission from another owner; 409 an anonymous
-  client's id already in flight, or a resubmission with another body; 429 queue full, by count
-  or bytes; 503 no engine), or accepted: then it holds a deadline (504 when it passes) and ends
-  with exactly one terminal reply (see the relay).
+  beyond ``max_request_timeout_s``; 403 a resubmission from another owner; 404 a model no engine
+  serves; 409 an anonymous client's id already in flight, or a resubmission with another body;
+  429 queue full, by count or bytes; 503 no engine), or accepted: then it holds a deadline (504
+  when it passes) and ends with exactly one terminal reply (see the relay).
 - Replies go only to inboxes: ``reply_to`` must be under an inbox prefix, and under the same one
   as the message's NATS reply subject when it has one. That prefix owns the request.
 - A named client's repeated ``(client_id, client_request_id)`` is answered, never run twice,
   when it comes from the same owner with the same body: a request in flight answers the new
   reply subject, a cached result is sent again.
-- Accepted requests are routed at once while the coordinator runs, an engine has room and no
-  one waits; otherwise they wait in the queue (:mod:`service.coordinator.fair_queue`), owners in
-  turn, until :meth:`Admission.release_queue`. A replica that has not yet heard the fleet (one
-  heartbeat timeout after it starts) queues rather than answering 503.
+- A submission naming a ``model`` goes only to engines serving it (service/coordinator/models.py);
+  one that names a model no engine serves is refused with 404.
+- Accepted requests are routed at once while the coordinator runs, an engine (serving their
+  model) has room and none of their model waits; otherwise they wait in the queue of their model
+  (owners in turn, :mod:`service.coordinator.fair_queue`) until :meth:`Admission.release_queue`.
+  A replica that has not yet heard the fleet (one heartbeat timeout after it starts) queues
+  rather than answering 503 or 404.
 - Request ids are random (:mod:`service.coordinator.request_ids`).
 """
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import msgspec
@@ -31,10 +34,10 @@ import msgspec
 from service.bus.registry import Incoming
 from service.coordinator.control_state import ControlState
 from service.coordinator.deliveries import ClientDeliveries
-from service.coordinator.fair_queue import FairQueue
+from service.coordinator.models import HeldRequests, ModelRoutes
 from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
-from service.coordinator.pool import EnginePool
+from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.request_ids import RequestIds
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
@@ -58,6 +61,7 @@ class Admission:
         subjects: Subjects,
         requests: RequestTable,
         pool: EnginePool,
+        models: ModelRoutes,
         peers: CoordinatorPeers,
         policy: RoutingPolicy,
         control: ControlState,
@@ -72,6 +76,7 @@ class Admission:
         self._subjects = subjects
         self._requests = requests
         self._pool = pool
+        self._models = models
         self._peers = peers
         self._policy = policy
         self._control = control
@@ -81,7 +86,7 @@ class Admission:
         self._counters = counters
         self._spawn = spawn
         self._inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
-        self._queue = FairQueue(requests)
+        self._queue = HeldRequests(requests)
         self._deadlines = CoarseTimers()
         self._ids = RequestIds(coordinator_id)
         self._max_id = settings.max_id_bytes
@@ -113,8 +118,10 @@ class Admission:
         running = self._control.state is CoordinatorState.RUNNING
         if running and len(self._pool) == 0 and self._peers.warmed_up:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
+        model = submit.model
         queue = self._queue
-        engine = self._policy.choose(self._pool.ordered) if running and not len(queue) else None
+        engines = self._pool.ordered if model is None else self._engines_serving(model)
+        engine = self._policy.choose(engines) if running and not queue.waiting(model) else None
         if engine is None:
             settings = self._settings
             if len(queue) >= settings.max_queued_requests:
@@ -124,7 +131,7 @@ class Admission:
 
         request_id = self._ids.new()
         return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(return_path, encoding, body, client_key, owner)
+        entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner)
         entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
         self._requests.add(entry)
         self._counters["submitted"] += 1
@@ -159,6 +166,19 @@ class Admission:
             if isinstance(value, str) and (len(value) > limit or utf8_length(value) > limit):
                 raise WireError(ErrorCode.MALFORMED, f"{name} is longer than max_id_bytes ({limit})")
 
+    def _engines_serving(self, model: str) -> Sequence[EngineRecord]:
+        """404 for a model no engine serves, unless this replica is still learning the fleet."""
+        engines = self._models.engines_for(model)
+        if engines is not None:
+            return engines
+        if not self._peers.warmed_up:
+            return ()
+        raise self._unknown_model(model)
+
+    def _unknown_model(self, model: str) -> WireError:
+        served = ", ".join(self._models.names()) or "none"
+        return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
+
     async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool, owner: str, body: bytes) -> bool:
         """Answer a repeated ``(client_id, client_request_id)``; False when it is new.
 
@@ -191,25 +211,29 @@ class Admission:
         self._queue.appendleft(entry)
 
     async def release_queue(self) -> None:
-        """Route queued requests while the coordinator runs and some engine has room: owners in
-        turn, passing over one that holds more than ``max_client_share`` of the fleet while others wait."""
-        queue = self._queue
+        """Route queued requests while the coordinator runs and some engine serving their model has
+        room: owners in turn, passing over one that holds more than ``max_client_share`` of the
+        fleet while others wait."""
         over_share = self._over_share()
-        while len(queue) and self._control.state is CoordinatorState.RUNNING:
-            entry = queue.peek(over_share)
-            if entry is None:
-                return
-            if len(self._pool) == 0:
-                if not self._peers.warmed_up:
-                    return  # heartbeats are about to introduce the fleet
+        for model, queue in self._queue.queues():
+            while self._control.state is CoordinatorState.RUNNING:
+                entry = queue.peek(over_share)
+                if entry is None:
+                    self._queue.discard(model)
+                    break
+                engines = self._pool.ordered if model is None else self._models.engines_for(model)
+                if not engines:
+                    if not self._peers.warmed_up:
+                        break  # heartbeats are about to introduce the fleet
+                    queue.pop(entry)
+                    err = WireError(ErrorCode.NO_ENGINE, "no engine available") if model is None else self._unknown_model(model)
+                    await self._relay.fail(entry.return_path.request_id, err)
+                    continue
+                engine = self._policy.choose(engines)
+                if engine is None:
+                    break
                 queue.pop(entry)
-                await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
-                continue
-            engine = self._policy.choose(self._pool.ordered)
-            if engine is None:
-                return
-            queue.pop(entry)
-            self._outbox.send(entry, engine)
+                self._outbox.send(entry, engine)
 
     def _over_share(self) -> Callable[[str], bool]:
         share = self._settings.max_client_share

@@ -27,6 +27,7 @@ class InflightRequest:
     encoding: Encoding
     body: bytes
     client_key: ClientKey | None
+    model: str | None = None  # routed only to engines serving it
     owner: str = ""  # the inbox prefix its replies go to: only that owner may resubmit or abort it
     engine_id: str | None = None
     streamed: bool = False
