@@ -108,7 +108,8 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     assert set(rules["engine"]["publish"]["allow"]) == {f"{subject}.*" for subject in subjects(FROM_ENGINES)}
     # Coordinators route to engines, broadcast, beat to each other and reply into inboxes only.
     assert set(rules["coordinator"]["publish"]["allow"]) == (
-        {"dpcoord.engine.*.*", "dpcoord.engines.*", "_INBOX.>"} | subjects(BETWEEN_COORDINATORS)
+        {"dpcoord.engine.*.*", "dpcoord.engines.*", "_INBOX.>", "_INBOX_coordinator.>", "_INBOX_engine.>", "_INBOX_gateway.>"}
+        | subjects(BETWEEN_COORDINATORS)
     )
     assert "deny" not in rules["coordinator"]["publish"]
     assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]

@@ -25,7 +25,7 @@ def rss_mib() -> float:
 
 async def flood(nc: NATS, subject: str, count: int, start: int) -> None:
     for i in range(start, start + count):
-        body = json.dumps({"prompt": "flood", "client_request_id": i, "reply_to": "flood.replies"}).encode()
+        body = json.dumps({"prompt": "flood", "client_request_id": i, "reply_to": "_INBOX.flood.replies"}).encode()
         await nc.publish(subject, body)
         if i % 5000 == 0:
             await nc.flush()

@@ -34,7 +34,7 @@ from service.bus.server import EmbeddedNatsServer
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
-from service.protocol.subjects import Header
+from service.protocol.subjects import ENGINE_HEADERS, Header
 from tests.conftest import make_settings
 from tests.helpers import REPO_ROOT, decode_reply
 
@@ -72,13 +72,14 @@ async def publish_garbage(nc: NATS, settings: Settings, engine_ids: list[str], c
     """Bytes no decoder accepts (0xc1 is never valid msgpack; '{' opens broken JSON)."""
     rng = random.Random(7)
     prefix = settings.subject_prefix
-    subjects = [f"{prefix}.{header}" for header in Header]
+    subjects = [f"{prefix}.{header}" for header in Header if header not in ENGINE_HEADERS]
+    subjects += [f"{prefix}.{header}.{engine_id}" for header in ENGINE_HEADERS for engine_id in engine_ids]
     subjects += [f"{prefix}.engine.{engine_id}.submit_request" for engine_id in engine_ids]
     subjects += [f"{prefix}.engines.{header}" for header in Header]
     for i in range(count):
         body = (b"\xc1" if i % 2 else b"{") + rng.randbytes(rng.randint(0, 200))
         try:
-            await nc.publish(rng.choice(subjects), body, reply=f"garbage.{i}")
+            await nc.publish(rng.choice(subjects), body, reply=f"_INBOX.garbage.{i}")
         except nats.errors.ConnectionClosedError:
             return
         if i % 20 == 0:
@@ -107,7 +108,7 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
             async def resubmit_outstanding() -> None:
                 """The public recovery contract: a named client repeats what it has no answer for."""
                 for index, body in list(outstanding.items()):
-                    await client.publish(submit_subject, body, reply=f"fault.replies.{index}")
+                    await client.publish(submit_subject, body, reply=f"_INBOX.fault.{index}")
 
             client = await nats.connect(settings.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
                                         reconnected_cb=resubmit_outstanding)
@@ -139,7 +140,7 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
                     outstanding.pop(index, None)
                     done[index].set()
 
-            await client.subscribe("fault.replies.>", cb=on_reply)
+            await client.subscribe("_INBOX.fault.>", cb=on_reply)
             slots = asyncio.Semaphore(IN_FLIGHT)
 
             async def submit(index: int) -> None:
@@ -151,7 +152,7 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
                     body = {"prompt": f"request {index}", "stream": streamed[index], "client_id": "raw-client",
                             "client_request_id": index, "sampling_params": {"max_tokens": 4 + index % 9}}
                     outstanding[index] = json.dumps(body).encode()
-                    await client.publish(submit_subject, outstanding[index], reply=f"fault.replies.{index}")
+                    await client.publish(submit_subject, outstanding[index], reply=f"_INBOX.fault.{index}")
                     try:
                         await asyncio.wait_for(done[index].wait(), settings.request_timeout_s + 15)
                     except TimeoutError:

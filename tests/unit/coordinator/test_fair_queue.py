@@ -12,7 +12,7 @@ from service.protocol.messages import ReturnPath
 
 def entry(table: RequestTable, request_id: str, owner: str, body: bytes = b"{}") -> InflightRequest:
     path = ReturnPath(request_id, "c1", f"{owner}.x", "json", False, None)
-    request = InflightRequest(path, Encoding.JSON, body, None, owner)
+    request = InflightRequest(path, Encoding.JSON, body, None, owner=owner)
     table.add(request)
     return request
 
