@@ -4,7 +4,9 @@ It registers with the coordinator, heartbeats its load, runs routed requests thr
 backend step by step, and sends one batched ``engine_reply_partial`` and one batched
 ``engine_reply`` per step. Replies are encoded for the client here, from the return path each
 request carries, so the coordinator only forwards bytes. Control signals are applied and
-confirmed; pause is a barrier: its confirmation waits for the step in progress.
+confirmed; pause is a barrier: its confirmation waits for the step in progress. Coordinator
+replicas broadcast independently, so a control signal carries the revision of the shared
+control state it wrote, and one older than the last applied is confirmed without effect.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ from service.protocol.errors import ErrorCode, WireError
 from service.ops.log_limit import RateLimitedLog
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.ops.settings import Settings
-from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
+from service.protocol.subjects import CONTROL_HEADERS, RESEND_REPLIES, Header, Subjects
 from service.protocol.codec import Encoding, PayloadDecoder, encode, encode_msgpack, msgpack_decoder
 from service.protocol.messages import (
-    ControlSignal,
     EngineAck,
     EngineDisconnect,
     EngineRegister,
     EngineReplyBatch,
+    EngineSignal,
     EpochSpan,
     Final,
     FinishReason,
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 
 _routed_decoder = msgpack_decoder(RoutedRequestBatch)
 _abort_decoder = msgpack_decoder(RoutedAbort)
-_control_decoder = msgpack_decoder(ControlSignal)
+_control_decoder = msgpack_decoder(EngineSignal)
 _register_ack_decoder = msgpack_decoder(RegisterAck)
 _submit_decoder = PayloadDecoder(SubmitRequest)
 _resend_decoder = msgpack_decoder(ResendReplies)
@@ -120,6 +122,7 @@ class EngineRuntime:
         self.subjects = Subjects(settings.subject_prefix)
         self.paused = False
         self.epoch: int | None = None
+        self.control_revision = 0  # of the shared control state, as last applied
         self.counters: Counter[str] = Counter()
         self.registered = asyncio.Event()
         self._malformed_log = RateLimitedLog(log)
@@ -134,7 +137,7 @@ class EngineRuntime:
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._nc: DirectClient | None = None
-        self._controls: dict[str, Callable[[ControlSignal], Awaitable[str]]] = {
+        self._controls: dict[str, Callable[[EngineSignal], Awaitable[str]]] = {
             Header.PAUSE: self._pause,
             Header.UNPAUSE: self._unpause,
             Header.SUSPEND: self._suspend,
@@ -217,6 +220,7 @@ class EngineRuntime:
                 delay = min(delay * 2, 2.0)
         self.paused = ack.state != "running"
         self.epoch = ack.epoch
+        self.control_revision = ack.revision
         self.registered.set()
         self._wake.set()
         log.info("engine_id=%s registered with coordinator %s (state %s)", self.engine_id, ack.coordinator_id, ack.state)
@@ -395,7 +399,7 @@ class EngineRuntime:
             return
         try:
             signal = _control_decoder.decode(msg.data)
-            ack = EngineAck(self.engine_id, header, True, await control(signal))
+            ack = EngineAck(self.engine_id, header, True, await self._apply_control(header, control, signal))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.counters["malformed"] += 1
             ack = EngineAck(self.engine_id, header, False, f"undecodable signal: {exc}")
@@ -407,27 +411,40 @@ class EngineRuntime:
         if header == Header.STOP and ack.ok:
             self.request_stop()
 
-    async def _pause(self, signal: ControlSignal) -> str:
+    async def _apply_control(
+        self, header: str, control: Callable[[EngineSignal], Awaitable[str]], signal: EngineSignal
+    ) -> str:
+        """Broadcasts are handled one at a time, in arrival order. A state signal with a
+        revision applies only when newer than the last applied, and brings its record's epoch."""
+        if signal.revision is not None and header in CONTROL_HEADERS:
+            if signal.revision <= self.control_revision:
+                self.counters["superseded_signals"] += 1
+                return f"superseded by revision {self.control_revision}"
+            self.control_revision = signal.revision
+            self.epoch = signal.epoch
+        return await control(signal)
+
+    async def _pause(self, signal: EngineSignal) -> str:
         async with self._step_lock:
             self.paused = True
         return ""
 
-    async def _unpause(self, signal: ControlSignal) -> str:
+    async def _unpause(self, signal: EngineSignal) -> str:
         self.paused = False
         self._wake.set()
         return ""
 
-    async def _suspend(self, signal: ControlSignal) -> str:
+    async def _suspend(self, signal: EngineSignal) -> str:
         async with self._step_lock:
             self.paused = True
             await self.backend.suspend()
         return ""
 
-    async def _resume(self, signal: ControlSignal) -> str:
+    async def _resume(self, signal: EngineSignal) -> str:
         await self.backend.resume()
         return ""
 
-    async def _stop_serving(self, signal: ControlSignal) -> str:
+    async def _stop_serving(self, signal: EngineSignal) -> str:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         async with self._step_lock:
@@ -435,12 +452,12 @@ class EngineRuntime:
             failed = await self._fail_all(WireError(ErrorCode.NO_ENGINE, f"engine {self.engine_id} stopped by control signal"))
         return f"{len(failed)} requests failed"
 
-    async def _set_epoch(self, signal: ControlSignal) -> str:
+    async def _set_epoch(self, signal: EngineSignal) -> str:
         self.epoch = signal.epoch
         return ""
 
-    async def _start_profiler(self, signal: ControlSignal) -> str:
+    async def _start_profiler(self, signal: EngineSignal) -> str:
         return self.backend.start_profiler()
 
-    async def _stop_profiler(self, signal: ControlSignal) -> str:
+    async def _stop_profiler(self, signal: EngineSignal) -> str:
         return self.backend.stop_profiler()

@@ -58,7 +58,10 @@ async def handle_abort_request(coordinator: Coordinator, sender: Sender, payload
 
 @message_handler(Header.SHUTDOWN)
 async def handle_shutdown(coordinator: Coordinator, sender: Sender, payload: Empty) -> bool:
-    """Acknowledge, then stop the coordinator; open requests get an error reply on the way out."""
-    await coordinator.reply(sender, Ack(Header.SHUTDOWN, state=coordinator.state))
+    """Sent by an admin: ``{}``. Stops every coordinator replica of the prefix (each answers its
+    open requests with an error on the way out); the ``ack`` says how many replicas there were."""
+    written, replicas = await coordinator.shutdown_all()
+    ack = Ack(Header.SHUTDOWN, state=written.record.state, revision=written.revision, replicas=replicas)
+    await coordinator.reply(sender, ack)
     await coordinator.nc.flush()
     return True

@@ -1,4 +1,9 @@
-"""Handlers for control and profiler signals, broadcast to every engine and acknowledged."""
+"""Handlers for control and profiler signals, broadcast to every engine and acknowledged.
+
+A control signal changes the control state that every coordinator replica of the prefix
+shares (service/coordinator/shared_state.py): validated against the transition table on the
+record read from the bucket and written with compare-and-set, so the replica that takes it
+decides for the whole fleet, and the others follow the record."""
 
 from __future__ import annotations
 
@@ -7,13 +12,13 @@ from typing import TYPE_CHECKING
 
 from handlers.registry import message_handler
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.state import CoordinatorState, decide
 from service.protocol.subjects import Header
-from service.protocol.messages import Ack, ControlSignal, error_reply
+from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
 
 if TYPE_CHECKING:
     from service.coordinator.broadcast import BroadcastResult
     from service.coordinator.coordinator import Coordinator, Sender
+    from service.coordinator.shared_state import Written
 
 log = logging.getLogger(__name__)
 
@@ -22,30 +27,32 @@ log = logging.getLogger(__name__)
     Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH
 )
 async def handle_control_signal(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
-    """Check the signal against the transition table, change state, broadcast, ack when confirmed."""
+    """Sent by an admin: ``{}``, or ``{"epoch": int}`` for set_generation_epoch. Changes the shared
+    state as the transition table allows (409 otherwise), broadcasts the signal to every engine
+    and answers ``ack`` with the state and revision written once every engine confirmed it; a
+    repeat that changes nothing is acked at once."""
     signal = Header(sender.header)
     if signal is Header.SET_GENERATION_EPOCH and payload.epoch is None:
         raise WireError(ErrorCode.MALFORMED, "set_generation_epoch needs an integer epoch")
-    decision = decide(coordinator.state, signal)
-    if not decision.changes:
-        await coordinator.reply(sender, Ack(signal, state=coordinator.state))
+    written = await coordinator.shared.apply_signal(signal, payload.epoch)
+    if not written.changed:
+        await coordinator.reply(sender, Ack(signal, state=written.record.state, revision=written.revision))
         return
-    coordinator.state = decision.new_state
-    if signal is Header.SET_GENERATION_EPOCH:
-        coordinator.epoch = payload.epoch
-    log.info("control %s: state %s", signal, coordinator.state)
-    coordinator.spawn(_broadcast_and_ack(coordinator, sender, signal, payload, decision.new_state))
+    log.info("control %s: state %s, revision %d", signal, written.record.state, written.revision)
+    coordinator.spawn(_broadcast_and_ack(coordinator, sender, signal, written))
 
 
-async def _broadcast_and_ack(
-    coordinator: Coordinator, sender: Sender, signal: Header, payload: ControlSignal, new_state: CoordinatorState
-) -> None:
-    result = await coordinator.broadcast(signal, payload)
+async def _broadcast_and_ack(coordinator: Coordinator, sender: Sender, signal: Header, written: Written) -> None:
+    result = await coordinator.broadcast(signal, coordinator.state_signal(written))
     if signal is Header.STOP:
-        await coordinator.finish_stop()
-    elif signal is Header.UNPAUSE:
-        await coordinator.dispatch_held()
-    await _answer(coordinator, sender, signal, result, Ack(signal, state=new_state, epoch=payload.epoch))
+        try:
+            await coordinator.finish_stop()
+        except WireError as err:
+            await coordinator.reply(sender, error_reply(err))
+            return
+    epoch = written.record.epoch if signal is Header.SET_GENERATION_EPOCH else None
+    ack = Ack(signal, state=written.record.state, epoch=epoch, revision=written.revision)
+    await _answer(coordinator, sender, signal, result, ack)
 
 
 @message_handler(Header.START_CUDA_PROFILER, Header.STOP_CUDA_PROFILER)
@@ -54,7 +61,7 @@ async def handle_cuda_profiler_signal(coordinator: Coordinator, sender: Sender, 
     signal = Header(sender.header)
 
     async def broadcast_and_ack() -> None:
-        result = await coordinator.broadcast(signal, payload)
+        result = await coordinator.broadcast(signal, EngineSignal(payload.epoch))
         details = {engine_id: ack.detail for engine_id, ack in result.acks.items()}
         await _answer(coordinator, sender, signal, result, Ack(signal, state=coordinator.state, engines=details))
 

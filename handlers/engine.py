@@ -29,7 +29,7 @@ async def handle_register(coordinator: Coordinator, sender: Sender, payload: Eng
         await coordinator.remove_engine(payload.engine_id, "registered again")
     coordinator.add_engine(payload.engine_id, payload.capacity)
     if sender.reply:
-        ack = RegisterAck(coordinator.id, coordinator.state, coordinator.epoch)
+        ack = RegisterAck(coordinator.id, coordinator.state, coordinator.epoch, coordinator.shared.revision)
         await coordinator.nc.publish(sender.reply, encode_msgpack(ack))
     await coordinator.dispatch_held()
 
@@ -73,5 +73,11 @@ async def handle_disconnect(coordinator: Coordinator, sender: Sender, payload: E
 
 @message_handler(Header.COORDINATOR_HEARTBEAT)
 async def handle_coordinator_heartbeat(coordinator: Coordinator, sender: Sender, payload: CoordinatorHeartbeat) -> None:
-    """Track live replicas, so replies of a dead one are delivered by exactly one survivor."""
+    """Sent by every replica each ``heartbeat_interval_s``: tracks live replicas, so replies of a
+    dead one are delivered by exactly one survivor. With a reply subject it is a replica without
+    JetStream asking, before it subscribes, whether another serves the prefix: answered with
+    this replica's heartbeat, and not counted as a heartbeat of the asker."""
+    if sender.reply:
+        await coordinator.reply(sender, CoordinatorHeartbeat(coordinator.id))
+        return
     coordinator.peers.saw(payload.coordinator_id)

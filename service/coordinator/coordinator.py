@@ -38,14 +38,16 @@ from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
+from service.coordinator.shared_state import SharedControlState, Written
 from service.ops.settings import Settings
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import FANOUT_HEADERS, RESEND_REPLIES, Header, Subjects
 from service.coordinator.timers import CoarseTimers
 from service.protocol.codec import Encoding, detect_encoding, encode, encode_msgpack, msgpack_decoder, return_hints
 from service.protocol.messages import (
-    ControlSignal,
+    ControlRecord,
     CoordinatorHeartbeat,
+    EngineSignal,
     Final,
     ReturnPath,
     RoutedAbort,
@@ -100,6 +102,7 @@ class Coordinator:
         self.requests = RequestTable()
         self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
+        self.shared = SharedControlState(settings.subject_prefix, self.id, settings.control_timeout_s, self._on_control_change)
         self.counters: Counter[str] = Counter()
         self.latency = RequestLatency()
         self.engines_changed = asyncio.Event()
@@ -119,6 +122,9 @@ class Coordinator:
         self._refusal_log = RateLimitedLog(log)
         self._deliveries: ClientDeliveries | None = None
         self._orphans: list[tuple[RoutedReply, bool]] = []
+        self._finishing_stop = False
+        self._stopping_since = 0.0
+        self.failure: str | None = None  # why this replica stopped itself, if it did
 
     # ------------------------------------------------------------ lifecycle
 
@@ -140,6 +146,12 @@ class Coordinator:
             on_disconnect=self._on_bus_down, on_reconnect=self._on_bus_back,
         )
         self._deliveries = ClientDeliveries(self._nc)
+        try:
+            await self.shared.open(self._nc)
+        except BaseException:
+            await close_nats(self._nc)
+            raise
+        self.state, self.epoch = self.shared.record.state, self.shared.record.epoch
         if self.nc.max_payload < self._max_body:
             self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
@@ -170,6 +182,7 @@ class Coordinator:
         self._stopped = True
         self._stop_requested.set()
         self.state = CoordinatorState.STOPPING
+        await self.shared.close()
         for sub in self._subscriptions:
             await sub.unsubscribe()
         for entry in self.requests:
@@ -564,6 +577,7 @@ class Coordinator:
                 continue
             for record in self.engines.silent_since(time.monotonic() - timeout):
                 await self.remove_engine(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False)
+            self._check_replicas()
 
     async def _heartbeat(self) -> None:
         subject = self.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
@@ -577,6 +591,7 @@ class Coordinator:
         self.deliveries.hold()
 
     def _on_bus_back(self) -> None:
+        self.shared.reconnected()
         now = time.monotonic()
         for record in self.engines:
             record.last_seen = now
@@ -632,14 +647,95 @@ class Coordinator:
 
     # ------------------------------------------------------------ control
 
-    async def broadcast(self, signal: Header, payload: ControlSignal) -> BroadcastResult:
+    async def broadcast(self, signal: Header, payload: EngineSignal) -> BroadcastResult:
         expected = {record.engine_id for record in self.engines}
         return await broadcast(
             self.nc, self.subjects.broadcast(signal), encode_msgpack(payload), expected, self.settings.control_timeout_s
         )
 
-    async def finish_stop(self) -> None:
+    def state_signal(self, written: Written) -> EngineSignal:
+        """The broadcast of a state change: its epoch, and its revision when replicas share it."""
+        return EngineSignal(written.record.epoch, written.revision if self.shared.shared else None)
+
+    def _on_control_change(self, previous: ControlRecord, current: ControlRecord) -> None:
+        """Follow the shared control state, whichever replica changed it (service/coordinator/shared_state.py)."""
+        if self._stopped:
+            return
+        self.state, self.epoch = current.state, current.epoch
+        if current.state is CoordinatorState.STOPPING and previous.state is not CoordinatorState.STOPPING:
+            self._stopping_since = time.monotonic()
+        if current.shutdown > previous.shutdown:
+            log.info("shutdown signalled through coordinator %s", current.coordinator_id)
+            self.request_stop()
+            return
+        stop_over = previous.state is CoordinatorState.STOPPING and current.state is not CoordinatorState.STOPPING
+        if stop_over or current.state is CoordinatorState.RUNNING:
+            self.spawn(self._settle_control_change(stop_over))
+
+    async def _settle_control_change(self, stop_over: bool) -> None:
+        if stop_over:
+            await self._forget_engines()
+        await self.dispatch_held()
+
+    async def _forget_engines(self) -> None:
         """After ``stop`` every engine is gone: forget them and serve new ones."""
         for record in list(self.engines):
             await self.remove_engine(record.engine_id, "stopped")
-        self.state = CoordinatorState.RUNNING
+
+    async def finish_stop(self) -> None:
+        """Every engine confirmed ``stop`` (or had its chance): return to running, ready for new engines."""
+
+        def stopped(current: ControlRecord) -> ControlRecord | None:
+            if current.state is not CoordinatorState.STOPPING:
+                return None
+            return msgspec.structs.replace(
+                current, state=CoordinatorState.RUNNING, signal="stop_done", coordinator_id=self.id
+            )
+
+        await self.shared.change(stopped)
+        await self._forget_engines()
+
+    async def shutdown_all(self) -> tuple[Written, int]:
+        """Raise the shutdown count, which stops every replica of the prefix (this one too);
+        returns what was written and how many replicas were alive, this one included."""
+
+        def shutdown(current: ControlRecord) -> ControlRecord:
+            return msgspec.structs.replace(
+                current, shutdown=current.shutdown + 1, signal=Header.SHUTDOWN.value, coordinator_id=self.id
+            )
+
+        replicas = 1 + len(self.peers.live())
+        return await self.shared.change(shutdown), replicas
+
+    def _check_replicas(self) -> None:
+        """Finish a stop whose replica died before it could, and keep replicas without shared state apart."""
+        if not self.peers.warmed_up:
+            return
+        record = self.shared.record
+        if (
+            record.state is CoordinatorState.STOPPING and not self._finishing_stop
+            and time.monotonic() - self._stopping_since > 2 * self.settings.control_timeout_s
+            and self.peers.should_adopt(record.coordinator_id)
+        ):
+            self._finishing_stop = True
+            self.spawn(self._adopt_stop(self.shared.revision))
+        others = self.peers.live()
+        if not self.shared.shared and others and self.id > min(others):
+            # Replicas that started together both found nobody there: the one with the higher id leaves.
+            self.failure = (
+                f"coordinator {min(others)} also serves prefix {self.subjects.prefix} and NATS has no JetStream to "
+                f"share control state with it, so this one ({self.id}) stops; run one coordinator, or enable JetStream"
+            )
+            log.error("%s", self.failure)
+            self.request_stop()
+
+    async def _adopt_stop(self, revision: int) -> None:
+        """Stop the engines again for the replica that wrote ``stopping`` and died, then finish."""
+        try:
+            log.warning("finishing the stop coordinator %s began", self.shared.record.coordinator_id)
+            await self.broadcast(Header.STOP, EngineSignal(self.epoch, revision))
+            await self.finish_stop()
+        except WireError as err:
+            log.warning("could not finish the stop: %s", err.message)
+        finally:
+            self._finishing_stop = False
