@@ -1,83 +1,38 @@
-"""Handlers for control and profiler signals, broadcast to every engine and acknowledged.
-
-A control signal changes the control state that every coordinator replica of the prefix
-shares (service/coordinator/shared_state.py): validated against the transition table on the
-record read from the bucket and written with compare-and-set, so the replica that takes it
-decides for the whole fleet, and the others follow the record."""
+"""Handlers for control and profiler signals, broadcast to every engine and acknowledged."""
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
+from handlers.context import ControlContext
 from handlers.registry import message_handler
+from service.bus.registry import Incoming
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.subjects import Header
-from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
-
-if TYPE_CHECKING:
-    from service.coordinator.broadcast import BroadcastResult
-    from service.coordinator.coordinator import Coordinator, Sender
-    from service.coordinator.shared_state import Written
-
-log = logging.getLogger(__name__)
+from service.protocol.messages import Ack, ControlSignal
+from service.protocol.subjects import CONTROL_HEADERS, PROFILER_HEADERS, Header
 
 
-@message_handler(
-    Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH
-)
-async def handle_control_signal(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
-    """Sent by an admin: ``{}``, or ``{"epoch": int}`` for set_generation_epoch. Changes the shared
-    state as the transition table allows (409 otherwise), broadcasts the signal to every engine
-    and answers ``ack`` with the state and revision written once every engine confirmed it; a
-    repeat that changes nothing is acked at once."""
-    signal = Header(sender.header)
+@message_handler(*CONTROL_HEADERS)
+async def handle_control_signal(coordinator: ControlContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Sent by an admin client: pause, unpause, suspend, resume, stop, or set_generation_epoch
+    (whose ``ControlSignal`` carries the ``epoch``; the others may be empty).
+
+    Checked against the transition table on the control state every replica shares (409 when
+    it forbids the signal; a repeat that changes nothing is acknowledged at once), written
+    there, broadcast to every engine, and answered with an ``Ack`` carrying the new state and
+    its revision once every engine confirmed, or an error naming the engines that did not."""
+    signal = Header(incoming.header)
     if signal is Header.SET_GENERATION_EPOCH and payload.epoch is None:
         raise WireError(ErrorCode.MALFORMED, "set_generation_epoch needs an integer epoch")
-    written = await coordinator.shared.apply_signal(signal, payload.epoch)
+    written = await coordinator.apply_control(signal, payload)
     if not written.changed:
-        await coordinator.reply(sender, Ack(signal, state=written.record.state, revision=written.revision))
+        await coordinator.reply(incoming, Ack(signal, state=written.record.state, revision=written.revision))
         return
-    log.info("control %s: state %s, revision %d", signal, written.record.state, written.revision)
-    coordinator.spawn(_broadcast_and_ack(coordinator, sender, signal, written))
+    coordinator.spawn(coordinator.control_engines(incoming, signal, payload, written))
 
 
-async def _broadcast_and_ack(coordinator: Coordinator, sender: Sender, signal: Header, written: Written) -> None:
-    result = await coordinator.broadcast(signal, coordinator.state_signal(written))
-    if signal is Header.STOP:
-        try:
-            await coordinator.finish_stop()
-        except WireError as err:
-            await coordinator.reply(sender, error_reply(err))
-            return
-    epoch = written.record.epoch if signal is Header.SET_GENERATION_EPOCH else None
-    ack = Ack(signal, state=written.record.state, epoch=epoch, revision=written.revision)
-    await _answer(coordinator, sender, signal, result, ack)
+@message_handler(*PROFILER_HEADERS)
+async def handle_cuda_profiler_signal(coordinator: ControlContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Sent by an admin client: start_cuda_profiler or stop_cuda_profiler, empty body.
 
-
-@message_handler(Header.START_CUDA_PROFILER, Header.STOP_CUDA_PROFILER)
-async def handle_cuda_profiler_signal(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
-    """Forward to every engine; not a state transition, so allowed in any state."""
-    signal = Header(sender.header)
-
-    async def broadcast_and_ack() -> None:
-        result = await coordinator.broadcast(signal, EngineSignal(payload.epoch))
-        details = {engine_id: ack.detail for engine_id, ack in result.acks.items()}
-        await _answer(coordinator, sender, signal, result, Ack(signal, state=coordinator.state, engines=details))
-
-    coordinator.spawn(broadcast_and_ack())
-
-
-async def _answer(coordinator: Coordinator, sender: Sender, signal: Header, result: BroadcastResult, ack: Ack) -> None:
-    if result.missing:
-        names = ", ".join(sorted(result.missing))
-        err = WireError(ErrorCode.TIMED_OUT, f"{signal}: no confirmation from engines {names} (state change stands)")
-    elif result.failed:
-        names = ", ".join(f"{engine_id}: {detail}" for engine_id, detail in sorted(result.failed.items()))
-        err = WireError(ErrorCode.INTERNAL, f"{signal} failed on engines {names}")
-    else:
-        await coordinator.reply(sender, ack)
-        return
-    coordinator.counters[f"error_{err.code}"] += 1
-    log.warning("%s", err.message)
-    await coordinator.reply(sender, error_reply(err))
+    Not a state transition, so allowed in any state. Broadcast to every engine; the ``Ack``
+    lists each engine's detail (a trace path on CPU engines)."""
+    coordinator.spawn(coordinator.control_engines(incoming, Header(incoming.header), payload, None))

@@ -19,7 +19,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from service.coordinator.shared_state import bucket_name
 from service.ops.settings import Settings
-from service.protocol.messages import ControlRecord
+from service.protocol.state import ControlRecord
 from service.protocol.subjects import Subjects
 
 ROOT = Path(__file__).resolve().parent.parent

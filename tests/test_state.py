@@ -71,6 +71,7 @@ async def test_table_live(
     state: CoordinatorState, signal: Header, coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     [engine] = await start_engines(1)
+    # Put the fleet straight into the state under test, as another replica's signal would.
     await coordinator.shared.change(lambda current: msgspec.structs.replace(current, state=state))
     assert coordinator.state is state
     reply = await request_json(nc, coordinator.subjects.coordinator(signal), {"epoch": 3})

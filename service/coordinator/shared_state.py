@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -54,8 +53,8 @@ from nats.js.kv import KeyValue
 
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import ControlRecord, CoordinatorHeartbeat
-from service.protocol.state import decide
+from service.protocol.messages import CoordinatorHeartbeat
+from service.protocol.state import ControlRecord, Written, decide
 from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
@@ -83,15 +82,6 @@ def bucket_name(prefix: str) -> str:
     """``dpcoord`` -> ``dpcoord_control``; ``a.b`` -> ``a_b_control``. The key is the prefix
     itself, so prefixes that map to one bucket still have records of their own."""
     return f"{prefix.replace('.', '_')}_control"
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    """What ``change`` left in the bucket: the record, its revision, and whether this call wrote it."""
-
-    record: ControlRecord
-    revision: int
-    changed: bool
 
 
 class SharedControlState:

@@ -13,7 +13,6 @@ import msgspec
 from msgspec import Meta, Struct
 
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.state import CoordinatorState
 
 ClientRequestId = str | int
 FinishReason = Literal["length", "stop", "abort"]
@@ -82,26 +81,6 @@ class Empty(Struct):
     pass
 
 
-# ---------------------------------------------------------------- shared by coordinator replicas
-
-
-class ControlRecord(Struct, kw_only=True):
-    """The control state of one subject prefix, shared by every coordinator replica: the value
-    of key ``<prefix>`` in the JetStream key-value bucket ``<prefix>_control`` (dots of the
-    prefix become ``_``), written with compare-and-set on the key's revision. Encoded in JSON,
-    so ``nats kv get`` shows it.
-
-    ``shutdown`` counts shutdown signals: a replica exits when it rises above the value it read
-    at start. ``signal`` and ``coordinator_id`` say what wrote the record and which replica.
-    """
-
-    state: CoordinatorState = CoordinatorState.RUNNING
-    epoch: int | None = None
-    shutdown: int = 0
-    signal: str = ""
-    coordinator_id: str = ""
-
-
 # ---------------------------------------------------------------- to clients
 
 
@@ -143,7 +122,8 @@ class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
 
 class Ack(Struct, tag="ack", tag_field="type", omit_defaults=True):
     """``revision`` is the control-state revision a control signal wrote or found (see
-    :class:`ControlRecord`); ``replicas`` is how many coordinator replicas a shutdown stops."""
+    :class:`service.protocol.state.ControlRecord`); ``replicas`` is how many coordinator
+    replicas a shutdown stops."""
 
     signal: str
     state: str | None = None
