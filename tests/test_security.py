@@ -369,6 +369,7 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
         ("dpcoord.engine.e1.submit_request", False),
         ("$SYS.REQ.SERVER.PING", False),
         ("$JS.API.STREAM.DELETE.x", False),
+        ("$KV.dpcoord_control.dpcoord", False),  # the shared control state
         ("a.*.b", False),
         ("a.>", False),
         ("a..b", False),
