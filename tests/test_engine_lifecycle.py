@@ -99,8 +99,8 @@ async def test_replies_for_unknown_requests_and_engines_are_dropped(
     await start_engines(1)
     stray_inbox = nc.new_inbox()
     stray = await nc.subscribe(stray_inbox)
-    route = ReturnPath("nobody-1", coordinator.id, stray_inbox, "json", False, None)
-    batch = EngineReplyBatch("ghost-engine", [RoutedReply(route, b'{"type":"final"}')])
+    return_path = ReturnPath("nobody-1", coordinator.id, stray_inbox, "json", False, None)
+    batch = EngineReplyBatch("ghost-engine", [RoutedReply(return_path, b'{"type":"final"}')])
     await nc.publish(subject(coordinator, "engine_reply"), encode_msgpack(batch))
     await nc.publish(subject(coordinator, "engine_reply_partial"), encode_msgpack(batch))
     assert (await request_json(nc, subject(coordinator, "submit_request"), {"prompt": "still fine"}))["type"] == "final"

@@ -340,9 +340,9 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
             await flush_subscriptions(engine)
             replies = []
             for request_id, reply_to in (("gone-0", subjects.broadcast("stop")), ("gone-1", "_INBOX_engine.observed")):
-                route = ReturnPath(request_id, "gone", reply_to, "msgpack", False, None)
+                return_path = ReturnPath(request_id, "gone", reply_to, "msgpack", False, None)
                 final = Final(request_id, None, "rogue", [1], "x", "length")
-                replies.append(RoutedReply(route, msgspec.msgpack.encode(final), 0))
+                replies.append(RoutedReply(return_path, msgspec.msgpack.encode(final), 0))
             batch = EngineReplyBatch("rogue", replies)
             await engine.publish(subjects.coordinator("engine_reply"), msgspec.msgpack.encode(batch))
             # Delivered once the coordinator has heard its peers (a heartbeat timeout), in order.

@@ -185,7 +185,7 @@ class Coordinator:
         for sub in self._subscriptions:
             await sub.unsubscribe()
         for entry in self.requests:
-            await self._relay.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down"))
+            await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down"))
         for task in list(self._tasks):
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
@@ -263,7 +263,7 @@ class Coordinator:
         if entry is None:
             raise WireError(ErrorCode.NOT_FOUND, f"no request in flight with {wanted}")
         await self._relay.abort(entry)
-        return entry.route.request_id
+        return entry.return_path.request_id
 
     async def shut_down(self, incoming: Incoming) -> None:
         written, replicas = await self._control.shut_down_all()

@@ -7,12 +7,12 @@ only, so their field names are not part of the wire contract.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-from service.protocol.errors import ErrorCode, WireError
+from service.protocol.errors import WireError
 
 ClientRequestId = str | int
 FinishReason = Literal["length", "stop", "abort"]
@@ -214,7 +214,7 @@ class ReturnPath(Struct, array_like=True, gc=False):
 class RoutedRequest(Struct, array_like=True, gc=False):
     """A client's submission as routed to one engine: its return path plus the untouched body."""
 
-    route: ReturnPath
+    return_path: ReturnPath
     body: bytes
 
 
@@ -229,14 +229,14 @@ class RoutedAbort(Struct):
 
 
 class RoutedReply(Struct, array_like=True, gc=False):
-    """One reply, already encoded for its client, with the route to deliver it.
+    """One reply, already encoded for its client, with the return path to deliver it.
 
     ``seq`` orders a stream across the two engine subjects: a partial's index, or for a final
     the number of partials sent before it, so the coordinator never delivers a final ahead of
     a partial still in flight on the other subject.
     """
 
-    route: ReturnPath
+    return_path: ReturnPath
     body: bytes
     seq: int = 0
 
