@@ -25,8 +25,9 @@ Contract:
   ``open``, its own writes and other replicas' alike, in revision order and at most once per
   revision. Revisions written while this replica was cut off from NATS are skipped: it learns
   the latest, with ``previous`` the last one it knew.
-- ``reconnected()`` re-reads and re-watches after a NATS reconnect (the server may have
-  restarted and lost the watch); ``close()`` stops watching and is safe to call twice.
+- ``reconnected()`` watches anew after a NATS reconnect (the server may have restarted and
+  lost the watch; a new watch delivers the latest record first); ``close()`` stops watching
+  and is safe to call twice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -42,6 +44,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
 from nats.js.errors import (
     BucketNotFoundError,
     KeyNotFoundError,
@@ -66,8 +69,13 @@ MAX_WRITE_ATTEMPTS = 32
 HISTORY = 64
 # How long a replica without JetStream waits for another replica to answer its question.
 PRESENCE_TIMEOUT_S = 1.0
-# JetStream's error code for "replicas > 1 not supported in non-clustered mode".
+# How long a starting replica waits for JetStream that answers "temporarily unavailable"
+# (a cluster electing its leader) before it gives up, so its pod is restarted.
+JETSTREAM_WAIT_S = 30.0
+# JetStream's error codes for "replicas > 1 not supported in non-clustered mode", and for
+# "JetStream not enabled" (for the server, for this account).
 _NOT_CLUSTERED = 10074
+_NO_JETSTREAM = frozenset({10076, 10039})
 
 ChangeListener = Callable[[ControlRecord, ControlRecord], None]
 _record_decoder = msgspec.json.Decoder(ControlRecord)
@@ -105,24 +113,14 @@ class SharedControlState:
     # ------------------------------------------------------------ lifecycle
 
     async def open(self, nc: NATS) -> None:
-        js = nc.jetstream(timeout=self._timeout_s)
-        try:
-            try:
-                kv = await js.key_value(self.bucket)
-            except BucketNotFoundError:
-                kv = await self._create_bucket(nc)
-        except ServiceUnavailableError:
+        kv = await self._open_bucket(nc.jetstream(timeout=self._timeout_s))
+        if kv is None:
             await self._refuse_if_not_alone(nc)
             log.warning(
                 "NATS has no JetStream: this coordinator keeps its control state to itself, so it must be the "
                 "only replica on prefix %s (start nats-server with -js to run several)", self.key,
             )
             return
-        except NatsTimeoutError as exc:
-            raise RuntimeError(
-                f"JetStream did not answer within {self._timeout_s:g} s: may this NATS user publish to $JS.API "
-                f"for bucket {self.bucket}? (docs/security.md)"
-            ) from exc
         self._kv = kv
         record, revision = await self._read(kv)
         self.record, self.revision = record, revision
@@ -143,8 +141,32 @@ class SharedControlState:
         self._follower.cancel()
         self._follower = asyncio.ensure_future(self._follow(self._kv))
 
-    async def _create_bucket(self, nc: NATS) -> KeyValue:
-        js = nc.jetstream(timeout=self._timeout_s)
+    async def _open_bucket(self, js: JetStreamContext) -> KeyValue | None:
+        """The bucket, created on first use; None when this NATS (or account) has no JetStream.
+        While JetStream answers "temporarily unavailable", ask again."""
+        deadline = time.monotonic() + JETSTREAM_WAIT_S
+        delay = 0.1
+        while True:
+            try:
+                try:
+                    return await js.key_value(self.bucket)
+                except BucketNotFoundError:
+                    return await self._create_bucket(js)
+            except ServiceUnavailableError as exc:
+                if exc.code is None or exc.err_code in _NO_JETSTREAM:  # no responders, or not enabled
+                    return None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"JetStream unavailable for {JETSTREAM_WAIT_S:g} s: {exc.description}") from exc
+                log.warning("JetStream not ready (%s); asking again", exc.description)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            except NatsTimeoutError as exc:
+                raise RuntimeError(
+                    f"JetStream did not answer within {self._timeout_s:g} s: may this NATS user publish to $JS.API "
+                    f"for bucket {self.bucket}? (docs/security.md)"
+                ) from exc
+
+    async def _create_bucket(self, js: JetStreamContext) -> KeyValue:
         config = KeyValueConfig(
             bucket=self.bucket, history=HISTORY, storage=StorageType.FILE, replicas=3,
             description=f"dpcoord control state of subject prefix {self.key}",
@@ -271,6 +293,8 @@ class SharedControlState:
                         log.error("control record at revision %d is unreadable, ignored: %s", entry.revision, exc)
             except (NatsError, WireError, OSError) as exc:
                 log.warning("watching control state %s/%s: %s; trying again", self.bucket, self.key, exc)
+            except Exception:
+                log.exception("following control state %s/%s failed; trying again", self.bucket, self.key)
             finally:
                 if watcher is not None:
                     with contextlib.suppress(NatsError, OSError):
