@@ -20,7 +20,16 @@ from service.bus.batches import ITEM_OVERHEAD, fits_alone, split_batches
 from service.bus.direct import DirectClient
 from service.protocol.codec import Encoding, encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import EngineReplyBatch, EpochSpan, Final, FinishReason, Partial, ReturnPath, RoutedReply, error_reply
+from service.protocol.messages import (
+    EngineReplyBatch,
+    EpochSpan,
+    Final,
+    FinishReason,
+    Partial,
+    ReturnPath,
+    RoutedReply,
+    error_reply,
+)
 from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,14 @@ from typing import Any, Protocol
 from msgspec import Struct
 
 from service.bus.registry import Incoming
-from service.protocol.messages import ClientRequestId, ControlSignal, Heartbeat, RoutedReply, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import (
+    ClientRequestId,
+    ControlSignal,
+    Heartbeat,
+    RoutedReply,
+    SubmitEnvelope,
+    SubmitRequest,
+)
 from service.protocol.state import CoordinatorState, Written
 from service.protocol.subjects import Header
 
@@ -57,7 +64,7 @@ class ControlContext(Replier, Protocol):
         with what was ``written`` (None for profiler signals) once every engine confirmed (or
         with the engines that did not)."""
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background, so a handler never blocks on engine acknowledgements."""
 
 

@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -21,8 +20,8 @@ from service.coordinator.shared_state import bucket_name
 from service.ops.settings import Settings
 from service.protocol.state import ControlRecord
 from service.protocol.subjects import Subjects
+from tests.helpers import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 Status = dict[str, Any]
 
 
@@ -54,7 +53,7 @@ class ReplicaSet:
 
     async def spawn(self, coordinator_id: str) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "service", "coordinator", env=replica_env(self.settings, coordinator_id), cwd=ROOT,
+            sys.executable, "-m", "service", "coordinator", env=replica_env(self.settings, coordinator_id), cwd=REPO_ROOT,
             stderr=asyncio.subprocess.PIPE,
         )
         self.processes[coordinator_id] = process
@@ -103,9 +102,11 @@ class ReplicaSet:
         """Poll every live replica's status until ``condition`` holds of them all."""
 
         async def holds() -> dict[str, Status]:
-            while not condition(statuses := await self.statuses()):
+            while True:  # remote state: nothing to wait on but the next answer
+                statuses = await self.statuses()
+                if condition(statuses):
+                    return statuses
                 await asyncio.sleep(0.02)
-            return statuses
 
         return await asyncio.wait_for(holds(), timeout_s)
 

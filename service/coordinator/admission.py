@@ -58,7 +58,7 @@ class Admission:
         relay: ReplyRelay,
         deliveries: ClientDeliveries,
         counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
         self._id = coordinator_id
         self._settings = settings

@@ -97,7 +97,7 @@ class Coordinator:
             self.counters, self.reply, self.spawn, self.request_stop,
         )
         self._subscriptions: list[Subscription | DirectSubscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._max_body = settings.max_payload_bytes
@@ -155,6 +155,7 @@ class Coordinator:
         for header, spec in self._handlers.items():
             queue = "" if spec.fanout else self.settings.queue_group
             subject = self.subjects.coordinator(header)
+            subscription: Subscription | DirectSubscription
             if spec.direct:
                 subscription = await self.nc.subscribe_direct(subject, functools.partial(self._dispatch, spec), queue=queue)
             else:
@@ -199,7 +200,7 @@ class Coordinator:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

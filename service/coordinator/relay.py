@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from service.bus.direct import DirectClient
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
@@ -31,7 +32,6 @@ from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.messages import Final, ReturnPath, RoutedAbort, RoutedReply, error_reply
 from service.protocol.subjects import Header, Subjects
-from service.bus.direct import DirectClient
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ReplyRelay:
         results: ResultCache,
         deliveries: ClientDeliveries,
         counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
         self._id = coordinator_id
         self._nc = nc

@@ -221,11 +221,11 @@ class SharedControlState:
             written = edit(self.record)
             if written is None:
                 return Written(self.record, self.revision, changed=False)
-            self._learn(written, self.revision + 1)
+            self.learn(written, self.revision + 1)
             return Written(written, self.revision, changed=True)
         for _ in range(MAX_WRITE_ATTEMPTS):
             current, revision = await self._read(kv)
-            self._learn(current, revision)
+            self.learn(current, revision)
             written = edit(current)
             if written is None:
                 return Written(current, revision, changed=False)
@@ -235,7 +235,7 @@ class SharedControlState:
                 continue
             except NatsError as exc:
                 raise _unavailable(exc) from exc
-            self._learn(written, new_revision)
+            self.learn(written, new_revision)
             return Written(written, new_revision, changed=True)
         raise WireError(
             ErrorCode.CONFLICT,
@@ -266,7 +266,9 @@ class SharedControlState:
                     "put a valid one with `nats kv put` or delete the key",
                 ) from exc
 
-    def _learn(self, record: ControlRecord, revision: int) -> None:
+    def learn(self, record: ControlRecord, revision: int) -> None:
+        """Take a record read or watched at ``revision``: it replaces this replica's copy, and
+        ``on_change`` hears of it, only when newer than the copy."""
         if revision <= self.revision:
             return
         previous, self.record, self.revision = self.record, record, revision
@@ -288,7 +290,7 @@ class SharedControlState:
                     if entry is None or entry.operation is not None or entry.revision is None:
                         continue  # the end-of-history marker, or a delete (the next change writes a fresh record)
                     try:
-                        self._learn(_record_decoder.decode(entry.value or b""), entry.revision)
+                        self.learn(_record_decoder.decode(entry.value or b""), entry.revision)
                     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                         log.error("control record at revision %d is unreadable, ignored: %s", entry.revision, exc)
             except (NatsError, WireError, OSError) as exc:

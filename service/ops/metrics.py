@@ -13,7 +13,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from service.ops.latency import LatencyHistogram
 
 
-
 def histogram_family(name: str, documentation: str, histogram: LatencyHistogram) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, documentation, buckets=histogram.cumulative(), sum_value=histogram.sum)
 

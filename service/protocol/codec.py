@@ -19,6 +19,7 @@ from msgspec import Struct
 
 from service.protocol.errors import ErrorCode, WireError
 
+
 class Encoding(enum.Enum):
     JSON = "json"
     MSGPACK = "msgpack"

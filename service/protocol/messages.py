@@ -197,7 +197,8 @@ class EngineDisconnect(Struct):
 
 
 class ReturnPath(Struct, array_like=True, gc=False):
-    """Everything needed to answer a client, carried with the request (principle 4).
+    """Everything needed to answer a client, carried with the request, so that a reply does not
+    depend on one coordinator's memory.
 
     Routed messages hold only strings, numbers and bytes, never cycles, so they are kept out
     of the garbage collector's sweeps (``gc=False``): one is alive per request in flight."""

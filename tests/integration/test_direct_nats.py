@@ -13,8 +13,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from service.bus.direct import DirectClient
 from service.bus.connection import flush_subscriptions
+from service.bus.direct import DirectClient
 
 
 @pytest.fixture

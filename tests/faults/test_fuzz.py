@@ -12,7 +12,9 @@ from typing import Any, TypeVar
 import msgpack
 import nats
 import pytest
-from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime

@@ -30,21 +30,21 @@ from pydantic import ValidationError
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
-from service.client import ClientError, DpcoordClient
 from handlers import HANDLERS
-from service.coordinator.coordinator import Coordinator
 from service.bus.connection import connect_nats, connect_options, flush_subscriptions
-from service.bus.server import EmbeddedNatsServer
 from service.bus.refusals import PublishRefusals
+from service.bus.server import EmbeddedNatsServer
+from service.client import ClientError, DpcoordClient
+from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
+from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import Subjects
-from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from tests.conftest import make_settings
-from tests.helpers import decode_reply
+from tests.helpers import REPO_ROOT, decode_reply
 from tests.nats_jwt import Operator
 
-EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "nats-server.example.conf"
+EXAMPLE_CONFIG = REPO_ROOT / "docs" / "nats-server.example.conf"
 PREFIX = "dpcoord"  # the prefix the example config grants
 ROLES = ("coordinator", "engine", "admin", "client")
 PASSWORDS = {role: f"{role}-test-password" for role in ROLES}
@@ -110,7 +110,7 @@ async def refused_connection(settings: Settings) -> BaseException:
     options.update(allow_reconnect=False, max_reconnect_attempts=0)
     try:
         await nc.connect(**options)
-    except Exception as exc:  # noqa: BLE001 - the test inspects what it was
+    except Exception as exc:
         return exc
     await nc.close()
     raise AssertionError("the connection was accepted")

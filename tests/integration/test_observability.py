@@ -19,14 +19,14 @@ from engines.echo import EchoBackend
 from engines.observability import engine_observability
 from engines.runtime import EngineRuntime
 from handlers import HANDLERS
+from service.bus.server import EmbeddedNatsServer, free_port
+from service.cli.stack import http_ports
 from service.coordinator.coordinator import Coordinator
 from service.coordinator.observability import coordinator_observability
 from service.ops.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
-from service.bus.server import EmbeddedNatsServer, free_port
-from service.ops.services_api import COORDINATOR_SERVICE, ENGINE_SERVICE
 from service.ops.observability import Observability
+from service.ops.services_api import COORDINATOR_SERVICE, ENGINE_SERVICE
 from service.ops.settings import Settings
-from service.cli.stack import http_ports
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import decode_reply, engines_become, request_json
 

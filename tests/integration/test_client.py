@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from service.client import ClientError, DpcoordClient
 from handlers import HANDLERS
+from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.messages import Final, Partial

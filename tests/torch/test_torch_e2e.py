@@ -14,8 +14,8 @@ from engines.torch_backend.backend import TorchBackend
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
-from service.protocol.subjects import Header
 from service.protocol.messages import Final, Partial
+from service.protocol.subjects import Header
 from tests.helpers import request_json
 
 

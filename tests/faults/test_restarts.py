@@ -10,20 +10,17 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
-from service.client import ClientError, DpcoordClient
 from handlers import HANDLERS
+from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
-from tests.helpers import decode_reply, engines_become
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO_ROOT, decode_reply, engines_become
 
 
 @pytest.fixture
@@ -111,7 +108,7 @@ def test_sigkilled_engine_is_detected_within_the_heartbeat_timeout(nats_url: str
     async def scenario() -> float:
         async with Coordinator(settings, HANDLERS) as coordinator:
             env = dict(os.environ, DPCOORD_NATS_URL=nats_url, DPCOORD_SUBJECT_PREFIX=settings.subject_prefix)
-            engine = subprocess.Popen([sys.executable, "-m", "service", "engine", "--backend", "echo"], env=env, cwd=ROOT)
+            engine = subprocess.Popen([sys.executable, "-m", "service", "engine", "--backend", "echo"], env=env, cwd=REPO_ROOT)
             try:
                 await coordinator.wait_for_engines(1, timeout_s=30)
                 engine.send_signal(signal.SIGKILL)

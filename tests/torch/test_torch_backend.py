@@ -15,7 +15,7 @@ from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.memory import KVCacheSizeError, page_bytes
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from service.protocol.errors import WireError
-from tests.torch_reference import random_weights, tiny, torch_settings
+from tests.torch.reference import random_weights, tiny, torch_settings
 
 
 @pytest.fixture(scope="module")

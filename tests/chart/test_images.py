@@ -17,9 +17,10 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-ROOT = Path(__file__).resolve().parents[1]
-COORDINATOR = ROOT / "docker" / "coordinator.Dockerfile"
-ENGINE = ROOT / "docker" / "engine.Dockerfile"
+from tests.helpers import REPO_ROOT
+
+COORDINATOR = REPO_ROOT / "docker" / "coordinator.Dockerfile"
+ENGINE = REPO_ROOT / "docker" / "engine.Dockerfile"
 TORCH_STACK = {"torch", "triton"}  # and every nvidia-* CUDA wheel
 
 
@@ -50,7 +51,7 @@ def pip_install_targets(dockerfile: Path) -> list[str]:
 
 def project_requirements(extras: set[str]) -> list[Requirement]:
     """dpcoord's own requirements (from pyproject.toml, what an image build installs) for ``extras``."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     requirements = [Requirement(text) for text in project["dependencies"]]
     for extra in extras:
         requirements += [Requirement(text) for text in project["optional-dependencies"][extra]]
@@ -108,7 +109,7 @@ def test_coordinator_code_does_not_import_torch() -> None:
         "importlib.import_module('service.coordinator.observability')\n"
         "print(sorted(name for name in sys.modules if name.split('.')[0] in ('torch', 'triton')))\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -124,13 +125,13 @@ def test_engine_image_is_cuda_pytorch_with_the_engine_extra() -> None:
 @pytest.mark.parametrize("dockerfile", [COORDINATOR, ENGINE], ids=["coordinator", "engine"])
 def test_images_build_from_the_repository_as_non_root(dockerfile: Path) -> None:
     steps = instructions(dockerfile)
-    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+    ignored = [line.strip() for line in (REPO_ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")]
     for instruction, arguments in steps:
         if instruction == "COPY" and not arguments.startswith("--from"):
             *sources, _ = arguments.split()
             for source in sources:
-                assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which the repository lacks"
+                assert (REPO_ROOT / source).exists(), f"{dockerfile.name} copies {source}, which the repository lacks"
                 assert not any(fnmatch(source, pattern) for pattern in ignored), f"{source} is in .dockerignore"
     [user] = [arguments for instruction, arguments in steps if instruction == "USER"]
     assert user.split(":")[0] not in {"0", "root"}

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from service.cli import main as cli_main
 from service.cli.main import build_parser, settings_from
 from service.ops.settings import Settings
-from tests.helpers import read_up_banner
+from tests.helpers import REPO_ROOT, read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(args: list[str], env: dict[str, str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(DPCOORD + args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(DPCOORD + args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_setting_is_a_flag_and_flags_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,7 +46,7 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
     env["DPCOORD_BACKEND"] = "echo"
     env["DPCOORD_SUBJECT_PREFIX"] = "clitest"
     log = (tmp_path / "up.log").open("w")
-    stack = subprocess.Popen(DPCOORD + ["up", "--engines", "2"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    stack = subprocess.Popen(DPCOORD + ["up", "--engines", "2"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert stack.stdout is not None
         lines = read_up_banner(stack.stdout)
@@ -76,7 +76,7 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
 
 def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:
     env = dict(os.environ, DPCOORD_NATS_URL=nats_url, DPCOORD_SUBJECT_PREFIX="shutdowntest")
-    coordinator = subprocess.Popen(DPCOORD + ["coordinator"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    coordinator = subprocess.Popen(DPCOORD + ["coordinator"], env=env, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
     try:
         assert coordinator.stderr is not None
         for line in coordinator.stderr:
@@ -88,3 +88,16 @@ def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:
     finally:
         if coordinator.poll() is None:
             coordinator.kill()
+
+
+def test_bench_passes_its_own_options_through() -> None:
+    result = run(["bench", "--help"], dict(os.environ))
+    assert result.returncode == 0 and "--quick" in result.stdout and "dpcoord bench" in result.stdout
+
+
+def test_bench_says_clearly_when_the_benchmarks_are_not_installed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli_main, "BENCHMARK_MODULE", "benchmarks.not_installed_here")
+    assert cli_main.main(["bench", "--quick"]) == 2
+    assert "benchmarks.not_installed_here is not installed here" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
 from service.ops.settings import Settings
-from tests.torch_reference import hf_model, random_weights, torch_settings
+from tests.torch.reference import hf_model, random_weights, torch_settings
 
 pytestmark = [
     pytest.mark.gpu,

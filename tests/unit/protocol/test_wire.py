@@ -5,8 +5,8 @@ import json
 import msgpack
 import pytest
 
-from service.protocol.errors import WireError
 from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding
+from service.protocol.errors import WireError
 from service.protocol.messages import SubmitRequest
 
 

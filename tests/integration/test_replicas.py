@@ -28,6 +28,7 @@ from service.bus.server import EmbeddedNatsServer
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
+from service.protocol.errors import WireError
 from service.protocol.messages import CoordinatorHeartbeat
 from service.protocol.state import CoordinatorState, decide
 from service.protocol.subjects import Header
@@ -288,7 +289,7 @@ def wrote_it(before: CoordinatorState, ack: dict[str, Any], after: CoordinatorSt
     """Whether ``ack`` can be the signal that moved the record from ``before`` to ``after``."""
     try:
         decision = decide(before, Header(ack["signal"]))
-    except Exception:  # noqa: BLE001 - a 409 in ``before``: not this one
+    except WireError:  # a 409 in ``before``: not this one
         return False
     return decision.changes and decision.new_state is after
 

@@ -10,9 +10,7 @@ handed to the sub-chart.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import posixpath
 import re
 from collections.abc import Iterator
 from pathlib import Path

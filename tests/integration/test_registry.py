@@ -8,8 +8,8 @@ from handlers.context import ControlContext
 from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
-from service.protocol.subjects import Header
 from service.protocol.messages import Ack, ControlSignal
+from service.protocol.subjects import Header
 from tests.helpers import request_json
 
 

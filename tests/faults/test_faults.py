@@ -21,7 +21,6 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import nats
 import pytest
@@ -31,18 +30,17 @@ from nats.aio.msg import Msg
 from engines.backend import GenerationRequest
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
-from service.client import ClientError, DpcoordClient
 from handlers import HANDLERS
-from service.coordinator.coordinator import Coordinator
 from service.bus.server import EmbeddedNatsServer
+from service.client import ClientError, DpcoordClient
+from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.subjects import Header
 from tests.conftest import make_settings
-from tests.helpers import decode_reply
+from tests.helpers import REPO_ROOT, decode_reply
 from tests.replicas import ReplicaSet
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
-ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 2000
 IN_FLIGHT = 200
 
@@ -65,7 +63,7 @@ def engine_process(settings: Settings) -> subprocess.Popen[bytes]:
                DPCOORD_HEARTBEAT_INTERVAL_S=str(settings.heartbeat_interval_s),
                DPCOORD_HEARTBEAT_TIMEOUT_S=str(settings.heartbeat_timeout_s), DPCOORD_LOG_LEVEL="WARNING")
     command = [sys.executable, "-m", "service", "engine", "--backend", "echo", "--token-delay-ms", "5"]
-    return subprocess.Popen(command, env=env, cwd=ROOT)
+    return subprocess.Popen(command, env=env, cwd=REPO_ROOT)
 
 
 async def restart_nats(server: EmbeddedNatsServer) -> None:

@@ -27,16 +27,16 @@ from engines.echo import EchoBackend
 from engines.observability import engine_observability
 from engines.runtime import EngineRuntime
 from handlers import HANDLERS
+from service.bus.server import EmbeddedNatsServer
 from service.coordinator.coordinator import Coordinator
 from service.coordinator.observability import coordinator_observability
-from service.bus.server import EmbeddedNatsServer
 from service.ops.settings import Settings
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import CONTROL_HEADERS, ENGINE_HEADERS, PROFILER_HEADERS, Header
 from tests.chart.contract import CHART
+from tests.chart.test_helm_chart import RELEASE, render
 from tests.helpers import request_json
-from tests.test_helm_chart import NAMESPACE, RELEASE, render
-from tests.test_observability import collect_replies
+from tests.integration.test_observability import collect_replies
 
 NATS_CONFIG_DIR = "/etc/nats-config"  # where the nats chart mounts nats.conf in its pod
 USERS = ("coordinator", "engine", "client", "admin")

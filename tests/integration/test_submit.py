@@ -13,7 +13,7 @@ from handlers import HANDLERS
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from tests.conftest import EngineFactory, make_settings
-from tests.helpers import decode_reply, request, request_json, request_msgpack, request_stream
+from tests.helpers import decode_reply, request, request_json, request_stream
 
 
 def submit_subject(coordinator: Coordinator) -> str:

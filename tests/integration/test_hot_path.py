@@ -13,10 +13,10 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from service.coordinator.coordinator import Coordinator
-from service.protocol.errors import WireError
 from service.bus.connection import flush_subscriptions
+from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import Encoding, PayloadDecoder, encode_msgpack
+from service.protocol.errors import WireError
 from service.protocol.messages import RoutedRequestBatch, SamplingParams, SubmitEnvelope, SubmitRequest
 from tests.conftest import EngineFactory
 from tests.helpers import request_stream

@@ -15,7 +15,7 @@ from engines.factory import make_backend
 from engines.torch_backend.backend import TorchBackend
 from service.cli.main import build_parser, settings_from
 from service.ops.settings import Settings
-from tests.helpers import read_up_banner
+from tests.helpers import REPO_ROOT, read_up_banner
 
 
 def test_torch_is_the_default_backend() -> None:
@@ -49,19 +49,18 @@ def test_a_directory_without_config_json_is_a_clear_error(tmp_path: Path) -> Non
 
 def test_up_then_submit_streams_tokens_from_torch_engines(tmp_path: Path) -> None:
     """The issue's acceptance check: `dpcoord up`, then `dpcoord submit "Hello" --stream`."""
-    root = Path(__file__).resolve().parent.parent
     dpcoord = [sys.executable, "-m", "service"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("DPCOORD_")}
     env.update(DPCOORD_SUBJECT_PREFIX="torchup", DPCOORD_KV_CACHE_GB="0.01", DPCOORD_MAX_CONTEXT="256", DPCOORD_CPU_THREADS="1")
     with (tmp_path / "up.log").open("w") as log:
-        stack = subprocess.Popen(dpcoord + ["up", "--engines", "1"], env=env, cwd=root, stdout=subprocess.PIPE, stderr=log, text=True)
+        stack = subprocess.Popen(dpcoord + ["up", "--engines", "1"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
         try:
             assert stack.stdout is not None
             lines = read_up_banner(stack.stdout)
             assert "1 torch engine(s)" in lines[0]
             url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
             submit = subprocess.run(dpcoord + ["submit", "Hello", "--stream", "--max-tokens", "6", "--seed", "1"],
-                                    env=dict(env, DPCOORD_NATS_URL=url), cwd=root, capture_output=True, text=True, timeout=60)
+                                    env=dict(env, DPCOORD_NATS_URL=url), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
             assert submit.returncode == 0, submit.stderr
             streamed, final_line = submit.stdout.rstrip("\n").rsplit("\n", 1)  # JSON escapes its own newlines
             final = json.loads(final_line)
