@@ -1,5 +1,6 @@
 """The ``dpcoord`` command line. Every setting is also a flag (``--nats-url`` for
-``DPCOORD_NATS_URL``); flags win over the environment."""
+``DPCOORD_NATS_URL``) of the commands that use it, and ``--help`` lists only those; flags win
+over the environment, which every command reads in full."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from typing import Any, get_args
 import msgspec
 from pydantic import ValidationError
 
+from service.cli import terminal
 from service.ops import event_loop, gc_tuning
-from service.ops.settings import Settings
+from service.ops.settings import SettingGroup, Settings, group_of, settings_in
 from service.protocol.subjects import Header
 
 BENCHMARK_MODULE = "benchmarks.coordinator"
@@ -34,31 +36,65 @@ CONTROL_COMMANDS: dict[str, Header] = {
 }
 
 
-def _settings_parser() -> argparse.ArgumentParser:
+def _settings_parser(*groups: SettingGroup) -> argparse.ArgumentParser:
+    """The settings read by ``groups`` as flags, one help section per group."""
     parser = argparse.ArgumentParser(add_help=False)
-    group = parser.add_argument_group("settings (each also DPCOORD_<NAME> in the environment)")
-    for name, field in Settings.model_fields.items():
+    sections = {
+        group: parser.add_argument_group(
+            f"settings: {group}",
+            None if index else "each also DPCOORD_<NAME> in the environment, where every command reads all of them",
+        )
+        for index, group in enumerate(groups)
+    }
+    for name, field in settings_in(groups).items():
         choices = get_args(field.annotation) if str(field.annotation).startswith("typing.Literal") else None
-        group.add_argument(
+        sections[group_of(field)].add_argument(
             f"--{name.replace('_', '-')}", dest=f"setting_{name}", default=None, choices=choices,
             metavar=None if choices else name.upper(), help=f"{field.description} (default: {field.default})",
         )
     return parser
 
 
+UP_DESCRIPTION = """\
+Runs NATS, one coordinator and --engines engines on this machine, prints how to reach them once
+every engine has registered, and stops them all on Ctrl-C.
+
+NATS: an embedded nats-server on a free port, unless --nats-url (DPCOORD_NATS_URL) points at an
+existing server, for example --nats-url nats://nats.example:4222 (its auth and TLS settings below).
+
+Engines: the torch backend runs the model in --model, a local Hugging Face-format directory
+(config.json, *.safetensors, tokenizer.json); without --model, a seeded random 3 M-parameter
+model whose output is noise. --backend echo runs the protocol test double instead.
+
+Logs: every process logs to this command's stderr (dpcoord up 2> up.log keeps them in a file);
+the banner goes to stdout.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    settings = _settings_parser()
+    settings = _settings_parser(*SettingGroup)
+    client_settings = _settings_parser(SettingGroup.NATS)
+    coordinator_settings = _settings_parser(SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.COORDINATOR)
+    engine_settings = _settings_parser(SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.ENGINE, SettingGroup.TORCH)
     parser = argparse.ArgumentParser(prog="dpcoord", description="Data-parallel LLM inference coordinator on NATS")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("coordinator", parents=[settings], help="run a coordinator")
-    engine = commands.add_parser("engine", parents=[settings], help="run one engine (data-parallel rank)")
+    commands.add_parser("coordinator", parents=[coordinator_settings], help="run a coordinator")
+    engine = commands.add_parser("engine", parents=[engine_settings], help="run one engine (data-parallel rank)")
     engine.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
-    up = commands.add_parser("up", parents=[settings], help="run NATS (embedded unless --nats-url), a coordinator and engines")
+    up = commands.add_parser(
+        "up", parents=[settings], help="run NATS (embedded unless --nats-url), a coordinator and engines",
+        description=UP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     up.add_argument("--engines", type=int, default=2, help="number of engines (default 2)")
     up.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
-    submit = commands.add_parser("submit", parents=[settings], help="submit a prompt and print the reply")
+    submit = commands.add_parser("submit", parents=[client_settings], help="submit a prompt and print the reply")
     submit.add_argument("prompt")
     submit.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    submit.add_argument(
+        "--raw", action="store_true",
+        help="write the generated text as it is; without it a terminal gets control and other non-printable "
+        "characters as \\uXXXX escapes (pipes always get the raw text)",
+    )
     submit.add_argument("--max-tokens", type=int, default=None)
     submit.add_argument("--temperature", type=float, default=None)
     submit.add_argument("--top-k", type=int, default=None)
@@ -66,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
-    control = commands.add_parser("control", parents=[settings], help="send a control signal")
+    control = commands.add_parser("control", parents=[client_settings], help="send a control signal")
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
@@ -130,11 +166,14 @@ async def _run_coordinator(settings: Settings) -> int:
     from service.coordinator.shared_state import ReplicaConflict
 
     coordinator = Coordinator(settings, HANDLERS)
-    observability = coordinator_observability(coordinator, settings.http_host, settings.http_port or None)
+    observability = coordinator_observability(
+        coordinator, settings.http_host, settings.http_port or None, "http_port" in settings.model_fields_set
+    )
 
     gc_tuning.tune_for_throughput()
 
     async def start() -> None:
+        await observability.bind()
         await coordinator.start()
         await observability.start(coordinator.nc)
 
@@ -156,11 +195,14 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     from engines.runtime import EngineRuntime
 
     runtime = EngineRuntime(settings, make_backend(settings, model))
-    observability = engine_observability(runtime, settings.http_host, settings.http_port or None)
+    observability = engine_observability(
+        runtime, settings.http_host, settings.http_port or None, "http_port" in settings.model_fields_set
+    )
 
     gc_tuning.tune_for_throughput()
 
     async def start() -> None:
+        await observability.bind()
         await runtime.start()
         await observability.start(runtime.nc)
 
@@ -172,8 +214,8 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     return 0
 
 
-def _print_json(message: msgspec.Struct) -> None:
-    print(msgspec.json.encode(message).decode())
+def _print_json(message: msgspec.Struct, shown: Callable[[str], str] = str) -> None:
+    print(shown(msgspec.json.encode(message).decode()))
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
@@ -184,16 +226,19 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
         "top_p": args.top_p, "seed": args.seed, "stop": args.stop,
     }
+    shown = terminal.shown_on(sys.stdout, raw=args.raw)
     async with await DpcoordClient.connect(settings, timeout=args.timeout) as client:
         if not args.stream:
-            _print_json(await client.submit(args.prompt, timeout=args.timeout, **sampling))
+            async with terminal.Spinner(sys.stderr, "waiting for the reply"):
+                final = await client.submit(args.prompt, timeout=args.timeout, **sampling)
+            _print_json(final, shown)
             return 0
         async for reply in client.stream(args.prompt, timeout=args.timeout, **sampling):
             if isinstance(reply, Partial):
-                print(reply.text, end="", flush=True)
+                print(shown(reply.text), end="", flush=True)
             else:
                 print()
-                _print_json(reply)
+                _print_json(reply, shown)
     return 0
 
 

@@ -44,8 +44,10 @@ def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
     )
 
 
-def coordinator_observability(coordinator: Coordinator, http_host: str, http_port: int | None) -> Observability:
-    """Start it with ``coordinator.nc`` once the coordinator has started."""
+def coordinator_observability(
+    coordinator: Coordinator, http_host: str, http_port: int | None, http_port_chosen: bool = True
+) -> Observability:
+    """Bind it before the coordinator starts and start it with ``coordinator.nc`` once it has."""
     return Observability(
         CoordinatorCollector(coordinator),
         health=lambda: coordinator_health(coordinator),
@@ -56,4 +58,5 @@ def coordinator_observability(coordinator: Coordinator, http_host: str, http_por
         ),
         http_host=http_host,
         http_port=http_port,
+        http_port_chosen=http_port_chosen,
     )

@@ -104,6 +104,8 @@ class SharedControlState:
         self._on_change = on_change
         self._kv: KeyValue | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._rewatching: asyncio.Task[None] | None = None  # referenced, so it runs to its end
+        self._closed = False
 
     @property
     def shared(self) -> bool:
@@ -129,21 +131,30 @@ class SharedControlState:
                  self.bucket, self.key, record.state, revision)
 
     async def close(self) -> None:
-        follower, self._follower = self._follower, None
-        if follower is not None:
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
+        self._closed = True
+        await self._stop_following()
 
     def reconnected(self) -> None:
-        if self._kv is None or self._follower is None:
-            return
-        self._follower.cancel()
-        self._follower = asyncio.ensure_future(self._follow(self._kv))
+        if self._kv is not None and not self._closed:
+            self._rewatching = asyncio.ensure_future(self._rewatch(self._kv))
+
+    async def _rewatch(self, kv: KeyValue) -> None:
+        await self._stop_following()
+        if not self._closed and self._follower is None:  # a later reconnect's rewatch may have started one
+            self._follower = asyncio.ensure_future(self._follow(kv))
+
+    async def _stop_following(self) -> None:
+        """Cancel the watch, again if needed: a cancellation that meets a reply just as it
+        arrives is lost inside ``asyncio.wait_for`` (Python 3.11), and nats-py waits with it."""
+        follower, self._follower = self._follower, None
+        while follower is not None and not follower.done():
+            follower.cancel()
+            await asyncio.wait({follower}, timeout=0.1)
 
     async def _open_bucket(self, js: JetStreamContext) -> KeyValue | None:
         """The bucket, created on first use; None when this NATS (or account) has no JetStream.
-        While JetStream answers "temporarily unavailable", ask again."""
+        While JetStream answers "temporarily unavailable", or not at all (a cluster still
+        electing its leader), ask again for up to ``JETSTREAM_WAIT_S``."""
         deadline = time.monotonic() + JETSTREAM_WAIT_S
         delay = 0.1
         while True:
@@ -155,16 +166,17 @@ class SharedControlState:
             except ServiceUnavailableError as exc:
                 if exc.code is None or exc.err_code in _NO_JETSTREAM:  # no responders, or not enabled
                     return None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"JetStream unavailable for {JETSTREAM_WAIT_S:g} s: {exc.description}") from exc
-                log.warning("JetStream not ready (%s); asking again", exc.description)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            except NatsTimeoutError as exc:
-                raise RuntimeError(
-                    f"JetStream did not answer within {self._timeout_s:g} s: may this NATS user publish to $JS.API "
-                    f"for bucket {self.bucket}? (docs/security.md)"
-                ) from exc
+                problem = f"JetStream unavailable ({exc.description})"
+            except NatsTimeoutError:
+                problem = (
+                    f"JetStream did not answer within {self._timeout_s:g} s (not ready yet, or may this NATS user "
+                    f"not publish to $JS.API for bucket {self.bucket}? docs/security.md)"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{problem}; gave up after {JETSTREAM_WAIT_S:g} s")
+            log.warning("%s; asking again", problem)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def _create_bucket(self, js: JetStreamContext) -> KeyValue:
         config = KeyValueConfig(

@@ -22,11 +22,11 @@ from helm_python import Chart, HelmValuesError, lint, values_from_yaml
 from service.ops.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
 from service.ops.settings import Settings
 from tests.chart.contract import CHART, DERIVED_SETTINGS, settings_schema, valued_settings
+from tests.chart.render import Manifest, render_objects
 
 RELEASE = "rel"
 NAMESPACE = "llm"
 NON_DEFAULT_VALUES = CHART / "ci" / "external-nats-values.yaml"
-Manifest = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +41,7 @@ def non_default_values() -> dict[str, Any]:
 
 def render(chart: Chart, values: dict[str, Any] | None = None, release: str = RELEASE) -> list[Manifest]:
     """Every object the chart renders, parsed."""
-    objects = []
-    for path, text in chart.render(values or {}, name=release, namespace=NAMESPACE).items():
-        if not path.endswith(".yaml"):
-            continue
-        for document in re.split(r"^---\s*$", text, flags=re.MULTILINE):
-            if document.strip():
-                parsed = values_from_yaml(document)
-                if parsed:
-                    objects.append(parsed)
-    return objects
+    return render_objects(chart, values or {}, release, NAMESPACE)
 
 
 def only(objects: list[Manifest], kind: str, component: str | None = None) -> Manifest:
@@ -334,8 +325,11 @@ def test_settings_set_per_pod_are_set(chart: Chart, auth: str) -> None:
         assert "DPCOORD_COORDINATOR_ID" not in env
     engine_env = env_of(only(objects, "StatefulSet"), objects)
     assert engine_env["DPCOORD_ENGINE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the rank's pod name
+    for kind, role in (("Deployment", "coordinator"), ("StatefulSet", "engine")):
+        # The role's inbox prefix, which docs/nats-server.example.conf lets that role subscribe to.
+        assert env_of(only(objects, kind), objects)["DPCOORD_NATS_INBOX_PREFIX"] == f"_INBOX_{role}"
     covered = {name.removeprefix("DPCOORD_").lower() for names in per_auth.values() for name in names}
-    assert covered | {"nats_url", "coordinator_id", "engine_id"} == set(DERIVED_SETTINGS)
+    assert covered | {"nats_url", "nats_inbox_prefix", "coordinator_id", "engine_id"} == set(DERIVED_SETTINGS)
 
 
 def test_default_settings_are_valid_settings(chart: Chart) -> None:

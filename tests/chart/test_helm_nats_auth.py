@@ -114,6 +114,11 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     jetstream = [subject for subject in coordinator["allow"] if subject.startswith("$")]
     assert jetstream and all("dpcoord_control" in subject for subject in jetstream)  # its own bucket only
     assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]
+    # Each pod replies on its role's inbox prefix (the chart sets it per pod), which no client may read.
+    for role in ("coordinator", "engine"):
+        inboxes = [subject for subject in rules[role]["subscribe"]["allow"] if subject.startswith("_INBOX")]
+        assert inboxes == [f"_INBOX_{role}.>"]
+    assert rules["client"]["subscribe"]["allow"] == ["_INBOX.>"]
 
 
 class Connection:
@@ -137,8 +142,11 @@ class Connection:
         return str(error).lower()
 
 
-def as_user(settings: Settings, user: str, auth: RenderedAuth) -> Settings:
-    return settings.model_copy(update={"nats_user": user, "nats_password": auth.passwords[user]})
+def as_pod(settings: Settings, role: str, auth: RenderedAuth) -> Settings:
+    """A pod's NATS settings as the chart sets them: its role's credentials and reply-inbox prefix."""
+    return settings.model_copy(
+        update={"nats_user": role, "nats_password": auth.passwords[role], "nats_inbox_prefix": f"_INBOX_{role}"}
+    )
 
 
 @pytest.fixture
@@ -146,8 +154,8 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, RenderedAuth, Coor
     auth = rendered_auth({})
     with start_server(auth, tmp_path) as server:
         base = Settings(nats_url=server.url, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, control_timeout_s=2.0)
-        coordinator = Coordinator(as_user(base, "coordinator", auth), HANDLERS)
-        engine = EngineRuntime(as_user(base, "engine", auth), EchoBackend())
+        coordinator = Coordinator(as_pod(base, "coordinator", auth), HANDLERS)
+        engine = EngineRuntime(as_pod(base, "engine", auth), EchoBackend())
         async with coordinator:
             coordinator_obs = coordinator_observability(coordinator, "127.0.0.1", None)
             await coordinator_obs.start(coordinator.nc)
