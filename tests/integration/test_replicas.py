@@ -227,9 +227,11 @@ async def gone_from_nats(replicas: ReplicaSet, coordinator_id: str) -> None:
                 await replicas.status(coordinator_id)
             except nats.errors.NoRespondersError:
                 return
+            except nats.errors.TimeoutError:
+                continue  # the server still holds the dead connection's subscriptions
             await asyncio.sleep(0.02)
 
-    await asyncio.wait_for(dropped(), 5)
+    await asyncio.wait_for(dropped(), 15)
 
 
 async def test_concurrent_random_signals_leave_one_state_and_one_valid_path(
