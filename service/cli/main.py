@@ -22,6 +22,9 @@ from service.ops.settings import SettingGroup, Settings, group_of, settings_in
 from service.protocol.subjects import Header
 
 BENCHMARK_MODULE = "benchmarks.coordinator"
+GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
+# Settings of the coordinator's group that the gateway reads too: its body limit and deadline.
+GATEWAY_SHARED_SETTINGS = ("max_payload_bytes", "request_timeout_s")
 
 CONTROL_COMMANDS: dict[str, Header] = {
     "pause": Header.PAUSE,
@@ -36,8 +39,9 @@ CONTROL_COMMANDS: dict[str, Header] = {
 }
 
 
-def _settings_parser(*groups: SettingGroup) -> argparse.ArgumentParser:
-    """The settings read by ``groups`` as flags, one help section per group."""
+def _settings_parser(*groups: SettingGroup, shared: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The settings read by ``groups`` as flags, one help section per group; ``shared`` names
+    settings of other groups this command reads too."""
     parser = argparse.ArgumentParser(add_help=False)
     sections = {
         group: parser.add_argument_group(
@@ -46,9 +50,13 @@ def _settings_parser(*groups: SettingGroup) -> argparse.ArgumentParser:
         )
         for index, group in enumerate(groups)
     }
-    for name, field in settings_in(groups).items():
+    fields = settings_in(groups) | {name: Settings.model_fields[name] for name in shared}
+    for name, field in fields.items():
         choices = get_args(field.annotation) if str(field.annotation).startswith("typing.Literal") else None
-        sections[group_of(field)].add_argument(
+        group = group_of(field)
+        if group not in sections:
+            sections[group] = parser.add_argument_group(f"settings: {group}")
+        sections[group].add_argument(
             f"--{name.replace('_', '-')}", dest=f"setting_{name}", default=None, choices=choices,
             metavar=None if choices else name.upper(), help=f"{field.description} (default: {field.default})",
         )
@@ -87,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--engines", type=int, default=2, help="number of engines (default 2)")
     up.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
+    up.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible HTTP gateway")
+    gateway_settings = _settings_parser(
+        SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.GATEWAY, shared=GATEWAY_SHARED_SETTINGS
+    )
+    gateway = commands.add_parser("gateway", parents=[gateway_settings], help="run the OpenAI-compatible HTTP gateway")
+    gateway.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="an API key clients must send as 'Authorization: Bearer KEY' (repeatable; see also --gateway-api-key-file)",
+    )
     submit = commands.add_parser("submit", parents=[client_settings], help="submit a prompt and print the reply")
     submit.add_argument("prompt")
     submit.add_argument("--stream", action="store_true", help="print tokens as they arrive")
@@ -115,19 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_bench(argv: list[str]) -> int:
-    """The benchmarks live in the source checkout, not in the images: load them only here."""
+    """The benchmarks live in the source checkout, not in the images: load them only here.
+    ``--gateway`` runs the gateway benchmark instead of the coordinator's."""
+    module = GATEWAY_BENCHMARK_MODULE if "--gateway" in argv else BENCHMARK_MODULE
+    argv = [arg for arg in argv if arg != "--gateway"]
     try:
-        benchmark = importlib.import_module(BENCHMARK_MODULE)
+        benchmark = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not BENCHMARK_MODULE.startswith(exc.name):
+        if exc.name is None or not module.startswith(exc.name):
             raise
         print(
-            f"dpcoord bench: {BENCHMARK_MODULE} is not installed here; run it from a source checkout "
+            f"dpcoord bench: {module} is not installed here; run it from a source checkout "
             "(pip install -e '.[bench]')",
             file=sys.stderr,
         )
         return 2
-    args = benchmark.build_parser(prog="dpcoord bench").parse_args(argv)
+    prog = "dpcoord bench --gateway" if module == GATEWAY_BENCHMARK_MODULE else "dpcoord bench"
+    args = benchmark.build_parser(prog=prog).parse_args(argv)
     return int(benchmark.main(args))
 
 
@@ -214,6 +235,18 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     return 0
 
 
+async def _run_gateway(settings: Settings, api_keys: list[str]) -> int:
+    from service.gateway.auth import ApiKeys
+    from service.gateway.server import serve
+
+    try:
+        keys = ApiKeys.load(api_keys, settings.gateway_api_key_file)
+    except ValueError as exc:
+        print(f"dpcoord gateway: {exc}", file=sys.stderr)
+        return 2
+    return await serve(settings, keys)
+
+
 def _print_json(message: msgspec.Struct, shown: Callable[[str], str] = str) -> None:
     print(shown(msgspec.json.encode(message).decode()))
 
@@ -274,10 +307,12 @@ def main(argv: list[str] | None = None) -> int:
             return event_loop.run(_run_coordinator(settings), settings.event_loop)
         if args.command == "engine":
             return event_loop.run(_run_engine(settings, args.model), settings.event_loop)
+        if args.command == "gateway":
+            return event_loop.run(_run_gateway(settings, args.api_key), settings.event_loop)
         if args.command == "up":
             from service.cli.stack import run_stack
 
-            return asyncio.run(run_stack(settings, args.engines, args.model))
+            return asyncio.run(run_stack(settings, args.engines, args.model, gateway=not args.no_gateway))
         if args.command == "submit":
             return asyncio.run(_submit(settings, args))
         return asyncio.run(_control(settings, args))

@@ -1,15 +1,17 @@
 """``dpcoord up``: an embedded nats-server with JetStream in a temporary store (unless a NATS
-URL is given), one coordinator and N engines as child processes, stopped together on Ctrl-C
-or SIGTERM."""
+URL is given), one coordinator, N engines and the OpenAI-compatible HTTP gateway (unless
+``--no-gateway``) as child processes, stopped together on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -136,7 +138,59 @@ def _model_line(settings: Settings, model: str | None, dpcoord: str) -> str:
     )
 
 
-def _banner(settings: Settings, model: str | None, registered: int, ports: list[int]) -> str:
+GATEWAY_PORT = 8000  # the gateway's port when it is free and --gateway-port is not given
+GATEWAY_READY_TIMEOUT_S = 30.0
+
+
+def gateway_port(settings: Settings) -> int:
+    """--gateway-port when given, else 8000 when free, else a free port."""
+    if "gateway_port" in settings.model_fields_set:
+        return settings.gateway_port
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", GATEWAY_PORT))
+        except OSError:
+            return free_port()
+    return GATEWAY_PORT
+
+
+async def _http_status(host: str, port: int, path: str) -> int | None:
+    """The status of one GET, or None when nothing answers."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        status_line = await reader.readline()
+    except OSError:
+        return None
+    finally:
+        writer.close()
+    parts = status_line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+async def _gateway_lines(settings: Settings, host: str, port: int) -> str:
+    """The banner's lines for the gateway, once its /readyz says a model is served."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GATEWAY_READY_TIMEOUT_S
+    while await _http_status(host, port, "/readyz") != 200:
+        if loop.time() > deadline:
+            log.warning("the gateway on port %d is not ready after %.0f s", port, GATEWAY_READY_TIMEOUT_S)
+            break
+        await asyncio.sleep(0.1)
+    async with await _wait_for_coordinator(settings) as client:
+        models = [served.name for served in (await client.list_models()).models]
+    url = f"http://{host}:{port}"
+    body = json.dumps({"model": models[0] if models else "MODEL", "prompt": "Hello", "max_tokens": 16})
+    return (
+        f"OpenAI API: {url}/v1 (models: {', '.join(models) or 'none yet'})\n"
+        f"   curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+    )
+
+
+def _banner(settings: Settings, model: str | None, registered: int, ports: list[int], gateway_lines: str = "") -> str:
     dpcoord = dpcoord_command()
     return (
         f"dpcoord is up: coordinator + {registered} {settings.backend} engine(s)\n"
@@ -144,12 +198,13 @@ def _banner(settings: Settings, model: str | None, registered: int, ports: list[
         f"NATS: {settings.nats_url}\n"
         f"Submit: {dpcoord} submit 'Hello' --stream{_connection_flags(settings)}\n"
         f"   or: nats request -s {settings.nats_url} {settings.subject_prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
+        f"{gateway_lines}"
         f"{_http_lines(ports)}"
         "Ctrl-C stops everything.\n"
     )
 
 
-async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
+async def run_stack(settings: Settings, engines: int, model: str | None, gateway: bool = True) -> int:
     server: EmbeddedNatsServer | None = None
     if "nats_url" not in settings.model_fields_set:
         server = EmbeddedNatsServer().start()
@@ -168,6 +223,11 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         for port in ports[1:]
     ]
     children += engine_processes
+    gateway_host = settings.gateway_host if "gateway_host" in settings.model_fields_set else "127.0.0.1"
+    gateway_address = ("127.0.0.1" if gateway_host == "0.0.0.0" else gateway_host, gateway_port(settings))
+    if gateway:
+        gateway_env = env | {"DPCOORD_GATEWAY_HOST": gateway_host, "DPCOORD_GATEWAY_PORT": str(gateway_address[1])}
+        children.append(await asyncio.create_subprocess_exec(*python, "gateway", env=gateway_env))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -185,7 +245,8 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
             exit_code = 1
             stop.set()
         elif not stopping.done():
-            sys.stdout.write(_banner(settings, model, ready.result(), ports))
+            lines = await _gateway_lines(settings, *gateway_address) if gateway else ""
+            sys.stdout.write(_banner(settings, model, ready.result(), ports, lines))
             sys.stdout.flush()
         ready.cancel()
         await stopping

@@ -26,6 +26,7 @@ class SettingGroup(StrEnum):
     COORDINATOR = "coordinator"
     ENGINE = "engine"
     TORCH = "torch backend (see docs/engines.md)"
+    GATEWAY = "OpenAI-compatible HTTP gateway (see docs/gateway.md)"
 
 
 NatsSetting = Annotated[T, SettingGroup.NATS]
@@ -33,6 +34,7 @@ ServiceSetting = Annotated[T, SettingGroup.SERVICE]
 CoordinatorSetting = Annotated[T, SettingGroup.COORDINATOR]
 EngineSetting = Annotated[T, SettingGroup.ENGINE]
 TorchSetting = Annotated[T, SettingGroup.TORCH]
+GatewaySetting = Annotated[T, SettingGroup.GATEWAY]
 
 
 def group_of(field: FieldInfo) -> SettingGroup:
@@ -92,6 +94,10 @@ class Settings(BaseSettings):
     engine_capacity: EngineSetting[int] = Field(256, ge=1, description="Requests an engine accepts at once")
     heartbeat_interval_s: EngineSetting[float] = Field(1.0, gt=0, description="Engine heartbeat period")
     stream_interval: EngineSetting[int] = Field(1, ge=1, description="Tokens per streamed partial")
+    served_model_name: EngineSetting[str | None] = Field(
+        None, min_length=1, max_length=256,
+        description="Model name the engine serves (routing by model, the gateway's /v1/models); unset: the model directory's name, dpcoord-random for the random default, dpcoord-echo for echo",
+    )
 
     # Torch backend (see docs/engines.md)
     device: TorchSetting[str] = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="Torch device: auto (cuda when available), cpu, cuda or cuda:N")
@@ -117,6 +123,13 @@ class Settings(BaseSettings):
     http_port: ServiceSetting[int] = Field(
         8080, ge=0, le=65535,
         description="Port of /healthz, /readyz and /metrics; 0 turns them off. Left unset and taken: a free port, logged",
+    )
+
+    # The OpenAI-compatible HTTP gateway (dpcoord gateway; docs/gateway.md)
+    gateway_host: GatewaySetting[str] = Field("0.0.0.0", description="Address the HTTP gateway listens on")
+    gateway_port: GatewaySetting[int] = Field(8000, ge=0, le=65535, description="Port of the HTTP gateway (/v1/*, /healthz, /readyz, /metrics); 0: a free port")
+    gateway_api_key_file: GatewaySetting[str | None] = Field(
+        None, description="File of API keys, one per line, the gateway accepts as 'Authorization: Bearer <key>'; unset (and no --api-key): no key needed",
     )
 
     log_level: ServiceSetting[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field("INFO", description="Log level")

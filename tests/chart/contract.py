@@ -28,6 +28,7 @@ DERIVED_SETTINGS: dict[str, str] = {
     "nats_token": "the credentials Secret, key <component>-token",
     "nats_creds_file": "the credentials Secret, file <component>.creds",
     "nats_nkey_seed_file": "the credentials Secret, file <component>.nk",
+    "gateway_api_key_file": "gateway.apiKeys.existingSecret, mounted in the gateway pods",
 }
 
 _NOT_CONSTRAINTS = ("title", "default")

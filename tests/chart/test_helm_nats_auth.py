@@ -39,7 +39,7 @@ from tests.helpers import request_json
 from tests.integration.test_observability import collect_replies
 
 NATS_CONFIG_DIR = "/etc/nats-config"  # where the nats chart mounts nats.conf in its pod
-USERS = ("coordinator", "engine", "client", "admin")
+USERS = ("coordinator", "engine", "client", "gateway", "admin")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN}
 BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT}
 FROM_ENGINES = set(ENGINE_HEADERS)
-FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST}
+FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}
 
 
 def test_permissions_follow_the_protocols_subjects() -> None:
@@ -119,6 +119,9 @@ def test_permissions_follow_the_protocols_subjects() -> None:
         inboxes = [subject for subject in rules[role]["subscribe"]["allow"] if subject.startswith("_INBOX")]
         assert inboxes == [f"_INBOX_{role}.>"]
     assert rules["client"]["subscribe"]["allow"] == ["_INBOX.>"]
+    # The gateway is a client with its own reply inbox, which other clients cannot read.
+    assert rules["gateway"]["publish"] == rules["client"]["publish"]
+    assert rules["gateway"]["subscribe"]["allow"] == ["_INBOX_gateway.>"]
 
 
 class Connection:
@@ -189,6 +192,8 @@ async def test_client_submits_but_cannot_pause(secured: Any, connect: Any) -> No
     client = await connect(url, "client", auth.passwords["client"])
     reply = await request_json(client.nc, "dpcoord.submit_request", {"prompt": "hi", "sampling_params": {"max_tokens": 2}})
     assert reply["type"] == "final" and reply["generated_text"] == "hi"
+    models = await request_json(client.nc, "dpcoord.list_models", {})  # what the gateway, a client, asks
+    assert models["type"] == "models"
     for forbidden in ("dpcoord.pause", "dpcoord.shutdown", "dpcoord.start_cuda_profiler", "dpcoord.register", "$SRV.PING"):
         assert f'permissions violation for publish to "{forbidden.lower()}"' in await client.refused(forbidden)
     assert coordinator.state is CoordinatorState.RUNNING

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -114,6 +115,13 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
 
         plain = run(["submit", "ab", "--max-tokens", "3"], client_env)
         assert json.loads(plain.stdout)["generated_text"] == "aba"
+
+        # The banner's curl line, as a user pastes it.
+        curl = shlex.split(next(line for line in lines if line.strip().startswith("curl ")))
+        request = urllib.request.Request(curl[1], data=curl[curl.index("-d") + 1].encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            completion = json.loads(response.read())
+        assert completion["model"] == "dpcoord-echo" and completion["choices"][0]["text"] == "HelloHelloHelloH"
 
         assert json.loads(run(["control", "pause"], client_env).stdout)["state"] == "paused"
         suspended = run(["control", "suspend"], client_env)

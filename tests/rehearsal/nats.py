@@ -28,7 +28,7 @@ from tests.rehearsal import overrides
 from tests.rehearsal.deployment import ROOT, Rendered, secret_data
 
 NATS_CONFIG_DIR = "/etc/nats-config"  # where the nats chart mounts nats.conf in its pod
-USERS = ("coordinator", "engine", "client", "admin")
+USERS = ("coordinator", "engine", "client", "gateway", "admin")
 
 
 @dataclass(frozen=True)

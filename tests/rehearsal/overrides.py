@@ -48,14 +48,24 @@ ENGINE_ARGS_DROPPED = ("--model",)
 ENGINE_VOLUMES_EMPTY = ("model",)
 
 
-def pod_env(nats_url: str, http_port: int) -> dict[str, str]:
+# The setting of the port a pod's probes and Service target: the gateway serves its probes on
+# its own port, every other component on http_port.
+PORT_ENV = {"gateway": "DPCOORD_GATEWAY_PORT"}
+DEFAULT_PORT_ENV = "DPCOORD_HTTP_PORT"
+
+
+def port_env(component: str) -> str:
+    return PORT_ENV.get(component, DEFAULT_PORT_ENV)
+
+
+def pod_env(nats_url: str, http_port: int, component: str) -> dict[str, str]:
     """What every pod's environment gets instead of the rendered value."""
     return {
         # The rendered URL names a Kubernetes Service; here the server listens on 127.0.0.1.
         "DPCOORD_NATS_URL": nats_url,
         # Pods share one network namespace here: each listens on a free port, and its probes'
         # named port is mapped to it (the rendered containerPort is checked against the setting).
-        "DPCOORD_HTTP_PORT": str(http_port),
+        port_env(component): str(http_port),
     }
 
 
@@ -72,4 +82,4 @@ NATS_LISTEN_HOST = "127.0.0.1"
 # made by the rehearsal, the server from docs/nats-server.example.conf (the documented
 # configuration of an external NATS), the Secret as helm/dpcoord/README.md says to create it.
 EXTERNAL_NATS_CONFIG = "docs/nats-server.example.conf"
-EXTERNAL_SECRET_USERS = ("coordinator", "engine")
+EXTERNAL_SECRET_USERS = ("coordinator", "engine", "gateway")

@@ -25,7 +25,6 @@ from tests.rehearsal.deployment import Pod
 from tests.rehearsal.image_env import ImageEnvironment
 
 ENGINE_COMPONENT = "engine"
-HTTP_PORT_ENV = "DPCOORD_HTTP_PORT"
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class PodProcess:
         self.mounts = self._mount_volumes()
         env = image.process_env() | {"HOSTNAME": pod.name}
         env |= {name: self._in_pod(value) for name, value in self.rendered_env.items()}
-        env |= overrides.pod_env(nats_url, self.http_port)
+        env |= overrides.pod_env(nats_url, self.http_port, pod.component)
         if pod.component == ENGINE_COMPONENT:
             env |= overrides.ENGINE_ENV
         self.env = env
@@ -111,7 +110,7 @@ class PodProcess:
     def host_port(self, probe: Manifest) -> int:
         """Where the kubelet's GET lands: the probe's port, if the process listens where the manifest says."""
         port = self.pod.container_port(probe["httpGet"]["port"])
-        rendered = int(self.rendered_env[HTTP_PORT_ENV])
+        rendered = int(self.rendered_env[overrides.port_env(self.pod.component)])
         assert port == rendered, f"{self.pod.name}: the probe targets port {port}, the process listens on {rendered}"
         return self.http_port
 

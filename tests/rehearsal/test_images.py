@@ -20,16 +20,18 @@ pytestmark = [pytest.mark.rehearsal, pytest.mark.timeout(900)]
 
 COORDINATOR = DOCKER / "coordinator.Dockerfile"
 ENGINE = DOCKER / "engine.Dockerfile"
+GATEWAY = DOCKER / "gateway.Dockerfile"
 TORCH_STACK = ("torch", "triton", "nvidia-")
 
-# Imports every module of service/ and handlers/ (what `dpcoord coordinator` may load), then
-# prints the distributions installed and whichever modules of torch and benchmarks got loaded.
+# Imports every module of service/ and handlers/ (what `dpcoord coordinator` may load; not
+# service.gateway, which needs the gateway extra of its own image), then prints the distributions
+# installed and whichever modules of torch and benchmarks got loaded.
 _PROBE = """
 import importlib, importlib.metadata, json, pkgutil, sys
 import service, handlers
 for package in (service, handlers):
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):
-        if not module.name.endswith('__main__'):
+        if not module.name.endswith('__main__') and not module.name.startswith('service.gateway'):
             importlib.import_module(module.name)
 print(json.dumps({
     "distributions": sorted(d.metadata["Name"].lower() for d in importlib.metadata.distributions()),
@@ -66,6 +68,15 @@ def test_the_coordinator_image_holds_no_torch_and_imports_every_module(images: d
     assert "dpcoord" in found["distributions"] and "uvloop" in found["distributions"]  # the fast extra
     assert not [name for name in found["distributions"] if name.startswith(TORCH_STACK)]
     assert found["loaded"] == []
+
+
+def test_the_gateway_image_starts_without_torch(images: dict[Path, ImageEnvironment]) -> None:
+    image = images[GATEWAY]
+    assert image.dockerfile.final.entrypoint == ["dpcoord"] and image.dockerfile.final.cmd == ["gateway"]
+    helped = run_in(image, ["dpcoord", "gateway", "--help"])
+    assert helped.returncode == 0, helped.stderr
+    probe = run_in(image, [str(image.python()), "-c", "import service.gateway.server, importlib.util as u; print(u.find_spec('torch'))"])
+    assert (probe.returncode, probe.stdout.strip()) == (0, "None"), probe.stderr
 
 
 def test_the_engine_image_keeps_its_base_images_torch(images: dict[Path, ImageEnvironment]) -> None:
