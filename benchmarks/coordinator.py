@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Target, Window, pipelined, sequential, streaming
-from benchmarks.profile import fold, record
+from benchmarks.py_spy_profile import fold, record
 from benchmarks.progress import Progress
 from benchmarks.stack import BenchStack, StackConfig
 from service.ops import event_loop

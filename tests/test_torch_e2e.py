@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
+from engines.factory import torch_options
 from engines.runtime import EngineRuntime
 from engines.torch_backend.backend import TorchBackend
 from service.client import ClientError, DpcoordClient
@@ -24,7 +25,7 @@ async def torch_engine(settings: Settings, coordinator: Coordinator, tmp_path: P
     engine_settings = settings.model_copy(update={
         "backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005, "profile_dir": str(tmp_path),
     })
-    engine = EngineRuntime(engine_settings, TorchBackend(engine_settings))
+    engine = EngineRuntime(engine_settings, TorchBackend(torch_options(engine_settings)))
     await engine.start()
     await coordinator.wait_for_engines(1)
     await engine.registered.wait()
