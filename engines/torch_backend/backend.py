@@ -19,6 +19,7 @@ dropped, as is the token of a request aborted while its step ran.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import tempfile
@@ -94,6 +95,8 @@ class TorchBackend(Backend):
         self.device = resolve_device(options.device)
         if self.device.type == "cpu" and options.cpu_threads is not None:
             torch.set_num_threads(options.cpu_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # kernels launch on the current device; steps set it per thread
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
         self.dtype = resolve_dtype(options.dtype, self.config, self.device)
@@ -153,7 +156,8 @@ class TorchBackend(Backend):
         if not self._use_graphs or self._kv_cache is None:
             return None
         pages = -(-self.max_context // self.options.kv_block_size)
-        return DecodeGraphs(self.model, self._rotary, self._kv_cache, self.options.max_batch, pages, self.options.kv_block_size)
+        with self._on_device():
+            return DecodeGraphs(self.model, self._rotary, self._kv_cache, self.options.max_batch, pages, self.options.kv_block_size)
 
     # ------------------------------------------------------------ requests
 
@@ -199,7 +203,15 @@ class TorchBackend(Backend):
         async with self._step_lock:
             return await asyncio.to_thread(self._step)
 
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """A worker thread's current CUDA device is the first until set: make it the engine's."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _step(self) -> list[TokenOutput]:
+        with self._on_device():
+            return self._step_on_device()
+
+    def _step_on_device(self) -> list[TokenOutput]:
         if self._kv_cache is None:  # suspended: has_work() says so; a step that slips in does nothing
             return []
         launched, self._launched = self._launched or self._launch(), None
