@@ -84,6 +84,7 @@ def reference_model(config: ModelConfig, model_dir: Path | None, dtype: torch.dt
     the engine, so that the engine sizes its KV cache from the memory left."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    model: Any
     if model_dir is not None:
         model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,7 +80,7 @@ def text_prompts(count: int, length: int) -> list[str]:
     return [(f"request {i}: " + base * (1 + length // len(base)))[:length] for i in range(count)]
 
 
-def greedy_requests(tag: str, prompts: list[str] | list[list[int]], max_tokens: int) -> list[GenerationRequest]:
+def greedy_requests(tag: str, prompts: Sequence[str | list[int]], max_tokens: int) -> list[GenerationRequest]:
     return [GenerationRequest(f"{tag}-{i}", prompt, max_tokens=max_tokens, temperature=0.0) for i, prompt in enumerate(prompts)]
 
 

@@ -11,12 +11,12 @@ import torch
 
 from engines.backend import GenerationRequest, TokenOutput
 from engines.torch_backend.backend import TorchBackend
-from engines.torch_backend.setup import resolve_dtype
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.memory import KVCacheSizeError, page_bytes
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
+from engines.torch_backend.setup import resolve_dtype
 from service.protocol.errors import WireError
-from tests.torch_reference import random_weights, tiny, engine_options
+from tests.torch_reference import engine_options, random_weights, tiny
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from engines.runtime import EngineRuntime
 from engines.torch_backend.backend import TorchBackend
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
-from service.ops.settings import Settings
-from service.protocol.subjects import Header
-from service.protocol.messages import Final, Partial
 from service.ops.http_endpoints import METRICS_PATH
+from service.ops.settings import Settings
+from service.protocol.messages import Final, Partial
+from service.protocol.subjects import Header
 from tests.helpers import request_json
 from tests.test_observability import http_get, port_of, samples, value
 

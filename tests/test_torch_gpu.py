@@ -11,7 +11,7 @@ from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.options import TorchOptions
-from tests.torch_reference import hf_model, random_weights, engine_options
+from tests.torch_reference import engine_options, hf_model, random_weights
 
 pytestmark = [
     pytest.mark.gpu,

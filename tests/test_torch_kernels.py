@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from engines.torch_backend.batch import build_batch
-from engines.torch_backend.cuda_graphs import decode_buckets
+from engines.torch_backend.cuda_graphs import (
+    GraphInputs,
+    StaticDecodeBatch,
+    decode_buckets,
+)
 from engines.torch_backend.kernels import EAGER, Kernels, compiled_pointwise
 from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.scheduler import ScheduledBatch
@@ -115,3 +119,37 @@ def test_the_load_time_check_passes_the_kernels_and_catches_a_wrong_one() -> Non
 
     with pytest.raises(AssertionError):
         check_kernels(Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, off_by_one), TINY, rotary)
+
+
+@needs_triton
+def test_a_padded_static_decode_batch_gives_the_unpadded_rows_and_touches_only_the_scratch_page() -> None:
+    """What a CUDA graph replays, run eagerly: the static buffers of a bucket, padding rows
+    included, reused by a smaller step after a larger one."""
+    config = tiny(num_layers=2)
+    model = engine_model(config, random_weights(config, seed=9)).to(DEVICE)
+    block_size, pages = 4, 30
+    scratch = pages  # the cache's extra last page
+    rotary = rotary_table(config.rope, config.head_dim, 128, torch.float32, DEVICE)
+    sequences = [Sequence.from_prompt(str(i), [(3 * i + k) % 256 for k in range(2 + 3 * i)]) for i in range(5)]
+    next_page = 0
+    for sequence in sequences:
+        count = -(-(len(sequence.token_ids) + 1) // block_size)
+        sequence.block_table = list(range(next_page, next_page + count))
+        next_page += count
+    cache = torch.zeros(config.num_layers, pages + 1, block_size, 2, config.num_kv_heads, config.head_dim, device=DEVICE)
+    static = StaticDecodeBatch(8, max_pages=10, block_size=block_size, scratch_page=scratch, device=DEVICE)
+    with torch.inference_mode():
+        prefill = build_batch(ScheduledBatch([], sequences), block_size, config.group_size, torch.float32, DEVICE)
+        for sequence, token in zip(sequences, model(prefill, rotary, cache).argmax(dim=-1).tolist(), strict=True):
+            sequence.append(token)
+        model.kernels = paged_decode_kernel()
+        for chosen in (sequences, sequences[:3]):  # five rows, then three: rows 3..7 are padding the second time
+            expected = model(build_batch(ScheduledBatch(chosen, []), block_size, config.group_size, torch.float32, DEVICE),
+                             rotary, cache.clone())
+            before = cache.clone()
+            static.load(GraphInputs.of(chosen, 8, block_size, scratch))
+            logits = model(static.batch(8), rotary, cache)
+            torch.testing.assert_close(logits[: len(chosen)], expected, atol=1e-4, rtol=1e-4)
+            written = (cache != before).any(dim=(0, 2, 3, 4, 5)).nonzero().flatten().tolist()
+            own = {sequence.block_table[(len(sequence.token_ids) - 1) // block_size] for sequence in chosen}
+            assert set(written) <= own | {scratch}

@@ -14,7 +14,14 @@ from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig, RopeConfig
 from tests.torch_reference import (
-    LLAMA3_ROPE, Harness, engine_model, hf_greedy, hf_model, random_weights, tiny, engine_options,
+    LLAMA3_ROPE,
+    Harness,
+    engine_model,
+    engine_options,
+    hf_greedy,
+    hf_model,
+    random_weights,
+    tiny,
 )
 
 PROMPTS = [[5, 9, 200, 17, 3, 88, 41], [1], list(range(30, 75)), [250, 251, 252, 7, 7, 7, 7, 7, 9, 10, 11]]
@@ -83,7 +90,7 @@ def test_a_batch_gives_each_prompt_its_alone_tokens() -> None:
 
 
 def test_loads_a_save_pretrained_directory_with_its_tokenizer(tmp_path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

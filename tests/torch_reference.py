@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from engines.torch_backend.batch import build_batch
+from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig, RopeConfig
 from engines.torch_backend.model import LlamaModel
-from engines.torch_backend.rope import rotary_table
-from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.options import TorchOptions
+from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.weights import build_model, random_weights
@@ -101,4 +101,4 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-__all__ = ["LLAMA3_ROPE", "TINY", "Harness", "engine_model", "hf_greedy", "hf_model", "random_weights", "tiny", "engine_options"]
+__all__ = ["LLAMA3_ROPE", "TINY", "Harness", "engine_model", "engine_options", "hf_greedy", "hf_model", "random_weights", "tiny"]

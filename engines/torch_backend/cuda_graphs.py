@@ -47,37 +47,67 @@ class GraphInputs:
     lengths: torch.Tensor  # [size] int32
     tables: torch.Tensor  # [size, width] int32
 
+    @classmethod
+    def of(cls, sequences: list[Sequence], size: int, block_size: int, scratch_page: int) -> GraphInputs:
+        """The decode inputs of ``sequences`` (read under the scheduler's lock), padded to ``size``
+        rows that feed token 0 at position 0 into the scratch page and read only that slot."""
+        count = len(sequences)
+        padding = size - count
+        positions = [len(sequence.token_ids) - 1 for sequence in sequences]
+        token_ids = [sequence.token_ids[-1] for sequence in sequences] + [0] * padding
+        slots = [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)]
+        lengths = [position + 1 for position in positions] + [1] * padding
+        width = max(len(sequence.block_table) for sequence in sequences)
+        tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
+        tables += [[scratch_page] * width] * padding
+        longs = [token_ids, positions + [0] * padding, slots + [scratch_page * block_size] * padding]
+        return cls(size, count, torch.tensor(longs, dtype=torch.long), torch.tensor(lengths, dtype=torch.int32),
+                   torch.tensor(tables, dtype=torch.int32))
+
+
+class StaticDecodeBatch:
+    """The buffers a decode graph reads: ``largest`` rows, block tables ``max_pages`` wide.
+    Each step overwrites the rows of its bucket; table columns past a row's pages keep stale
+    values that the kernel never reads (it stops at the row's length)."""
+
+    def __init__(self, largest: int, max_pages: int, block_size: int, scratch_page: int, device: torch.device) -> None:
+        self.longs = torch.zeros((3, largest), dtype=torch.long, device=device)
+        self.longs[2].fill_(scratch_page * block_size)
+        self.lengths = torch.ones(largest, dtype=torch.int32, device=device)
+        self.tables = torch.full((largest, max_pages), scratch_page, dtype=torch.int32, device=device)
+        self.last = torch.arange(largest, device=device)
+
+    def batch(self, size: int) -> ForwardBatch:
+        group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
+        return ForwardBatch(self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None)
+
+    def load(self, inputs: GraphInputs) -> None:
+        size = inputs.size
+        self.longs[:, :size].copy_(inputs.longs, non_blocking=True)
+        self.lengths[:size].copy_(inputs.lengths, non_blocking=True)
+        self.tables[:size, : inputs.tables.shape[1]].copy_(inputs.tables, non_blocking=True)
+
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, rotary: torch.Tensor, kv_cache: torch.Tensor, max_batch: int,
                  max_pages: int, block_size: int) -> None:
         if model.kernels.paged_decode is None:
             raise ValueError("decode graphs need the paged decode kernel: gathered attention has per-step shapes")
-        device = kv_cache.device
         self.buckets = decode_buckets(max_batch)
         self.block_size = block_size
         self.scratch_page = kv_cache.shape[1] - 1
-        largest = self.buckets[-1]
         self._model, self._rotary, self._kv_cache = model, rotary, kv_cache
-        self._longs = torch.zeros((3, largest), dtype=torch.long, device=device)
-        self._longs[2].fill_(self.scratch_page * block_size)
-        self._lengths = torch.ones(largest, dtype=torch.int32, device=device)
-        self._tables = torch.full((largest, max_pages), self.scratch_page, dtype=torch.int32, device=device)
-        self._last = torch.arange(largest, device=device)
+        self._static = StaticDecodeBatch(self.buckets[-1], max_pages, block_size, self.scratch_page, kv_cache.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._capture()
-
-    def _batch(self, size: int) -> ForwardBatch:
-        group = AttentionGroup(self._tables[:size], None, query_len=1, context_lens=self._lengths[:size])
-        return ForwardBatch(self._longs[0, :size], self._longs[1, :size], self._longs[2, :size], self._last[:size], group, None)
 
     @torch.inference_mode()
     def _capture(self) -> None:
         """Largest bucket first, all in one memory pool: a smaller graph reuses the larger's memory."""
         pool = None
         for size in reversed(self.buckets):
-            batch = self._batch(size)
+            batch = self._static.batch(size)
             self._model(batch, self._rotary, self._kv_cache)  # compiles and autotunes outside the capture
             torch.cuda.synchronize(self._kv_cache.device)
             graph = torch.cuda.CUDAGraph()
@@ -92,25 +122,11 @@ class DecodeGraphs:
 
     def inputs(self, sequences: list[Sequence]) -> GraphInputs:
         """The step's inputs, read from the sequences (call under the scheduler's lock)."""
-        count = len(sequences)
-        size = next(bucket for bucket in self.buckets if bucket >= count)
-        block_size, scratch = self.block_size, self.scratch_page
-        padding = size - count
-        token_ids = [sequence.token_ids[-1] for sequence in sequences] + [0] * padding
-        positions = [len(sequence.token_ids) - 1 for sequence in sequences]
-        slots = [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)]
-        lengths = [position + 1 for position in positions] + [1] * padding
-        width = max(len(sequence.block_table) for sequence in sequences)
-        tables = [sequence.block_table + [scratch] * (width - len(sequence.block_table)) for sequence in sequences]
-        tables += [[scratch] * width] * padding
-        longs = torch.tensor([token_ids, positions + [0] * padding, slots + [scratch * block_size] * padding], dtype=torch.long)
-        return GraphInputs(size, count, longs, torch.tensor(lengths, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
+        size = next(bucket for bucket in self.buckets if bucket >= len(sequences))
+        return GraphInputs.of(sequences, size, self.block_size, self.scratch_page)
 
     def replay(self, inputs: GraphInputs) -> torch.Tensor:
         """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe."""
-        size = inputs.size
-        self._longs[:, :size].copy_(inputs.longs, non_blocking=True)
-        self._lengths[:size].copy_(inputs.lengths, non_blocking=True)
-        self._tables[:size, : inputs.tables.shape[1]].copy_(inputs.tables, non_blocking=True)
-        self._graphs[size].replay()
-        return self._logits[size][: inputs.count]
+        self._static.load(inputs)
+        self._graphs[inputs.size].replay()
+        return self._logits[inputs.size][: inputs.count]

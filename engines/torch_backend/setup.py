@@ -59,7 +59,7 @@ def check_kernels(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -
     """Each of ``kernels`` against eager PyTorch on random inputs of the model's shapes
     (building them compiles them); raises AssertionError when one disagrees."""
     device, dtype = rotary.device, rotary.dtype
-    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     generator = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -68,14 +68,14 @@ def check_kernels(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -
     tokens, heads, kv_heads, head_dim = 5, config.num_heads, config.num_kv_heads, config.head_dim
     hidden, weight = randn(tokens, config.hidden_size), randn(config.hidden_size)
     torch.testing.assert_close(kernels.rms_norm(hidden, weight, config.rms_norm_eps),
-                               EAGER.rms_norm(hidden, weight, config.rms_norm_eps), **tolerance)
+                               EAGER.rms_norm(hidden, weight, config.rms_norm_eps), atol=tolerance, rtol=tolerance)
     qk, table = randn(tokens, heads + kv_heads, head_dim), rotary[torch.arange(tokens, device=device) * 7 % rotary.shape[0]]
     expected = qk.clone()
     EAGER.rotate_(expected, table)
     kernels.rotate_(qk, table)
-    torch.testing.assert_close(qk, expected, **tolerance)
+    torch.testing.assert_close(qk, expected, atol=tolerance, rtol=tolerance)
     gate_up = randn(tokens, 2 * config.intermediate_size)
-    torch.testing.assert_close(kernels.silu_mul(gate_up), EAGER.silu_mul(gate_up), **tolerance)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), EAGER.silu_mul(gate_up), atol=tolerance, rtol=tolerance)
     if kernels.paged_decode is None:
         return
     block_size, pages, lengths = 4, 6, [5, 1, 12]
@@ -88,4 +88,4 @@ def check_kernels(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -
         kv = cache.view(-1, 2, kv_heads, head_dim)[slots].transpose(0, 2)  # [kv_heads, 2, L, head_dim]
         folded = query[row].view(kv_heads, heads // kv_heads, head_dim)
         reference = F.scaled_dot_product_attention(folded, kv[:, 0], kv[:, 1]).reshape(heads, head_dim)
-        torch.testing.assert_close(out[row], reference, **tolerance)
+        torch.testing.assert_close(out[row], reference, atol=tolerance, rtol=tolerance)
