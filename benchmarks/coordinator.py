@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Target, Window, pipelined, sequential, streaming
-from benchmarks.py_spy_profile import fold, record
 from benchmarks.progress import Progress
+from benchmarks.py_spy_profile import fold, record
 from benchmarks.stack import BenchStack, StackConfig
 from service.ops import event_loop
-from service.protocol.subjects import Header
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
-
+from service.protocol.subjects import Header
 
 RESULTS_DIR = Path("benchmarks") / "results"  # relative to where it runs: the repository root, git-ignored
 

@@ -40,7 +40,7 @@ cat "$OUT/environment.txt"
 
 # The CUDA tests: fast paths, transformers on the GPU, suspend, the paged kernel on the device.
 step gpu-tests 240 python3 -m pytest -p no:cacheprovider -q -rs \
-  tests/test_torch_gpu.py tests/test_torch_gpu_fast_paths.py tests/test_torch_kernels.py
+  tests/torch/test_torch_gpu.py tests/torch/test_torch_gpu_fast_paths.py tests/torch/test_torch_kernels.py
 
 # The rows on the 1B shape: batch 1 and 256 concurrent, transformers at batch 1 and as a
 # static batch of 256, the bandwidth floor, the shared-prefix workload with the cache on and off.

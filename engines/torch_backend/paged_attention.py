@@ -9,7 +9,7 @@ scores for the whole context. Loop bounds come from the sequence lengths on the 
 CUDA graph captured once serves every context length.
 
 Triton ships with CUDA builds of torch. ``TRITON_INTERPRET=1`` runs the same kernel on CPU
-tensors, which is how tests/test_torch_paged_attention.py checks it against the eager path.
+tensors, which is how tests/torch/test_torch_kernels.py checks it against the eager path.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ BLOCK_N = 64  # tokens per tile
 
 
 @triton.jit
-def _paged_decode_kernel(
+def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the annotations: only constexpr ones
     out_ptr, q_ptr, cache_ptr, tables_ptr, lens_ptr, scale,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride, slot_stride, value_offset, table_stride,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,

@@ -8,7 +8,7 @@ the block manager (:mod:`engines.torch_backend.block_manager`) found cached, so 
 counts only the tokens it still feeds. A preempted sequence goes back to the front of the
 queue with no pages: it is recomputed (prompt plus generated tokens, less whatever prefix is
 still cached) when pages are free again. Nothing here knows about tensors, so every rule is
-tested on its own (tests/test_torch_scheduler.py, tests/test_torch_prefix_cache.py).
+tested on its own (tests/torch/test_torch_scheduler.py, tests/torch/test_torch_prefix_cache.py).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def cuda_kernels_or_eager(model: LlamaModel, rotary: torch.Tensor, compile_point
     kernels = cuda_kernels(compile_pointwise, paged)
     try:
         check_kernels(kernels, model.config, rotary)
-    except Exception as exc:  # noqa: BLE001 - a missing compiler, an unsupported GPU: the engine still serves, slower
+    except Exception as exc:  # a missing compiler, an unsupported GPU: the engine still serves, slower
         log.warning("the CUDA kernels failed their check (%s: %s): running eager PyTorch without CUDA graphs",
                     type(exc).__name__, exc)
         return EAGER

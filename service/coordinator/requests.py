@@ -18,7 +18,7 @@ ClientKey = tuple[str | None, ClientRequestId]
 
 @dataclass(slots=True, eq=False)
 class InflightRequest:
-    route: ReturnPath
+    return_path: ReturnPath
     encoding: Encoding
     body: bytes
     client_key: ClientKey | None
@@ -28,7 +28,7 @@ class InflightRequest:
     deadline: CoarseTimer | None = None
     routed_at: float = 0.0
     partials_delivered: int = 0
-    parked_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
+    early_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
     admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
 
 
@@ -38,9 +38,9 @@ class RequestTable:
         self._by_client: dict[ClientKey, str] = {}
 
     def add(self, entry: InflightRequest) -> None:
-        self._by_id[entry.route.request_id] = entry
+        self._by_id[entry.return_path.request_id] = entry
         if entry.client_key is not None:
-            self._by_client[entry.client_key] = entry.route.request_id
+            self._by_client[entry.client_key] = entry.return_path.request_id
 
     def get(self, request_id: str) -> InflightRequest | None:
         return self._by_id.get(request_id)
