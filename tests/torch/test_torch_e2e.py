@@ -20,7 +20,7 @@ from service.ops.settings import Settings
 from service.protocol.messages import Final, Partial
 from service.protocol.subjects import Header
 from tests.helpers import request_json
-from tests.test_observability import http_get, port_of, samples, value
+from tests.integration.test_observability import http_get, port_of, samples, value
 
 
 @pytest.fixture
