@@ -3,12 +3,12 @@ interpreter, ``TRITON_INTERPRET=1``) against the eager gathered attention, alone
 the model; the ``torch.compile`` element-wise pieces traced whole (``aot_eager``, so the same
 graphs as on CUDA, without a GPU) against eager; the kernels' load-time check; the CUDA graph
 batch buckets. Where Triton is not installed (it is not in the CPU install; CUDA builds of
-torch bring it), the kernel tests skip. With a CUDA device they run on it instead."""
+torch bring it), the kernel tests skip. With a CUDA device they run on it instead; without one,
+tests/torch/conftest.py makes Triton interpret them."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -32,8 +32,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installe
 
 
 def paged_decode_kernel() -> Kernels:
-    if DEVICE.type == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is defined, at the import below
+    """Imported late: this module loads without Triton. On CPU it runs interpreted (conftest.py)."""
     from engines.torch_backend.paged_attention import paged_decode
 
     return Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, paged_decode)
