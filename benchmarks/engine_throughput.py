@@ -71,10 +71,11 @@ class Rate:
         self.cpu = max(self.cpu, tokens / cpu)
 
 
-def build_backend(args: argparse.Namespace, model_dir: Path | None, max_batch: int, prefix_caching: bool = True) -> TorchBackend:
+def build_backend(args: argparse.Namespace, model_dir: Path | None, max_batch: int, prefix_caching: bool | None = None) -> TorchBackend:
     return TorchBackend(TorchOptions(
         device=args.device, dtype=args.dtype, cpu_threads=args.threads, max_batch=max_batch,
-        max_context=args.max_context if model_dir else None, prefix_caching=prefix_caching,
+        max_context=args.max_context if model_dir else None,
+        prefix_caching=not args.no_prefix_caching if prefix_caching is None else prefix_caching,
         cuda_graphs=not args.no_cuda_graphs, torch_compile=not args.no_torch_compile,
     ), str(model_dir) if model_dir else None)
 
@@ -115,6 +116,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the best round")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's cuda_graphs setting off")
     parser.add_argument("--no-torch-compile", action="store_true", help="the engine's torch_compile setting off")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="the engine's prefix_caching setting off (rounds repeat their prompts: later rounds hit the cache)")
     parser.add_argument("--full", action="store_true", help="also step times, the bandwidth floor, a static batch and the shared prefix")
     parser.add_argument("--prefix-requests", type=int, default=256)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
