@@ -34,6 +34,7 @@ from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.fleet import Fleet
+from service.coordinator.models import ModelRoutes
 from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
@@ -53,6 +54,7 @@ from service.protocol.messages import (
     Heartbeat,
     RegisterAck,
     RoutedReply,
+    ServedModel,
     SubmitEnvelope,
     SubmitRequest,
     error_reply,
@@ -72,6 +74,7 @@ class Coordinator:
         self.nc = DirectClient()
         self.requests = RequestTable()
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
+        self.models = ModelRoutes()
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
         self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size)
         self.control_state = ControlState()
@@ -83,13 +86,14 @@ class Coordinator:
         )
         self._outbox = Outbox(self.nc, self.subjects, self.requests, self._relay)
         self._admission = Admission(
-            self.id, settings, self.subjects, self.requests, self.engines, self.peers, make_policy(settings.routing_policy),
+            self.id, settings, self.subjects, self.requests, self.engines, self.models, self.peers,
+            make_policy(settings.routing_policy),
             self.control_state, self._outbox, self._relay, self._deliveries, self.counters, self.spawn,
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._fleet = Fleet(
-            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay, self.counters,
-            self.spawn,
+            settings, self.nc, self.subjects, self.engines, self.models, self.requests, self._admission, self._relay,
+            self.counters, self.spawn,
         )
         self._control = Control(
             settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.counters, self.reply
@@ -247,6 +251,9 @@ class Coordinator:
         await self._relay.abort(entry)
         return entry.return_path.request_id
 
+    def served_models(self) -> list[ServedModel]:
+        return self.models.served()
+
     async def shut_down(self, incoming: Incoming) -> None:
         await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state))
         await self.nc.flush()
@@ -258,8 +265,8 @@ class Coordinator:
     async def control_engines(self, incoming: Incoming, signal: Header, payload: ControlSignal, state: CoordinatorState) -> None:
         await self._control.control_engines(incoming, signal, payload, state)
 
-    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int) -> None:
-        await self._fleet.register(engine_id, capacity)
+    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
+        await self._fleet.register(engine_id, capacity, model)
         if incoming.reply:
             ack = RegisterAck(self.id, self.state, self.epoch)
             await self.nc.publish(incoming.reply, encode_msgpack(ack))

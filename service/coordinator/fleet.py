@@ -1,8 +1,8 @@
 """The engine fleet as this replica sees it: joining, heartbeats, silence, and reconciliation.
 
 Contract:
-- An engine joins with zero load when it registers, or when a heartbeat introduces it to a
-  replica that did not know it (say, one that restarted). A heartbeat sent just before an
+- An engine joins with zero load, serving the model it names, when it registers, or when a
+  heartbeat introduces it to a replica that did not know it (say, one that restarted). A heartbeat sent just before an
   engine left on purpose never brings it back; only registering again does.
 - An engine silent for ``heartbeat_timeout_s`` is removed, except while this replica's own
   NATS connection is down: then the silence is ours.
@@ -27,6 +27,7 @@ from nats.errors import Error as NatsError
 
 from service.bus.direct import DirectClient
 from service.coordinator.admission import Admission
+from service.coordinator.models import ModelRoutes
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import RequestTable
@@ -47,6 +48,7 @@ class Fleet:
         nc: DirectClient,
         subjects: Subjects,
         pool: EnginePool,
+        models: ModelRoutes,
         requests: RequestTable,
         admission: Admission,
         relay: ReplyRelay,
@@ -57,6 +59,7 @@ class Fleet:
         self._nc = nc
         self._subjects = subjects
         self.pool = pool
+        self._models = models
         self._requests = requests
         self._admission = admission
         self._relay = relay
@@ -64,23 +67,25 @@ class Fleet:
         self._spawn = spawn
         self.changed = asyncio.Event()
 
-    def add(self, engine_id: str, capacity: int) -> EngineRecord:
-        record = self.pool.add(engine_id, capacity)
+    def add(self, engine_id: str, capacity: int, model: str | None) -> EngineRecord:
+        record = self.pool.add(engine_id, capacity, model)
+        self._models.add(record)
         self.changed.set()
-        log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, record.capacity, len(self.pool))
+        log.info("engine_id=%s joined (model %s, capacity %d, %d engines)", engine_id, model, record.capacity, len(self.pool))
         return record
 
-    async def register(self, engine_id: str, capacity: int) -> None:
+    async def register(self, engine_id: str, capacity: int, model: str | None) -> None:
         """An engine that registers again had restarted: its old work is lost."""
         if self.pool.get(engine_id) is not None:
             await self.remove(engine_id, "registered again")
-        self.add(engine_id, capacity)
+        self.add(engine_id, capacity, model)
 
     async def remove(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are queued again, the rest fail."""
         record = self.pool.remove(engine_id, departed)
         if record is None:
             return
+        self._models.remove(record)
         self.changed.set()
         log.warning("engine_id=%s removed (%s); %d requests in flight", engine_id, reason, record.load)
         for request_id in record.requests:
@@ -100,7 +105,7 @@ class Fleet:
         record = self.pool.get(heartbeat.engine_id)
         if record is None:
             if not self.pool.recently_departed(heartbeat.engine_id):
-                self.add(heartbeat.engine_id, heartbeat.capacity)
+                self.add(heartbeat.engine_id, heartbeat.capacity, heartbeat.served_model_name)
                 await self._admission.release_queue()
             return
         record.last_seen = time.monotonic()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 class EngineRecord:
     engine_id: str
     capacity: int
+    model: str | None = None  # the model it serves (engines older than model names report none)
     last_seen: float = field(default_factory=time.monotonic)
     requests: set[str] = field(default_factory=set)
     reconciling: bool = False
@@ -35,9 +36,9 @@ class EnginePool:
         self._departed: dict[str, float] = {}
         self.ordered: list[EngineRecord] = []
 
-    def add(self, engine_id: str, capacity: int) -> EngineRecord:
+    def add(self, engine_id: str, capacity: int, model: str | None = None) -> EngineRecord:
         """Adds a fresh record with zero load; an existing one must be removed first."""
-        record = EngineRecord(engine_id, min(capacity, self._max_inflight))
+        record = EngineRecord(engine_id, min(capacity, self._max_inflight), model)
         self._engines[engine_id] = record
         self._departed.pop(engine_id, None)
         self.ordered = list(self._engines.values())

@@ -159,8 +159,10 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
-    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "future", 42]), Encoding.MSGPACK)
+    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, "future", 42]), Encoding.MSGPACK)
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
+    with_model = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", "future"]), Encoding.MSGPACK)
+    assert with_model == SubmitEnvelope(1, b"{}", True, 9, "c", model="m")
 
 
 def test_envelope_reply_to_must_be_a_publishable_subject() -> None:
