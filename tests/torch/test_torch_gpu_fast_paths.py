@@ -1,7 +1,7 @@
 """The CUDA fast paths of the torch backend: the Triton paged decode kernel, compiled
 element-wise pieces, decode CUDA graphs per batch bucket, overlapped steps and prefix caching,
 against transformers and against the same engine with every fast path off. Skipped without a
-CUDA device (run them with ``pytest -m gpu tests/torch/test_torch_gpu*.py``)."""
+CUDA device (run them with ``pytest -m gpu tests/torch/test_torch_gpu*.py``; the kernel tests of test_torch_kernels.py run on the device too, unmarked)."""
 
 from __future__ import annotations
 
