@@ -57,6 +57,17 @@ class CoordinatorStatus(msgspec.Struct):
     revision: int = 0
 
 
+class PrefixCacheStatus(msgspec.Struct):
+    """An engine's KV cache: how often admitted prompts found their prefix already cached."""
+
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_pages: int
+    evicted_pages: int
+    total_pages: int
+
+
 class EngineStatus(msgspec.Struct):
     engine_id: str
     subject_prefix: str
@@ -66,6 +77,7 @@ class EngineStatus(msgspec.Struct):
     active_requests: int
     epoch: int | None
     counters: dict[str, int]
+    prefix_cache: PrefixCacheStatus | None = None  # None: a backend without a KV cache (echo)
 
 
 async def add_status_service(
