@@ -81,6 +81,7 @@ async def handle_shutdown(coordinator: ClientContext, incoming: Incoming, payloa
     """Sent by an admin client, with an empty body, from an inbox prefix that sent ``connect``
     (403 otherwise: a known client, besides the NATS permissions that reserve it to the admin).
 
-    Answers an ``Ack`` with the state, then the coordinator stops; every open request gets an
+    Stops every coordinator replica of the prefix: answers an ``Ack`` with the state and
+    ``replicas``, how many there were, then each replica stops; every open request gets an
     error reply on the way out."""
     await coordinator.shut_down(incoming)

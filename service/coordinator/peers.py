@@ -33,7 +33,7 @@ class CoordinatorPeers:
             return True
         now = time.monotonic()
         if coordinator_id not in self._last_seen and len(self._last_seen) >= self._max_peers:
-            self._live(now)
+            self.live()
             if len(self._last_seen) >= self._max_peers:
                 return False
         self._last_seen[coordinator_id] = now
@@ -48,7 +48,9 @@ class CoordinatorPeers:
         """This replica itself, or a peer it has heard (recently enough to remember)."""
         return coordinator_id == self._own_id or coordinator_id in self._known
 
-    def _live(self, now: float) -> list[str]:
+    def live(self) -> list[str]:
+        """The other replicas heard within the heartbeat timeout."""
+        now = time.monotonic()
         self._last_seen = {peer: seen for peer, seen in self._last_seen.items() if now - seen < self._timeout_s}
         return list(self._last_seen)
 
@@ -58,5 +60,5 @@ class CoordinatorPeers:
         return time.monotonic() - self._started_at >= self._timeout_s
 
     def should_adopt(self, owner_id: str) -> bool:
-        live = self._live(time.monotonic())
+        live = self.live()
         return owner_id not in live and min([self._own_id, *live]) == self._own_id

@@ -44,6 +44,8 @@ class EngineLoad(msgspec.Struct):
 
 
 class CoordinatorStatus(msgspec.Struct):
+    """``peers``: the other replicas this one hears; ``revision``: of the shared control state."""
+
     coordinator_id: str
     subject_prefix: str
     state: str
@@ -51,6 +53,19 @@ class CoordinatorStatus(msgspec.Struct):
     requests_in_flight: int
     engines: list[EngineLoad]
     counters: dict[str, int]
+    peers: list[str] = msgspec.field(default_factory=list)
+    revision: int = 0
+
+
+class PrefixCacheStatus(msgspec.Struct):
+    """An engine's KV cache: how often admitted prompts found their prefix already cached."""
+
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_pages: int
+    evicted_pages: int
+    total_pages: int
 
 
 class EngineStatus(msgspec.Struct):
@@ -62,6 +77,7 @@ class EngineStatus(msgspec.Struct):
     active_requests: int
     epoch: int | None
     counters: dict[str, int]
+    prefix_cache: PrefixCacheStatus | None = None  # None: a backend without a KV cache (echo)
 
 
 async def add_status_service(

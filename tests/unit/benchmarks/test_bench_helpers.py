@@ -8,7 +8,7 @@ import time
 
 from benchmarks.coordinator import TARGETS, build_parser, percentile, round_ratios, summarise
 from benchmarks.proc_cpu import cpu_seconds
-from benchmarks.profile import fold
+from benchmarks.py_spy_profile import fold
 
 
 def _measured(dpcoord_rate: float, raw_rate: float) -> dict:
