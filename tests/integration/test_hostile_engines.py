@@ -29,7 +29,7 @@ from service.protocol.messages import (
     RoutedReply,
 )
 from tests.conftest import EngineFactory
-from tests.helpers import decode_reply, engines_become, request_json
+from tests.helpers import decode_reply, engines_become, request, request_json
 
 
 def plain(coordinator: Coordinator, header: str) -> str:
@@ -207,8 +207,9 @@ async def test_a_reply_counts_only_from_the_engine_its_request_was_routed_to(
     coordinator.engines.get("intruder").capacity = 0  # type: ignore[union-attr]  # the real engine gets the request
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(coordinator.subjects.coordinator("submit_request"), b'{"prompt": "real", "sampling_params": {"max_tokens": 4}}', reply=inbox)
-    await nc.flush()
+    submit = coordinator.subjects.coordinator("submit_request")
+    await nc.publish(submit, b'{"prompt": "real", "sampling_params": {"max_tokens": 4}}', reply=inbox)
+    await request(nc, submit, b"{}")  # refused, on the same subject: once answered, the first was admitted
     [entry] = list(coordinator.requests)
     request_id = entry.return_path.request_id
     # As itself, and claiming to be the engine the request went to, on every subject it could.

@@ -299,6 +299,7 @@ def wrote_it(before: CoordinatorState, ack: dict[str, Any], after: CoordinatorSt
 async def test_shutdown_stops_every_replica(settings: Settings, replicas: ReplicaSet, engines: Engines, nc: NATS) -> None:
     fleet_engines = await fleet(replicas, engines, count=1)
     await replicas.wait_for(lambda statuses: all(len(s["peers"]) == 2 for s in statuses.values()), 5)
+    assert (await signal(nc, settings, "connect"))["type"] == "connect_ack"  # shutdown needs a client that connected
     ack = await signal(nc, settings, "shutdown")
     assert ack["type"] == "ack" and ack["signal"] == "shutdown" and ack["replicas"] == 3, ack
     for coordinator_id in IDS:

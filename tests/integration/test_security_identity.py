@@ -205,7 +205,8 @@ def engine_template() -> dict[str, object]:
 async def test_jwt_name_templates_let_each_engine_speak_only_as_itself(tmp_path: Path) -> None:
     operator = Operator(tmp_path)
     operator.scope("engine", engine_template())
-    with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config()))) as server:
+    # JetStream in operator mode needs a system account; this is about engine identity, so without it.
+    with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config())), jetstream=False) as server:
         fleet = make_settings(server.url, subject_prefix="dpcoord", nats_creds_file=str(operator.user("fleet")))
         engines = {
             engine_id: make_settings(
