@@ -3,7 +3,6 @@ for heartbeats between coordinator replicas."""
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from handlers.registry import message_handler
@@ -44,7 +43,7 @@ async def handle_heartbeat(coordinator: Coordinator, sender: Sender, payload: He
         coordinator.add_engine(payload.engine_id, payload.capacity)
         await coordinator.dispatch_held()
         return
-    record.last_seen = time.monotonic()
+    coordinator.engines.heard(record)
     active = set(payload.active)
     if not record.reconciling and not record.requests <= active:
         coordinator.spawn(coordinator.reconcile(record, active))

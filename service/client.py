@@ -33,6 +33,7 @@ from service.protocol.errors import ErrorCode, WireError
 from service.bus.connection import close_nats, connect_nats
 from service.bus.refusals import PublishRefusals
 from service.ops.settings import Settings
+from service.protocol.prefix import prefix_hashes
 from service.protocol.subjects import Header, Subjects
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import (
@@ -144,13 +145,16 @@ class DpcoordClient:
     def _submission(
         self, prompt: str | list[int], stream: bool, client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any]
     ) -> bytes:
-        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt."""
+        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
+        carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
+        than one block)."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
         request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
         body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id))
-        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s))
+        hashes = prefix_hashes(prompt) or None
+        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, hashes))
 
     async def submit(
         self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any

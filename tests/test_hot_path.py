@@ -159,7 +159,7 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
-    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "future", 42]), Encoding.MSGPACK)
+    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, "future", 42]), Encoding.MSGPACK)
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
 
 

@@ -29,6 +29,7 @@ from handlers.registry import HandlerRegistry, HandlerSpec
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.broadcast import BroadcastResult, broadcast
 from service.bus.direct import DirectClient, DirectSubscription
+from service.coordinator.fleet_log import FleetLog
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.protocol.errors import ErrorCode, WireError
 from service.ops.latency import RequestLatency
@@ -104,7 +105,8 @@ class Coordinator:
         self.latency = RequestLatency()
         self.engines_changed = asyncio.Event()
         self._handlers = handlers
-        self._policy = make_policy(settings.routing_policy)
+        self._policy = make_policy(settings, self.engines)
+        self._fleet_log = FleetLog(log)
         self._held: deque[InflightRequest] = deque()
         self._deadlines = CoarseTimers()
         self._outbox: dict[str, list[InflightRequest]] = {}
@@ -264,13 +266,14 @@ class Coordinator:
         if running and len(self.engines) == 0 and self.peers.warmed_up:
             # A replica just started holds instead: heartbeats are about to introduce the fleet.
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
-        engine = self._policy.choose(self.engines.ordered) if running else None
+        key = self._policy.key_of(submit)
+        engine = self._policy.choose(key) if running else None
         if engine is None and len(self._held) >= self.settings.max_queued_requests:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self.settings.max_queued_requests} held)")
 
         request_id = f"{self.id}-{next(self._sequence)}"
         route = ReturnPath(request_id, self.id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(route, encoding, body, client_key)
+        entry = InflightRequest(route, encoding, body, client_key, routing_key=key)
         entry.deadline = self._deadlines.call_later(timeout_s or self.settings.request_timeout_s, self._expire, request_id)
         self.requests.add(entry)
         self.counters["submitted"] += 1
@@ -309,7 +312,7 @@ class Coordinator:
         entry.engine_id = engine.engine_id
         entry.attempts += 1
         entry.routed_at = time.monotonic()
-        engine.requests.add(entry.route.request_id)
+        self.engines.assign(engine, entry.route.request_id)
         batch = self._outbox.get(engine.engine_id)
         if batch is None:
             self._outbox[engine.engine_id] = [entry]
@@ -326,6 +329,7 @@ class Coordinator:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
             outbox, self._outbox = self._outbox, {}
+            self._policy.turn_ended()
             for engine_id, entries in outbox.items():
                 try:
                     await self._publish_routed(engine_id, entries)
@@ -360,6 +364,8 @@ class Coordinator:
     async def _publish_batch(self, subject: str, batch: list[RoutedRequest]) -> None:
         try:
             await self.nc.publish(subject, encode_msgpack(RoutedRequestBatch(batch)))
+            self.counters["routed_messages"] += 1
+            self.counters["routed_requests"] += len(batch)
         except Exception as exc:  # the routing task must outlive any one failed publish
             log.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for routed in batch:
@@ -378,7 +384,7 @@ class Coordinator:
                 self._held.popleft()
                 await self.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
                 continue
-            engine = self._policy.choose(self.engines.ordered)
+            engine = self._policy.choose(entry.routing_key)
             if engine is None:
                 return
             self._held.popleft()
@@ -393,7 +399,7 @@ class Coordinator:
         if entry.engine_id is not None:
             engine = self.engines.get(entry.engine_id)
             if engine is not None:
-                engine.requests.discard(request_id)
+                self.engines.release(engine, request_id)
         return entry
 
     async def deliver(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
@@ -532,7 +538,7 @@ class Coordinator:
     def add_engine(self, engine_id: str, capacity: int) -> EngineRecord:
         record = self.engines.add(engine_id, capacity)
         self.engines_changed.set()
-        log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, record.capacity, len(self.engines))
+        self._fleet_log.joined(engine_id, record.capacity, len(self.engines))
         return record
 
     async def remove_engine(self, engine_id: str, reason: str, departed: bool = True) -> None:
@@ -541,7 +547,7 @@ class Coordinator:
         if record is None:
             return
         self.engines_changed.set()
-        log.warning("engine_id=%s removed (%s); %d requests in flight", engine_id, reason, record.load)
+        self._fleet_log.removed(engine_id, reason, record.load, len(self.engines))
         for request_id in record.requests:
             entry = self.requests.get(request_id)
             if entry is None:
@@ -577,9 +583,7 @@ class Coordinator:
         self.deliveries.hold()
 
     def _on_bus_back(self) -> None:
-        now = time.monotonic()
-        for record in self.engines:
-            record.last_seen = now
+        self.engines.heard_all()
         asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)
 
     def _open_deliveries(self) -> None:
@@ -613,7 +617,7 @@ class Coordinator:
             entry = self.requests.get(request_id)
             if entry is None or entry.engine_id != record.engine_id:
                 continue
-            record.requests.discard(request_id)
+            self.engines.release(record, request_id)
             if entry.streamed:
                 await self.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
                 continue

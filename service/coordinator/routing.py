@@ -1,7 +1,20 @@
-"""Routing policies: which engine gets the next request.
+"""Routing policies: which engine gets the next request, in O(1) whatever the fleet's size.
 
-A policy is a small object with ``choose(engines)``; it returns None when every engine is
-full, so the coordinator can queue or refuse the request.
+A policy reads the indexes of :class:`~service.coordinator.pool.EnginePool` and never scans
+the engines. ``choose`` returns None when every engine is full, so the coordinator can hold
+or refuse the request. The coordinator calls ``turn_ended`` when it publishes the requests
+routed in one event-loop turn (one message per engine), so a policy knows which engine is
+already receiving a batch.
+
+- ``least_loaded`` (default): fewest requests in flight, equals in rotation. With a
+  ``routing_load_slack`` of s, the engine already receiving a batch this turn keeps getting
+  requests while its load is at most the least loaded engine's plus s: under load, routed
+  messages keep carrying several requests however many engines there are, at the price of
+  loads differing by up to s + 1. O(1).
+- ``p2c``: power of two choices. Two engines drawn at random, the less loaded one wins (the
+  same slack applies against it). O(1), with no shared order among coordinator replicas.
+- ``round_robin``: each engine with room in turn, ignoring load. O(1).
+- ``prefix``: see :mod:`service.coordinator.prefix_routing`.
 """
 
 from __future__ import annotations
@@ -9,56 +22,108 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from service.coordinator.pool import EngineRecord
+from service.coordinator.pool import EnginePool, EngineRecord
+from service.coordinator.prefix_routing import PrefixAware, PrefixTable
+from service.ops.settings import Settings
+from service.protocol.messages import SubmitEnvelope, SubmitRequest
+
+PrefixHashes = Sequence[int]
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, engines: Sequence[EngineRecord]) -> EngineRecord | None: ...
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
+        """What ``choose`` needs of a submission beyond the fleet's loads (prefix hashes), if anything."""
+        ...
+
+    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None: ...
+
+    def turn_ended(self) -> None: ...
 
 
-class LeastLoaded:
-    """Fewest requests in flight; among equals, the scan starts one engine later each time,
-    so ties rotate instead of always landing on the first engine."""
+class _Batching:
+    """The engine receiving a batch this loop turn, kept while it stays within the load slack."""
 
-    def __init__(self) -> None:
-        self._offset = 0
+    def __init__(self, load_slack: int) -> None:
+        self._slack = load_slack
+        self._current: EngineRecord | None = None
 
-    def choose(self, engines: Sequence[EngineRecord]) -> EngineRecord | None:
-        count = len(engines)
-        if count <= 1:  # nothing to compare: the common single-engine case stays cheap
-            return engines[0] if count and len(engines[0].requests) < engines[0].capacity else None
-        self._offset = (self._offset + 1) % count
-        best: EngineRecord | None = None
-        best_load = 0
-        for i in range(count):
-            record = engines[(self._offset + i) % count]
-            load = len(record.requests)
-            if load < record.capacity and (best is None or load < best_load):
-                best, best_load = record, load
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
+        return None
+
+    def _keep_batching(self, lowest_load: int) -> EngineRecord | None:
+        current = self._current
+        if current is None or current.slot < 0:
+            return None
+        load = len(current.requests)
+        return current if load < current.capacity and load <= lowest_load + self._slack else None
+
+    def turn_ended(self) -> None:
+        self._current = None
+
+
+class LeastLoaded(_Batching):
+    def __init__(self, pool: EnginePool, load_slack: int = 0) -> None:
+        super().__init__(load_slack)
+        self._pool = pool
+
+    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None:
+        pool = self._pool
+        least = pool.least_loaded()
+        if least is None:
+            return None
+        kept = self._keep_batching(pool.lowest_load)
+        if kept is not None:
+            return kept
+        self._current = least
+        return least
+
+
+class PowerOfTwoChoices(_Batching):
+    def __init__(self, pool: EnginePool, load_slack: int = 0) -> None:
+        super().__init__(load_slack)
+        self._pool = pool
+
+    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None:
+        pool = self._pool
+        if len(pool) == 0:
+            return None
+        first, second = pool.sample_two()
+        best = first if len(first.requests) <= len(second.requests) else second
+        if len(best.requests) >= best.capacity:
+            with_room = pool.least_loaded()
+            if with_room is None:
+                return None
+            best = with_room
+        kept = self._keep_batching(len(best.requests))
+        if kept is not None:
+            return kept
+        self._current = best
         return best
 
 
 class RoundRobin:
-    """Each engine in turn, skipping full ones."""
+    def __init__(self, pool: EnginePool) -> None:
+        self._pool = pool
 
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(self, engines: Sequence[EngineRecord]) -> EngineRecord | None:
-        count = len(engines)
-        for i in range(count):
-            record = engines[(self._next + i) % count]
-            if record.has_room:
-                self._next = (self._next + i + 1) % count
-                return record
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
         return None
 
+    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None:
+        return self._pool.next_in_turn()
 
-POLICIES: dict[str, type[LeastLoaded] | type[RoundRobin]] = {"least_loaded": LeastLoaded, "round_robin": RoundRobin}
+    def turn_ended(self) -> None:
+        pass
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+def make_policy(settings: Settings, pool: EnginePool) -> RoutingPolicy:
+    name = settings.routing_policy
+    if name == "least_loaded":
+        return LeastLoaded(pool, settings.routing_load_slack)
+    if name == "p2c":
+        return PowerOfTwoChoices(pool, settings.routing_load_slack)
+    if name == "round_robin":
+        return RoundRobin(pool)
+    if name == "prefix":
+        table = PrefixTable(settings.prefix_table_size, settings.prefix_ttl_s)
+        return PrefixAware(LeastLoaded(pool, settings.routing_load_slack), pool, table, settings.prefix_load_bound)
+    raise ValueError(f"unknown routing policy {name!r}")
