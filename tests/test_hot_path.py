@@ -163,6 +163,14 @@ def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
 
 
+def test_envelope_carries_at_most_16_prefix_hashes() -> None:
+    fields = [1, b"{}", False, 1, None, None, None]
+    assert _decoder.decode(msgpack.packb([*fields, list(range(16))]), Encoding.MSGPACK).prefix_hashes == list(range(16))
+    with pytest.raises(WireError) as caught:
+        _decoder.decode(msgpack.packb([*fields, list(range(17))]), Encoding.MSGPACK)
+    assert caught.value.code == 400 and "length <= 16 - at `$[7]`" in caught.value.message
+
+
 def test_envelope_reply_to_must_be_a_publishable_subject() -> None:
     with pytest.raises(WireError) as caught:
         _decoder.decode(msgpack.packb([1, b"{}", False, 1, None, "results.>"]), Encoding.MSGPACK)
