@@ -60,6 +60,7 @@ class DocEngine:
     engine_id: str
     active: dict[str, Active] = field(default_factory=dict)
     paused: bool = False
+    registered: bool = False
 
 
 def _encode(message: dict[str, Any], encoding: str) -> bytes:
@@ -84,7 +85,7 @@ def _text(tokens: list[int]) -> str:
 
 class DocEngineFleet:
     """Many engines on one NATS connection. ``start`` subscribes, ``register`` registers them
-    all, ``start_heartbeats`` starts beating, ``leave`` disconnects them."""
+    all (each heartbeats from its acknowledgement on), ``leave`` disconnects them."""
 
     def __init__(
         self, nc: NATS, prefix: str, engine_ids: list[str], capacity: int = 256,
@@ -115,6 +116,7 @@ class DocEngineFleet:
     async def register(self, concurrency: int = 256, timeout_s: float = 30.0) -> None:
         """Register every engine (several registrations in flight at once)."""
         gate = asyncio.Semaphore(concurrency)
+        self._tasks.append(asyncio.create_task(self._heartbeats()))
 
         async def one(engine: DocEngine) -> None:
             message = msgpack.packb({"engine_id": engine.engine_id, "capacity": self.capacity, "backend": "doc", "paused": False})
@@ -122,11 +124,9 @@ class DocEngineFleet:
                 ack = msgpack.unpackb((await self.nc.request(f"{self.prefix}.register", message, timeout=timeout_s)).data)
             self.coordinator_ids.add(ack["coordinator_id"])
             engine.paused = ack["state"] != "running"
+            engine.registered = True
 
         await asyncio.gather(*(one(engine) for engine in self.engines.values()))
-
-    def start_heartbeats(self) -> None:
-        self._tasks.append(asyncio.create_task(self._heartbeats()))
 
     async def leave(self, reason: str = "shutdown") -> None:
         for task in self._tasks:
@@ -138,7 +138,7 @@ class DocEngineFleet:
         await self.nc.flush()
 
     async def _heartbeats(self) -> None:
-        """Every engine once per interval, spread over it in ten slices."""
+        """Every registered engine once per interval, spread over it in ten slices."""
         engines = list(self.engines.values())
         slices = [engines[index::10] for index in range(10)]
         subject = f"{self.prefix}.heartbeat"
@@ -146,6 +146,8 @@ class DocEngineFleet:
             for part in slices:
                 started = time.monotonic()
                 for engine in part:
+                    if not engine.registered:
+                        continue
                     beat = {"engine_id": engine.engine_id, "load": len(engine.active), "capacity": self.capacity,
                             "active": list(engine.active)}
                     await self.nc.publish(subject, msgpack.packb(beat))
@@ -293,7 +295,6 @@ async def _serve(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     await fleet.register()
     print(f"registered {len(ids)} {time.perf_counter() - started:.6f}", flush=True)
-    fleet.start_heartbeats()
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     await stopping.wait()

@@ -38,7 +38,6 @@ async def fleet(coordinator: Coordinator, nc: NATS) -> AsyncIterator[DocEngineFl
     )
     await fleet.start()
     await fleet.register()
-    fleet.start_heartbeats()
     yield fleet
     await fleet.leave()
 

@@ -69,9 +69,13 @@ _resend_answer_decoder = msgpack_decoder(ResendAnswer)
 # Most orphan replies buffered while a new replica learns which peers are alive.
 MAX_BUFFERED_ORPHANS = 10_000
 
-# The hot path, handled on nats-py's reading task (service/bus/direct.py). Their handlers
+# The hot path, and what every engine sends (a fleet of thousands heartbeats thousands of
+# times a second), handled on nats-py's reading task (service/bus/direct.py). Their handlers
 # must never wait for another NATS message; publishing is fine.
-DIRECT_HEADERS: frozenset[str] = frozenset({Header.SUBMIT_REQUEST, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL})
+DIRECT_HEADERS: frozenset[str] = frozenset({
+    Header.SUBMIT_REQUEST, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL,
+    Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT,
+})
 
 # Bytes a routed request adds to its body and the variable strings of its return path (the
 # ids, encoding and msgpack framing), and bytes of framing per batch: generous bounds that
