@@ -21,6 +21,7 @@ from service.ops.settings import Settings
 from service.protocol.subjects import Header
 
 BENCHMARK_MODULE = "benchmarks.coordinator"
+FLEET_BENCHMARK_MODULE = "benchmarks.fleet"  # dpcoord bench --simulated-engines N,...
 
 CONTROL_COMMANDS: dict[str, Header] = {
     "pause": Header.PAUSE,
@@ -73,21 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--timeout", type=float, default=30.0)
     bench = commands.add_parser(
         "bench", add_help=False,
-        help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run",
+        help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run; "
+        "with --simulated-engines N,...: the fleet-size benchmark",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)")
     return parser
 
 
 def _run_bench(argv: list[str]) -> int:
-    """The benchmarks live in the source checkout, not in the images: load them only here."""
+    """The benchmarks live in the source checkout, not in the images: load them only here.
+    With ``--simulated-engines`` it is the fleet-size benchmark, else the coordinator benchmark."""
+    fleet = any(arg.split("=", 1)[0] == "--simulated-engines" for arg in argv)
+    module = FLEET_BENCHMARK_MODULE if fleet else BENCHMARK_MODULE
     try:
-        benchmark = importlib.import_module(BENCHMARK_MODULE)
+        benchmark = importlib.import_module(module)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not BENCHMARK_MODULE.startswith(exc.name):
+        if exc.name is None or not module.startswith(exc.name):
             raise
         print(
-            f"dpcoord bench: {BENCHMARK_MODULE} is not installed here; run it from a source checkout "
+            f"dpcoord bench: {module} is not installed here; run it from a source checkout "
             "(pip install -e '.[bench]')",
             file=sys.stderr,
         )
@@ -208,9 +213,10 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the benchmark parses its own flags: argparse's REMAINDER refuses leading ones
+        return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return _run_bench(args.bench_args)
     try:
         settings = settings_from(args)
     except ValidationError as exc:

@@ -40,7 +40,7 @@ class Settings(BaseSettings):
         "or prefix (where its prompt's longest prefix went, within prefix_load_bound); see docs/protocol.md",
     )
     routing_load_slack: int = Field(
-        4, ge=0,
+        8, ge=0,
         description="least_loaded, p2c, prefix: an engine already receiving a batch this event-loop turn keeps getting "
         "requests while its load is at most the least loaded engine's plus this, so routed messages stay batched",
     )

@@ -1,0 +1,160 @@
+"""The engine pool's bookkeeping in O(1) (membership, loads, silence, departures) and the
+join/leave log summed per second. No bus needed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from service.coordinator.fleet_log import FleetLog
+from service.coordinator.load_index import LoadIndex
+from service.coordinator.pool import EnginePool, EngineRecord
+
+
+def full_pool(count: int, capacity: int = 4) -> EnginePool:
+    pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=60.0)
+    for index in range(count):
+        pool.add(f"e{index}", capacity)
+    return pool
+
+
+def test_removal_keeps_every_other_engine_findable_and_sampled() -> None:
+    pool = full_pool(6)
+    for engine_id in ("e0", "e5", "e2"):
+        removed = pool.remove(engine_id, departed=True)
+        assert removed is not None and not removed.in_pool
+    assert sorted(record.engine_id for record in pool) == ["e1", "e3", "e4"]
+    assert all(pool.get(record.engine_id) is record for record in pool)
+    assert {engine for _ in range(200) for engine in pool.sample_two()} == set(pool)
+    assert pool.remove("e0", departed=True) is None
+
+
+def test_sample_two_draws_two_distinct_engines() -> None:
+    pool = full_pool(2)
+    assert all(len({id(record) for record in pool.sample_two()}) == 2 for _ in range(50))
+    single = full_pool(1)
+    assert single.sample_two() == (single.get("e0"), single.get("e0"))
+
+
+def test_capacity_is_capped_by_the_coordinator_setting() -> None:
+    pool = EnginePool(max_inflight_per_engine=2, departed_memory_s=1.0)
+    record = pool.add("big", 1000)
+    assert record.capacity == 2
+    pool.assign(record, "a")
+    pool.assign(record, "b")
+    assert not record.has_room and pool.least_loaded() is None and pool.next_in_turn() is None
+
+
+def test_assign_and_release_are_idempotent() -> None:
+    pool = full_pool(2)
+    e0 = pool.get("e0")
+    assert e0 is not None
+    pool.assign(e0, "r")
+    pool.assign(e0, "r")
+    assert e0.load == 1 and pool.least_loaded() is pool.get("e1")
+    assert pool.release(e0, "r") and not pool.release(e0, "r")
+    assert e0.load == 0
+
+
+def test_a_removed_engine_keeps_its_requests_but_leaves_every_index() -> None:
+    pool = full_pool(1)
+    record = pool.get("e0")
+    assert record is not None
+    pool.assign(record, "r")
+    pool.remove("e0", departed=False)
+    assert record.requests == {"r"}
+    assert pool.least_loaded() is None and pool.next_in_turn() is None and len(pool) == 0
+    assert pool.release(record, "r")  # a late answer for the removed engine changes nothing else
+
+
+def test_silent_engines_are_found_without_reading_the_others() -> None:
+    pool = full_pool(5)
+    for engine_id in ("e1", "e3"):
+        pool.heard(pool.get(engine_id))  # type: ignore[arg-type]
+    heard_at = pool.get("e1").last_seen  # type: ignore[union-attr]
+    assert [record.engine_id for record in pool.silent_since(heard_at)] == ["e0", "e2", "e4"]
+    pool.heard_all()
+    assert pool.silent_since(time.monotonic() - 1.0) == []
+
+
+def test_departed_engines_are_remembered_for_a_while() -> None:
+    pool = EnginePool(max_inflight_per_engine=4, departed_memory_s=60.0)
+    pool.add("gone", 4)
+    pool.add("silent", 4)
+    pool.remove("gone", departed=True)
+    pool.remove("silent", departed=False)
+    assert pool.recently_departed("gone") and not pool.recently_departed("silent")
+    pool.add("gone", 4)
+    assert not pool.recently_departed("gone")  # registering again is welcome
+    forgetful = EnginePool(max_inflight_per_engine=4, departed_memory_s=0.0)
+    forgetful.add("gone", 4)
+    forgetful.remove("gone", departed=True)
+    assert not forgetful.recently_departed("gone")
+
+
+def test_load_index_walks_up_past_emptied_buckets() -> None:
+    index: LoadIndex[str] = LoadIndex()
+    index.add("a", 0)
+    index.add("b", 3)
+    assert index.least_loaded() == "a" and index.lowest_load == 0
+    index.discard("a", 0)
+    assert index.least_loaded() == "b" and index.lowest_load == 3
+    index.add("c", 1)
+    assert index.least_loaded() == "c" and index.lowest_load == 1
+    index.discard("c", 1)
+    index.discard("b", 3)
+    assert index.least_loaded() is None
+
+
+def test_pool_records_compare_by_identity() -> None:
+    assert EngineRecord("same", 4) != EngineRecord("same", 4)
+
+
+# ---------------------------------------------------------------- join and leave log
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.summed = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        self.lines.append(line)
+        if " more engines " in line:
+            self.summed.set()
+
+
+@pytest.fixture
+def lines() -> Lines:
+    handler = Lines()
+    logger = logging.getLogger("tests.fleet_log")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+async def test_a_burst_of_joins_is_one_line_then_one_sum(lines: Lines) -> None:
+    fleet_log = FleetLog(logging.getLogger("tests.fleet_log"), interval_s=0.2)
+    for index in range(1000):
+        fleet_log.joined(f"e{index}", 256, index + 1)
+    assert lines.lines == ["engine_id=e0 joined (capacity 256, 1 engines)"]
+    await asyncio.wait_for(lines.summed.wait(), 5)
+    assert lines.lines[1] == "999 more engines joined in the last 0.2 s, the last engine_id=e999 (1000 engines)"
+
+
+async def test_a_burst_of_removals_is_summed_by_reason(lines: Lines) -> None:
+    fleet_log = FleetLog(logging.getLogger("tests.fleet_log"), interval_s=0.2)
+    for index in range(30):
+        fleet_log.removed(f"e{index}", "shutdown" if index % 3 else "no heartbeat", 2, 29 - index)
+    assert lines.lines == ["engine_id=e0 removed (no heartbeat); 2 requests in flight"]
+    await asyncio.wait_for(lines.summed.wait(), 5)
+    assert lines.lines[1] == (
+        "29 more engines removed in the last 0.2 s (20 shutdown, 9 no heartbeat), the last engine_id=e29; "
+        "58 requests in flight; 0 engines"
+    )
