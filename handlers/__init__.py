@@ -1,9 +1,10 @@
 """Message handlers of the coordinator, one per header; importing this package registers them all.
 
-See :mod:`handlers.registry` for the extension contract.
+See :mod:`handlers.registry` for the extension contract. The command line hands
+:data:`HANDLERS` to the coordinator; the coordinator itself never imports this package.
 """
 
-from handlers.registry import HANDLERS, HandlerRegistry, message_handler
 from handlers import client, control, engine  # noqa: F401  (registration on import)
+from handlers.registry import HANDLERS, message_handler
 
-__all__ = ["HANDLERS", "HandlerRegistry", "message_handler"]
+__all__ = ["HANDLERS", "message_handler"]

@@ -3,62 +3,60 @@
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING
 
+from handlers.context import ClientContext
 from handlers.registry import message_handler
+from service.bus.registry import Incoming
 from service.protocol import PROTOCOL_VERSION
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.messages import AbortRequest, Ack, ConnectAck, ConnectRequest, Empty, SubmitEnvelope, SubmitRequest
 from service.protocol.subjects import Header
-from service.protocol.messages import (
-    AbortRequest,
-    Ack,
-    ConnectAck,
-    ConnectRequest,
-    Empty,
-    SubmitEnvelope,
-    SubmitRequest,
-)
-
-if TYPE_CHECKING:
-    from service.coordinator.coordinator import Coordinator, Sender
 
 
 @message_handler(Header.CONNECT)
-async def handle_connect(coordinator: Coordinator, sender: Sender, payload: ConnectRequest) -> None:
-    """Hand out a client id and the protocol version; optional for clients."""
+async def handle_connect(coordinator: ClientContext, incoming: Incoming, payload: ConnectRequest) -> None:
+    """Sent by a client once, optionally, with the ``client_id`` it wants (or none).
+
+    Answers a ``ConnectAck``: the client id to use (a fresh one when none was given), this
+    coordinator's id and the protocol version."""
     client_id = payload.client_id or f"client-{uuid.uuid4().hex[:12]}"
-    await coordinator.reply(sender, ConnectAck(client_id, coordinator.id, PROTOCOL_VERSION))
+    await coordinator.reply(incoming, ConnectAck(client_id, coordinator.id, PROTOCOL_VERSION))
 
 
-@message_handler(Header.SUBMIT_REQUEST)
-async def handle_submit_request(coordinator: Coordinator, sender: Sender, payload: SubmitRequest | SubmitEnvelope) -> None:
-    """Route a client request to an engine, or hold it while paused or while every engine is full.
+@message_handler(Header.SUBMIT_REQUEST, direct=True)
+async def handle_submit_request(
+    coordinator: ClientContext, incoming: Incoming, payload: SubmitRequest | SubmitEnvelope
+) -> None:
+    """Sent by a client: a prompt and sampling parameters (``SubmitRequest``, JSON or msgpack),
+    or the client library's ``SubmitEnvelope`` (routing fields plus the body, undecoded).
 
-    A plain body is validated whole here; the client library's envelope is routed by its own
-    fields and its body is validated by the engine, so the coordinator never decodes a prompt."""
-    await coordinator.admit(sender, payload)
+    Routed to an engine, or queued while paused or while every engine is full; the engine's
+    partials (when ``stream``) and exactly one final or error reach ``reply_to`` (else the NATS
+    reply subject). Refusals answer an error: 400 malformed, 409 duplicate id, 413 too large,
+    429 queue full, 503 no engine. The envelope's body is validated by the engine, so the
+    coordinator never decodes a prompt."""
+    await coordinator.admit(incoming, payload)
 
 
 @message_handler(Header.ABORT_REQUEST)
-async def handle_abort_request(coordinator: Coordinator, sender: Sender, payload: AbortRequest) -> None:
-    """Cancel a request by ``request_id`` or by ``(client_id, client_request_id)``; its final says ``abort``."""
+async def handle_abort_request(coordinator: ClientContext, incoming: Incoming, payload: AbortRequest) -> None:
+    """Sent by a client: ``request_id``, or ``client_id`` and ``client_request_id``.
+
+    The request ends with a final whose finish reason is ``abort``; the sender gets an ``Ack``
+    naming the request id, or 404 when no such request is in flight."""
     if payload.request_id is not None:
-        entry = coordinator.requests.get(payload.request_id)
-        wanted = f"request_id {payload.request_id!r}"
+        request_id = await coordinator.abort(payload.request_id, None)
     elif payload.client_request_id is not None:
-        entry = coordinator.requests.find_client((payload.client_id, payload.client_request_id))
-        wanted = f"client_request_id {payload.client_request_id!r} of client_id {payload.client_id!r}"
+        request_id = await coordinator.abort(None, (payload.client_id, payload.client_request_id))
     else:
         raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
-    if entry is None:
-        raise WireError(ErrorCode.NOT_FOUND, f"no request in flight with {wanted}")
-    await coordinator.abort(entry)
-    await coordinator.reply(sender, Ack(Header.ABORT_REQUEST, request_id=entry.route.request_id))
+    await coordinator.reply(incoming, Ack(Header.ABORT_REQUEST, request_id=request_id))
 
 
 @message_handler(Header.SHUTDOWN)
-async def handle_shutdown(coordinator: Coordinator, sender: Sender, payload: Empty) -> bool:
-    """Acknowledge, then stop the coordinator; open requests get an error reply on the way out."""
-    await coordinator.reply(sender, Ack(Header.SHUTDOWN, state=coordinator.state))
-    await coordinator.nc.flush()
-    return True
+async def handle_shutdown(coordinator: ClientContext, incoming: Incoming, payload: Empty) -> None:
+    """Sent by an admin client, with an empty body.
+
+    Answers an ``Ack`` with the state, then the coordinator stops; every open request gets an
+    error reply on the way out."""
+    await coordinator.shut_down(incoming)

@@ -2,75 +2,37 @@
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
+from handlers.context import ControlContext
 from handlers.registry import message_handler
+from service.bus.registry import Incoming
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.state import CoordinatorState, decide
-from service.protocol.subjects import Header
-from service.protocol.messages import Ack, ControlSignal, error_reply
-
-if TYPE_CHECKING:
-    from service.coordinator.broadcast import BroadcastResult
-    from service.coordinator.coordinator import Coordinator, Sender
-
-log = logging.getLogger(__name__)
+from service.protocol.messages import Ack, ControlSignal
+from service.protocol.subjects import CONTROL_HEADERS, PROFILER_HEADERS, Header
 
 
-@message_handler(
-    Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH
-)
-async def handle_control_signal(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
-    """Check the signal against the transition table, change state, broadcast, ack when confirmed."""
-    signal = Header(sender.header)
+@message_handler(*CONTROL_HEADERS)
+async def handle_control_signal(coordinator: ControlContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Sent by an admin client: pause, unpause, suspend, resume, stop, or set_generation_epoch
+    (whose ``ControlSignal`` carries the ``epoch``; the others may be empty).
+
+    Checked against the transition table (409 when it forbids the signal; a repeat that
+    changes nothing is acknowledged at once), recorded, broadcast to every engine, and
+    answered with an ``Ack`` carrying the new state once every engine confirmed, or an error
+    naming the engines that did not."""
+    signal = Header(incoming.header)
     if signal is Header.SET_GENERATION_EPOCH and payload.epoch is None:
         raise WireError(ErrorCode.MALFORMED, "set_generation_epoch needs an integer epoch")
-    decision = decide(coordinator.state, signal)
-    if not decision.changes:
-        await coordinator.reply(sender, Ack(signal, state=coordinator.state))
+    changed, state = await coordinator.apply_control(signal, payload)
+    if not changed:
+        await coordinator.reply(incoming, Ack(signal, state=state))
         return
-    coordinator.state = decision.new_state
-    if signal is Header.SET_GENERATION_EPOCH:
-        coordinator.epoch = payload.epoch
-    log.info("control %s: state %s", signal, coordinator.state)
-    coordinator.spawn(_broadcast_and_ack(coordinator, sender, signal, payload, decision.new_state))
+    coordinator.spawn(coordinator.control_engines(incoming, signal, payload, state))
 
 
-async def _broadcast_and_ack(
-    coordinator: Coordinator, sender: Sender, signal: Header, payload: ControlSignal, new_state: CoordinatorState
-) -> None:
-    result = await coordinator.broadcast(signal, payload)
-    if signal is Header.STOP:
-        await coordinator.finish_stop()
-    elif signal is Header.UNPAUSE:
-        await coordinator.dispatch_held()
-    await _answer(coordinator, sender, signal, result, Ack(signal, state=new_state, epoch=payload.epoch))
+@message_handler(*PROFILER_HEADERS)
+async def handle_cuda_profiler_signal(coordinator: ControlContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Sent by an admin client: start_cuda_profiler or stop_cuda_profiler, empty body.
 
-
-@message_handler(Header.START_CUDA_PROFILER, Header.STOP_CUDA_PROFILER)
-async def handle_cuda_profiler_signal(coordinator: Coordinator, sender: Sender, payload: ControlSignal) -> None:
-    """Forward to every engine; not a state transition, so allowed in any state."""
-    signal = Header(sender.header)
-
-    async def broadcast_and_ack() -> None:
-        result = await coordinator.broadcast(signal, payload)
-        details = {engine_id: ack.detail for engine_id, ack in result.acks.items()}
-        await _answer(coordinator, sender, signal, result, Ack(signal, state=coordinator.state, engines=details))
-
-    coordinator.spawn(broadcast_and_ack())
-
-
-async def _answer(coordinator: Coordinator, sender: Sender, signal: Header, result: BroadcastResult, ack: Ack) -> None:
-    if result.missing:
-        names = ", ".join(sorted(result.missing))
-        err = WireError(ErrorCode.TIMED_OUT, f"{signal}: no confirmation from engines {names} (state change stands)")
-    elif result.failed:
-        names = ", ".join(f"{engine_id}: {detail}" for engine_id, detail in sorted(result.failed.items()))
-        err = WireError(ErrorCode.INTERNAL, f"{signal} failed on engines {names}")
-    else:
-        await coordinator.reply(sender, ack)
-        return
-    coordinator.counters[f"error_{err.code}"] += 1
-    log.warning("%s", err.message)
-    await coordinator.reply(sender, error_reply(err))
+    Not a state transition, so allowed in any state. Broadcast to every engine; the ``Ack``
+    lists each engine's detail (a trace path on CPU engines)."""
+    coordinator.spawn(coordinator.control_engines(incoming, Header(incoming.header), payload, coordinator.state))

@@ -1,76 +1,67 @@
 """Handlers for engine messages (register, heartbeat, engine_reply(_partial), disconnect) and
-for heartbeats between coordinator replicas."""
+for heartbeats between coordinator replicas. Every replica must see these (``fanout``).
+Engine messages are handled on the reading task (``direct``): replies are the hot path, and a
+fleet of thousands registers and heartbeats thousands of times a second."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from handlers.context import EngineContext
 from handlers.registry import message_handler
+from service.bus.registry import Incoming
+from service.protocol.messages import CoordinatorHeartbeat, EngineDisconnect, EngineRegister, EngineReplyBatch, Heartbeat
 from service.protocol.subjects import Header
-from service.protocol.codec import encode_msgpack
-from service.protocol.messages import (
-    CoordinatorHeartbeat,
-    EngineDisconnect,
-    EngineRegister,
-    EngineReplyBatch,
-    Heartbeat,
-    RegisterAck,
-)
-
-if TYPE_CHECKING:
-    from service.coordinator.coordinator import Coordinator, Sender
 
 
-@message_handler(Header.REGISTER)
-async def handle_register(coordinator: Coordinator, sender: Sender, payload: EngineRegister) -> None:
-    """Add an engine with zero load; one registering again had restarted, so its old work is lost."""
-    if coordinator.engines.get(payload.engine_id) is not None:
-        await coordinator.remove_engine(payload.engine_id, "registered again")
-    coordinator.add_engine(payload.engine_id, payload.capacity)
-    if sender.reply:
-        ack = RegisterAck(coordinator.id, coordinator.state, coordinator.epoch)
-        await coordinator.nc.publish(sender.reply, encode_msgpack(ack))
-    await coordinator.dispatch_held()
+@message_handler(Header.REGISTER, fanout=True, direct=True)
+async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
+    """Sent by an engine when it starts: its ``engine_id`` and ``capacity`` (msgpack).
+
+    The engine joins with zero load; one registering again had restarted, so its old work is
+    lost. Answers a ``RegisterAck`` with the control state and epoch to start in."""
+    await coordinator.register_engine(incoming, payload.engine_id, payload.capacity)
 
 
-@message_handler(Header.HEARTBEAT)
-async def handle_heartbeat(coordinator: Coordinator, sender: Sender, payload: Heartbeat) -> None:
-    """Refresh liveness; an unknown engine (say, after a coordinator restart) is adopted."""
-    record = coordinator.engines.get(payload.engine_id)
-    if record is None and coordinator.engines.recently_departed(payload.engine_id):
-        return
-    if record is None:
-        coordinator.add_engine(payload.engine_id, payload.capacity)
-        await coordinator.dispatch_held()
-        return
-    coordinator.engines.heard(record)
-    active = set(payload.active)
-    if not record.reconciling and not record.requests <= active:
-        coordinator.spawn(coordinator.reconcile(record, active))
+@message_handler(Header.HEARTBEAT, fanout=True, direct=True)
+async def handle_heartbeat(coordinator: EngineContext, incoming: Incoming, payload: Heartbeat) -> None:
+    """Sent by every engine each ``heartbeat_interval_s``: its load and the request ids it holds.
+
+    Refreshes liveness; an unknown engine (say, after a coordinator restart) is adopted.
+    Requests the engine no longer holds are reconciled. No answer."""
+    await coordinator.engine_heartbeat(payload)
 
 
-@message_handler(Header.ENGINE_REPLY)
-async def handle_engine_reply(coordinator: Coordinator, sender: Sender, payload: EngineReplyBatch) -> None:
-    """Deliver terminal replies; each carries its own route, so nothing is looked up to answer."""
-    for reply in payload.replies:
-        await coordinator.on_final(payload.engine_id, reply)
-    await coordinator.dispatch_held()
+@message_handler(Header.ENGINE_REPLY, fanout=True, direct=True)
+async def handle_engine_reply(coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch) -> None:
+    """Sent by an engine after each step: terminal replies (finals and errors), each already
+    encoded for its client and carrying its own return path.
+
+    Each is sent to its client, and its engine slot freed. No answer."""
+    await coordinator.relay_finals(payload.engine_id, payload.replies)
 
 
-@message_handler(Header.ENGINE_REPLY_PARTIAL)
-async def handle_engine_reply_partial(coordinator: Coordinator, sender: Sender, payload: EngineReplyBatch) -> None:
-    """Relay streamed tokens without releasing the request."""
-    for reply in payload.replies:
-        await coordinator.on_partial(payload.engine_id, reply)
+@message_handler(Header.ENGINE_REPLY_PARTIAL, fanout=True, direct=True)
+async def handle_engine_reply_partial(coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch) -> None:
+    """Sent by an engine after each step: streamed tokens of requests with ``stream``.
+
+    Each is sent to its client in order; the requests stay open. No answer."""
+    await coordinator.relay_partials(payload.engine_id, payload.replies)
 
 
-@message_handler(Header.DISCONNECT)
-async def handle_disconnect(coordinator: Coordinator, sender: Sender, payload: EngineDisconnect) -> None:
-    """Remove a departing engine from the pool."""
+@message_handler(Header.DISCONNECT, fanout=True, direct=True)
+async def handle_disconnect(coordinator: EngineContext, incoming: Incoming, payload: EngineDisconnect) -> None:
+    """Sent by an engine that leaves: its ``engine_id`` and a reason.
+
+    The engine is dropped: requests it had not streamed are routed again, the rest fail with
+    503. No answer."""
     await coordinator.remove_engine(payload.engine_id, payload.reason or "disconnected")
 
 
-@message_handler(Header.COORDINATOR_HEARTBEAT)
-async def handle_coordinator_heartbeat(coordinator: Coordinator, sender: Sender, payload: CoordinatorHeartbeat) -> None:
-    """Track live replicas, so replies of a dead one are delivered by exactly one survivor."""
-    coordinator.peers.saw(payload.coordinator_id)
+@message_handler(Header.COORDINATOR_HEARTBEAT, fanout=True)
+async def handle_coordinator_heartbeat(
+    coordinator: EngineContext, incoming: Incoming, payload: CoordinatorHeartbeat
+) -> None:
+    """Sent by every coordinator replica each ``heartbeat_interval_s``: its id.
+
+    Tracks live replicas, so that replies of a dead one are delivered by exactly one
+    survivor. No answer."""
+    coordinator.peer_seen(payload.coordinator_id)

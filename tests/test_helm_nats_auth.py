@@ -32,7 +32,7 @@ from service.coordinator.observability import coordinator_observability
 from service.bus.server import EmbeddedNatsServer
 from service.ops.settings import Settings
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import CONTROL_HEADERS, FANOUT_HEADERS, PROFILER_HEADERS, Header
+from service.protocol.subjects import CONTROL_HEADERS, ENGINE_HEADERS, PROFILER_HEADERS, Header
 from tests.chart.contract import CHART
 from tests.helpers import request_json
 from tests.test_helm_chart import NAMESPACE, RELEASE, render
@@ -96,7 +96,7 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 # templates/nats-auth.yaml.
 SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN}
 BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT}
-FROM_ENGINES = FANOUT_HEADERS - BETWEEN_COORDINATORS
+FROM_ENGINES = set(ENGINE_HEADERS)
 FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST}
 
 

@@ -70,7 +70,7 @@ async def test_table_live(
     state: CoordinatorState, signal: Header, coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     [engine] = await start_engines(1)
-    coordinator.state = state
+    coordinator.control_state.state = state  # put the coordinator straight into the state under test
     reply = await request_json(nc, coordinator.subjects.coordinator(signal), {"epoch": 3})
     expected = EXPECTED[(state, signal)]
     if expected == REFUSED:

@@ -103,10 +103,11 @@ async def connect_nats(
     on_reconnect: ConnectionEvent | None = None,
     *,
     on_error: ErrorListener | None = None,
+    nc: DirectClient | None = None,
 ) -> DirectClient:
-    """Connect with unbounded reconnects; the optional callbacks run on each disconnect,
-    reconnect and asynchronous error."""
-    nc = DirectClient()
+    """Connect ``nc`` (a new client when None) with unbounded reconnects; the optional
+    callbacks run on each disconnect, reconnect and asynchronous error."""
+    nc = nc or DirectClient()
     await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect, on_error=on_error))
     return nc
 

@@ -9,9 +9,15 @@ import os
 import signal
 import sys
 
-from service.client import ClientError, DpcoordClient
+import msgspec
+from nats.errors import Error as NatsError
+
+from service.bus.connection import close_nats, connect_nats
 from service.bus.server import EmbeddedNatsServer, free_port
+from service.client import ClientError, DpcoordClient
+from service.ops.services_api import CoordinatorStatus
 from service.ops.settings import Settings
+from service.protocol.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,27 @@ async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> 
             await asyncio.sleep(0.1)
 
 
+async def _wait_for_engines(settings: Settings, coordinator_id: str, count: int, timeout_s: float = 300.0) -> None:
+    """Until the coordinator's status lists ``count`` engines: a torch engine loads its model first."""
+    subject = Subjects(settings.subject_prefix).status("coordinator", coordinator_id)
+    nc = await connect_nats(settings, name="dpcoord-up")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    try:
+        while True:
+            try:
+                reply = await nc.request(subject, b"", timeout=2.0)
+                if len(msgspec.json.decode(reply.data, type=CoordinatorStatus).engines) >= count:
+                    return
+            except (NatsError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.debug("coordinator status not read yet: %s", exc)
+            if loop.time() > deadline:
+                raise TimeoutError(f"{count} engine(s) did not register within {timeout_s:g} s")
+            await asyncio.sleep(0.2)
+    finally:
+        await close_nats(nc)
+
+
 async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
     server: EmbeddedNatsServer | None = None
     if "nats_url" not in settings.model_fields_set:
@@ -87,6 +114,7 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
     try:
         client = await _wait_for_coordinator(settings)
         await client.close()
+        await _wait_for_engines(settings, client.coordinator_id, engines)
         prefix = settings.subject_prefix
         sys.stdout.write(
             f"dpcoord is up: coordinator + {engines} {settings.backend} engine(s)\n"

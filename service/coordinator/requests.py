@@ -28,7 +28,7 @@ class InflightRequest:
     deadline: CoarseTimer | None = None
     routed_at: float = 0.0
     partials_delivered: int = 0
-    parked_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
+    early_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
     admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
     routing_key: Sequence[int] | None = None  # what the routing policy needs beyond loads (prefix hashes)
 

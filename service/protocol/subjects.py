@@ -45,17 +45,9 @@ CONTROL_HEADERS: frozenset[Header] = frozenset(
 )
 PROFILER_HEADERS: frozenset[Header] = frozenset({Header.START_CUDA_PROFILER, Header.STOP_CUDA_PROFILER})
 
-# Every coordinator replica must see these: each keeps its own view of the engine pool and
-# of the requests it routed. All other subjects are shared by the replicas in a queue group.
-FANOUT_HEADERS: frozenset[Header] = frozenset(
-    {
-        Header.REGISTER,
-        Header.HEARTBEAT,
-        Header.DISCONNECT,
-        Header.ENGINE_REPLY,
-        Header.ENGINE_REPLY_PARTIAL,
-        Header.COORDINATOR_HEARTBEAT,
-    }
+# Sent by engines to the coordinator (NATS permissions give engines exactly these).
+ENGINE_HEADERS: frozenset[Header] = frozenset(
+    {Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL}
 )
 
 # Second tokens under the prefix that carry routed requests and broadcasts to engines.

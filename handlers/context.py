@@ -1,0 +1,80 @@
+"""What a handler may ask of the coordinator: one narrow ``Protocol`` per group of handlers.
+
+Handlers never see the coordinator's fields; they call these methods, which the coordinator
+implements (``service/coordinator/coordinator.py``). A handler that needs something new adds
+it here first, so this file lists everything a message can make the coordinator do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from msgspec import Struct
+
+from service.bus.registry import Incoming
+from service.protocol.messages import ClientRequestId, ControlSignal, Heartbeat, RoutedReply, SubmitEnvelope, SubmitRequest
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import Header
+
+
+class Replier(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    async def reply(self, incoming: Incoming, message: Struct) -> None:
+        """Answer ``incoming`` on its reply subject, in its encoding; nothing when it gave none."""
+
+
+class ClientContext(Replier, Protocol):
+    @property
+    def state(self) -> CoordinatorState: ...
+
+    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
+        """Route ``submit`` to an engine, or queue it; raises WireError when it is refused."""
+
+    async def abort(self, request_id: str | None, client_key: tuple[str | None, ClientRequestId] | None) -> str:
+        """End the request so named with an ``abort`` final; its request id. Raises WireError 404."""
+
+    async def shut_down(self, incoming: Incoming) -> None:
+        """Acknowledge ``incoming``, then stop; open requests get an error reply on the way out."""
+
+
+class ControlContext(Replier, Protocol):
+    @property
+    def state(self) -> CoordinatorState: ...
+
+    async def apply_control(self, signal: Header, payload: ControlSignal) -> tuple[bool, CoordinatorState]:
+        """Validate ``signal`` against the transition table and record it: (changed, new state).
+        Raises WireError 409 when the table forbids it."""
+
+    async def control_engines(
+        self, incoming: Incoming, signal: Header, payload: ControlSignal, state: CoordinatorState
+    ) -> None:
+        """Broadcast ``signal`` to every engine, settle what it changes, and answer ``incoming``
+        with ``state`` once every engine confirmed (or with the engines that did not)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background, so a handler never blocks on engine acknowledgements."""
+
+
+class EngineContext(Replier, Protocol):
+    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int) -> None:
+        """Add an engine with zero load (an engine registering again had restarted) and answer
+        with the control state and epoch it must start in."""
+
+    async def engine_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """Refresh an engine's liveness; adopt an unknown one; reconcile what it no longer holds."""
+
+    async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        """Send terminal replies to their clients and free their engine slots."""
+
+    async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        """Send streamed replies to their clients; the requests stay open."""
+
+    async def remove_engine(self, engine_id: str, reason: str) -> None:
+        """Drop an engine that left: what it had not streamed is routed again, the rest fails."""
+
+    def peer_seen(self, coordinator_id: str) -> None:
+        """Note a live coordinator replica."""
+

@@ -1,0 +1,47 @@
+"""Splitting a batch of messages so that each NATS message stays under the server's max_payload.
+
+The coordinator batches routed requests per engine and the engines batch their replies; both
+bound each message the same way, with :func:`split_batches` and :data:`BATCH_OVERHEAD`.
+Callers deal with an item that cannot fit alone before splitting (see :func:`fits_alone`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+Item = TypeVar("Item")
+
+# Bytes of msgpack framing a batch message adds around its items (array headers, the
+# engine id of a reply batch): a generous bound.
+BATCH_OVERHEAD = 256
+# Bytes of msgpack framing around one item, besides the sizes the caller counts.
+ITEM_OVERHEAD = 64
+
+
+def batch_limit(max_payload: int) -> int:
+    """The bytes of items one batch may hold under the server's ``max_payload``."""
+    return max_payload - BATCH_OVERHEAD
+
+
+def fits_alone(size: int, max_payload: int) -> bool:
+    return size <= batch_limit(max_payload)
+
+
+def split_batches(items: Iterable[Item], size_of: Callable[[Item], int], max_payload: int) -> Iterator[list[Item]]:
+    """Consecutive groups of ``items`` whose summed ``size_of`` stays within the batch limit.
+
+    An item larger than the limit still leaves, alone in its group: callers check
+    :func:`fits_alone` first and replace or refuse such items."""
+    limit = batch_limit(max_payload)
+    batch: list[Item] = []
+    size = 0
+    for item in items:
+        item_size = size_of(item)
+        if batch and size + item_size > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item_size
+    if batch:
+        yield batch

@@ -1,0 +1,90 @@
+"""A registry of message handlers, one per header: the dispatch pattern of the coordinator and
+of the engine runtime.
+
+Extension contract: to serve a new message, write
+``async def handle_x(context, incoming: Incoming, payload: SomeStruct) -> None`` and decorate it
+with ``@registry.message_handler("x")``. The payload type is read from the ``payload``
+annotation and the body arrives already decoded into it. How the subscriber receives the
+header is declared on the same decorator, so a new header touches one file:
+
+- ``fanout=True``: every subscriber gets the message (no queue group), for messages that each
+  coordinator replica must see; otherwise replicas share the subject in a queue group.
+- ``direct=True``: handled on nats-py's reading task (:mod:`service.bus.direct`), for the hot
+  path; such a handler must never wait for another NATS message.
+
+Registering a header twice is an error at import time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from service.protocol.codec import Encoding, PayloadDecoder
+
+Context = TypeVar("Context")
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs 0.6 us more to build, once per message
+class Incoming:
+    """A received message: its header, the NATS reply subject (None when the sender gave none),
+    the encoding detected from its body, and the body itself."""
+
+    header: str
+    reply: str | None
+    encoding: Encoding
+    body: bytes
+
+
+HandlerFn = Callable[[Any, Incoming, Any], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSpec:
+    header: str
+    fn: HandlerFn
+    decoder: PayloadDecoder
+    fanout: bool
+    direct: bool
+
+
+class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
+    """Header → handler spec; ``Context`` is what the handlers receive as their first argument."""
+
+    def __init__(self, specs: Mapping[str, HandlerSpec] | None = None) -> None:
+        self._specs: dict[str, HandlerSpec] = dict(specs or {})
+
+    def message_handler(
+        self, *headers: str, fanout: bool = False, direct: bool = False
+    ) -> Callable[[HandlerFn], HandlerFn]:
+        """Register the decorated function as the handler of each header in ``headers``."""
+        if not headers:
+            raise ValueError("message_handler needs at least one header")
+
+        def register(fn: HandlerFn) -> HandlerFn:
+            payload_type = inspect.get_annotations(fn, eval_str=True).get("payload")
+            if payload_type is None:
+                raise TypeError(f"{fn.__qualname__} must annotate its payload parameter with a message type")
+            decoder = PayloadDecoder(payload_type)
+            for header in headers:
+                key = str(header)
+                if key in self._specs:
+                    raise ValueError(f"duplicate handler for header {key!r}: {self._specs[key].fn.__qualname__}")
+                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct)
+            return fn
+
+        return register
+
+    def copy(self) -> HandlerRegistry[Context]:
+        return HandlerRegistry(self._specs)
+
+    def __getitem__(self, header: str) -> HandlerSpec:
+        return self._specs[header]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)

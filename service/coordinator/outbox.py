@@ -1,0 +1,111 @@
+"""The outbox to engines: requests routed in one event-loop turn leave as one message per engine.
+
+Contract: :meth:`Outbox.send` assigns a request to an engine at once (its slot is taken) and
+the request leaves at the end of the loop turn, with every other request routed to that engine
+in the same turn, in batches under the server's ``max_payload``. When a turn's requests leave,
+``turn_ended`` tells the routing policy, which prefers the engine already receiving a batch
+within a turn (``routing_load_slack``). The counters ``routed_messages`` and ``routed_requests``
+say how many requests a routed message carries. Under load a batch holds
+everything that arrived in one read from the socket. A request answered or routed elsewhere
+before its turn ends is skipped; one too large to route fails with 413; a batch NATS refuses
+fails its requests with 503. The routing task outlives any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from service.bus.batches import ITEM_OVERHEAD, fits_alone, split_batches
+from service.bus.direct import DirectClient
+from service.coordinator.pool import EnginePool, EngineRecord
+from service.coordinator.relay import ReplyRelay
+from service.coordinator.requests import InflightRequest, RequestTable
+from service.protocol.codec import encode_msgpack
+from service.protocol.errors import ErrorCode, WireError
+from service.protocol.messages import RoutedRequest, RoutedRequestBatch
+from service.protocol.subjects import Header, Subjects
+
+log = logging.getLogger(__name__)
+
+
+def routed_size(entry: InflightRequest) -> int:
+    """Bytes a routed request takes in a batch: its body and the variable strings of its return path."""
+    route = entry.route
+    return (
+        len(entry.body) + len(route.reply_to) + len(str(route.client_request_id)) + len(route.client_id or "")
+        + len(route.request_id) + len(route.coordinator_id) + ITEM_OVERHEAD
+    )
+
+
+class Outbox:
+    def __init__(
+        self, nc: DirectClient, subjects: Subjects, requests: RequestTable, pool: EnginePool, relay: ReplyRelay,
+        counters: Counter[str], turn_ended: Callable[[], None],
+    ) -> None:
+        self._nc = nc
+        self._subjects = subjects
+        self._requests = requests
+        self._pool = pool
+        self._relay = relay
+        self._counters = counters
+        self._turn_ended = turn_ended
+        self._pending: dict[str, list[InflightRequest]] = {}
+        self._ready = asyncio.Event()
+
+    def send(self, entry: InflightRequest, engine: EngineRecord) -> None:
+        """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
+        entry.engine_id = engine.engine_id
+        entry.attempts += 1
+        entry.routed_at = time.monotonic()
+        self._pool.assign(engine, entry.route.request_id)
+        batch = self._pending.get(engine.engine_id)
+        if batch is None:
+            self._pending[engine.engine_id] = [entry]
+            self._ready.set()
+        else:
+            batch.append(entry)
+
+    async def run(self) -> None:
+        """The routing task: publishes what each loop turn routed."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            pending, self._pending = self._pending, {}
+            self._turn_ended()
+            for engine_id, entries in pending.items():
+                try:
+                    await self._publish(engine_id, entries)
+                except Exception:
+                    log.exception("engine_id=%s: routing %d requests failed", engine_id, len(entries))
+
+    async def _publish(self, engine_id: str, entries: list[InflightRequest]) -> None:
+        max_payload = self._nc.max_payload
+        routable: list[InflightRequest] = []
+        for entry in entries:
+            if entry.engine_id != engine_id or entry.route.request_id not in self._requests:
+                continue  # answered or routed elsewhere while it waited for this turn
+            if not fits_alone(routed_size(entry), max_payload):
+                await self._relay.fail(entry.route.request_id, WireError(
+                    ErrorCode.TOO_LARGE,
+                    f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
+                ))
+                continue
+            routable.append(entry)
+        subject = self._subjects.engine(engine_id, Header.SUBMIT_REQUEST)
+        for batch in split_batches(routable, routed_size, max_payload):
+            await self._publish_batch(subject, batch)
+
+    async def _publish_batch(self, subject: str, batch: list[InflightRequest]) -> None:
+        message = RoutedRequestBatch([RoutedRequest(entry.route, entry.body) for entry in batch])
+        try:
+            await self._nc.publish(subject, encode_msgpack(message))
+            self._counters["routed_messages"] += 1
+            self._counters["routed_requests"] += len(batch)
+        except Exception as exc:  # the routing task must outlive any one failed publish
+            log.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
+            for entry in batch:
+                await self._relay.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, f"could not route to engine: {exc}"))

@@ -1,0 +1,225 @@
+"""The reply relay: engine replies on their way to clients, and every terminal reply.
+
+Contract:
+- Every accepted request leaves through exactly one terminal reply. Whoever pops it from the
+  request table (:meth:`ReplyRelay.finish`) sends it: an engine's final, or an error from
+  :meth:`ReplyRelay.fail` (deadline, engine lost, shutdown).
+- A stream's replies reach the client in order. Partials and finals travel on two subjects,
+  so a final that overtook a partial waits for it (:data:`EARLY_FINAL_WAIT_S` at most).
+- A reply for a request this replica does not hold is an orphan: another live replica's
+  (ignored), this replica's own late reply (counted), or one whose coordinator is gone, which
+  exactly one surviving replica delivers (:mod:`service.coordinator.peers`).
+- Terminal replies of named clients are cached, so a resubmission is answered, never run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.peers import CoordinatorPeers
+from service.coordinator.pool import EnginePool
+from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
+from service.coordinator.results import ResultCache
+from service.ops.latency import RequestLatency
+from service.ops.log_limit import RateLimitedLog
+from service.protocol.codec import encode, encode_msgpack
+from service.protocol.errors import WireError
+from service.protocol.messages import Final, ReturnPath, RoutedAbort, RoutedReply, error_reply
+from service.protocol.subjects import Header, Subjects
+from service.bus.direct import DirectClient
+
+log = logging.getLogger(__name__)
+
+# How long a final that overtook one of its partials waits for it before going out anyway.
+EARLY_FINAL_WAIT_S = 1.0
+# Most orphan replies buffered while a new replica learns which peers are alive.
+MAX_BUFFERED_ORPHANS = 10_000
+
+
+class ReplyRelay:
+    def __init__(
+        self,
+        coordinator_id: str,
+        nc: DirectClient,
+        subjects: Subjects,
+        requests: RequestTable,
+        pool: EnginePool,
+        peers: CoordinatorPeers,
+        results: ResultCache,
+        deliveries: ClientDeliveries,
+        counters: Counter[str],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
+        self._id = coordinator_id
+        self._nc = nc
+        self._subjects = subjects
+        self._requests = requests
+        self._pool = pool
+        self._peers = peers
+        self._results = results
+        self._deliveries = deliveries
+        self._counters = counters
+        self._spawn = spawn
+        self.latency = RequestLatency()
+        self._refusal_log = RateLimitedLog(log)
+        self._orphans: list[tuple[RoutedReply, bool]] = []
+        self.on_slot_freed: Callable[[], Awaitable[None]] | None = None
+
+    def finish(self, request_id: str) -> InflightRequest | None:
+        """Pop a request for its terminal reply and free its engine slot; None when another
+        path already answered it."""
+        entry = self._requests.pop(request_id)
+        if entry is None:
+            return None
+        self.latency.observe_finished(entry.admitted_at)
+        if entry.engine_id is not None:
+            engine = self._pool.get(entry.engine_id)
+            if engine is not None:
+                self._pool.release(engine, request_id)
+        return entry
+
+    async def reply(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
+        """Send one reply along ``route``: this replica's own (its reply subject was checked on
+        admission), or an orphan's that :meth:`_on_orphan` checked, since an engine wrote it."""
+        client_key = None
+        if route.client_id is not None and route.client_request_id is not None:
+            client_key = (route.client_id, route.client_request_id)
+        await self._deliveries.publish(route.reply_to, body, client_key)
+        if terminal:
+            self._counters["completed"] += 1
+            if client_key is not None:
+                self._results.put(client_key, body)
+            if route.stream:
+                await self._deliveries.publish(route.reply_to, b"", client_key)
+
+    async def replay(self, client_key: ClientKey, reply_to: str, stream: bool) -> bool:
+        """Send a named client's cached terminal reply again; False when none is cached."""
+        cached = self._results.get(client_key)
+        if cached is None:
+            return False
+        self._counters["replayed"] += 1
+        await self._deliveries.publish(reply_to, cached.body, client_key)
+        if stream:
+            await self._deliveries.publish(reply_to, b"", client_key)
+        return True
+
+    async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        for reply in replies:
+            await self._relay_final(engine_id, reply)
+        if self.on_slot_freed is not None:
+            await self.on_slot_freed()
+
+    async def _relay_final(self, engine_id: str, reply: RoutedReply) -> None:
+        request_id = reply.route.request_id
+        entry = self._requests.get(request_id)
+        if entry is None:
+            await self._on_orphan(reply, terminal=True)
+            return
+        if entry.engine_id != engine_id:
+            self._counters["stale_engine_replies"] += 1
+            return
+        if reply.seq > entry.partials_delivered:
+            entry.early_final = reply
+            asyncio.get_running_loop().call_later(EARLY_FINAL_WAIT_S, self._send_early_final, request_id)
+            return
+        self.finish(request_id)
+        await self.reply(entry.route, reply.body, terminal=True)
+
+    async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        for reply in replies:
+            await self._relay_partial(engine_id, reply)
+
+    async def _relay_partial(self, engine_id: str, reply: RoutedReply) -> None:
+        entry = self._requests.get(reply.route.request_id)
+        if entry is None:
+            await self._on_orphan(reply, terminal=False)
+            return
+        if entry.engine_id != engine_id:
+            self._counters["stale_engine_replies"] += 1
+            return
+        if not entry.streamed:
+            self.latency.observe_first_token(entry.admitted_at)
+        entry.streamed = True
+        await self.reply(entry.route, reply.body, terminal=False)
+        entry.partials_delivered += 1
+        early = entry.early_final
+        if early is not None and early.seq <= entry.partials_delivered:
+            self.finish(reply.route.request_id)
+            await self.reply(entry.route, early.body, terminal=True)
+
+    def _send_early_final(self, request_id: str) -> None:
+        """The partial a final waited for never came: send the final, which carries every token."""
+        entry = self._requests.get(request_id)
+        if entry is not None and entry.early_final is not None:
+            self._counters["partials_lost"] += 1
+            self.finish(request_id)
+            self._spawn(self.reply(entry.route, entry.early_final.body, terminal=True))
+
+    async def _on_orphan(self, reply: RoutedReply, terminal: bool) -> None:
+        route = reply.route
+        if route.coordinator_id == self._id:
+            if terminal:
+                self._counters["late_replies"] += 1
+                log.info("request_id=%s: engine reply after the request ended", route.request_id)
+            return
+        if not self._peers.warmed_up:
+            if len(self._orphans) < MAX_BUFFERED_ORPHANS:
+                self._orphans.append((reply, terminal))
+            return
+        if not self._peers.should_adopt(route.coordinator_id):
+            return
+        if (problem := self._subjects.reply_problem(route.reply_to)) is not None:
+            # Admission refuses such a reply_to, so only an engine that rewrote the route gets here.
+            self._counters["unsafe_reply_subject"] += 1
+            self._refusal_log.warning(
+                "request_id=%s: not delivering to reply subject %r, which %s", route.request_id, route.reply_to, problem
+            )
+            return
+        self._counters["orphans_delivered"] += 1
+        await self.reply(route, reply.body, terminal)
+
+    async def settle_orphans(self) -> None:
+        """Once every live peer has been heard: deliver the orphans buffered until then."""
+        orphans, self._orphans = self._orphans, []
+        for reply, terminal in orphans:
+            await self._on_orphan(reply, terminal)
+
+    async def fail(self, request_id: str, err: WireError) -> bool:
+        """Answer an open request with ``err``; False when it was already answered.
+
+        A final that arrived early, behind a lost partial, is the better answer, so it goes out instead."""
+        entry = self.finish(request_id)
+        if entry is None:
+            return False
+        if entry.early_final is not None:
+            await self.reply(entry.route, entry.early_final.body, terminal=True)
+            return True
+        self._counters[f"failed_{err.code}"] += 1
+        log.info("request_id=%s engine_id=%s failed: %s", request_id, entry.engine_id, err)
+        message = error_reply(err, entry.route.client_request_id, request_id)
+        await self.reply(entry.route, encode(message, entry.encoding), terminal=True)
+        if entry.engine_id is not None:
+            await self.tell_engine_abort(entry.engine_id, request_id)
+        if self.on_slot_freed is not None:
+            await self.on_slot_freed()
+        return True
+
+    async def abort(self, entry: InflightRequest) -> None:
+        """A queued request ends here with an ``abort`` final; a routed one is aborted by its
+        engine, whose final says ``abort``."""
+        if entry.engine_id is not None:
+            await self.tell_engine_abort(entry.engine_id, entry.route.request_id)
+            return
+        if self.finish(entry.route.request_id) is None:
+            return
+        final = Final(entry.route.request_id, entry.route.client_request_id, None, [], "", "abort")
+        await self.reply(entry.route, encode(final, entry.encoding), terminal=True)
+
+    async def tell_engine_abort(self, engine_id: str, request_id: str) -> None:
+        subject = self._subjects.engine(engine_id, Header.ABORT_REQUEST)
+        await self._nc.publish(subject, encode_msgpack(RoutedAbort(request_id)))
