@@ -1,19 +1,21 @@
 """Fleet-size benchmark: what the coordinator costs with 2 engines and with thousands.
 
-For each routing policy and each fleet size N (default 2, 100, 1,000 and 3,000), on one
-nats-server: a fresh coordinator process, and N engines written from docs/protocol.md alone
-(benchmarks/doc_engines.py), all in one process, which answer every request at once. A load
-client in this process offers the same request rate to every fleet (open loop,
-benchmarks/offered_load.py); by default 60% of what the whole machine achieves closed-loop with
-the first fleet, measured at the start of the run. Per fleet it measures:
+For each routing policy, one fleet per size N (default 2, 100, 1,000 and 3,000), all up at once
+on one nats-server: each a coordinator process and N engines written from docs/protocol.md
+alone (benchmarks/doc_engines.py), all in one process, which answer every request at once. A
+load client in this process offers the same request rate to every fleet in turn (open loop,
+benchmarks/offered_load.py), by default 60% of what the whole machine achieves closed-loop
+with the smallest fleet, measured first in the same run. Per fleet it measures:
 
 - registration: wall time until all N engines are acknowledged, and the coordinator's CPU
   over that time (the engines start heartbeating as they are acknowledged);
 - idle: the coordinator's CPU, in % of a core, with N engines heartbeating and no requests;
-- under load: achieved rate, p50/p99 latency of the requests sent in the window, the
-  coordinator's CPU per request and in % of a core, requests per routed message (from the
-  coordinator's counters), and lost and duplicated replies;
-- how busy the machine was: CPU used by processes other than these, over the load window.
+- under load, in rounds of one window per fleet (the order flips each round): achieved rate,
+  p50/p99 latency of the requests sent in the window, the coordinator's CPU per request and in
+  % of a core, requests per routed message (from the coordinator's counters), lost and
+  duplicated replies, and how busy the machine was (CPU of every other process);
+- the targets, on the median of per-round ratios to the smallest fleet, since on a shared
+  machine absolute figures drift from one minute to the next.
 
 Every request is a client-library envelope around a 10-token prompt asking for one token; it
 carries the prefix hashes of a 1,056-token prompt (one of 8 shared 1,024-token system prompts
@@ -21,22 +23,24 @@ plus 32 tokens of its own), as the client library sends for such a prompt, so th
 ``prefix`` policy has work to do. The coordinator never decodes the body, so its work is what
 it would be for the long prompt.
 
-Targets compare fleets within one run. Run: ``dpcoord bench --simulated-engines 2,100,1000,3000``
-(or ``python -m benchmarks.fleet``); ``--help`` lists the knobs.
+Run: ``dpcoord bench --simulated-engines 2,100,1000,3000`` (or ``python -m benchmarks.fleet``);
+``--help`` lists the knobs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,7 @@ from benchmarks.coordinator import RESULTS_DIR, machine, percentile
 from benchmarks.load import Target, pipelined
 from benchmarks.offered_load import offer
 from benchmarks.proc_cpu import cpu_seconds
+from benchmarks.progress import Progress
 from service.bus.server import EmbeddedNatsServer
 from service.ops import event_loop
 from service.protocol.codec import encode_msgpack
@@ -82,6 +87,8 @@ IDLE_GOAL = Goal("idle coordinator CPU with the fleet heartbeating (% of a core)
 
 @dataclass(slots=True)
 class FleetResult:
+    """One fleet: registration and idle figures, and medians over the rounds of load windows."""
+
     policy: str
     engines: int
     registration_s: float
@@ -94,12 +101,14 @@ class FleetResult:
     cpu_us_per_request: float
     coordinator_core_pct: float
     requests_per_routed_message: float
-    sent: int
+    others_cores: float  # CPU of every other process on the machine over the load windows, in cores
+    sent: int  # sums over the rounds
     lost: int
     duplicated: int
     errors: int
-    others_cores: float  # CPU of every other process on the machine over the load window, in cores
     log_lines: int
+    cpu_ratio: float = float("nan")  # median over rounds of CPU per request / the smallest fleet's in that round
+    rate_ratio: float = float("nan")  # same, of the achieved rate
 
 
 class Workload:
@@ -118,6 +127,22 @@ class Workload:
         return encode_msgpack(SubmitEnvelope(1, self._body, False, number, self._client_id, None, None, hashes))
 
 
+@dataclass(slots=True)
+class RunningFleet:
+    """A coordinator and its engines, up for the whole of one policy's rounds."""
+
+    policy: str
+    engines: int
+    subjects: Subjects
+    coordinator: asyncio.subprocess.Process
+    host: asyncio.subprocess.Process
+    log_path: Path
+    registration_s: float = 0.0
+    registration_cpu_s: float = 0.0
+    idle_core_pct: float = 0.0
+    windows: list[dict[str, float]] = field(default_factory=list)
+
+
 class FleetBench:
     def __init__(self, args: argparse.Namespace, nats_url: str, nats_pid: int | None, log_dir: Path) -> None:
         self.args = args
@@ -125,6 +150,7 @@ class FleetBench:
         self.nats_pid = nats_pid
         self.log_dir = log_dir
         self.workload = Workload()
+        self._numbers = itertools.count()  # request numbers: unique client_request_ids across every window
         self._nc: NATS | None = None
 
     @property
@@ -142,6 +168,24 @@ class FleetBench:
 
     # ------------------------------------------------------------ processes
 
+    async def start(self, policy: str, engines: int) -> RunningFleet:
+        """A coordinator, then ``engines`` engines; registration is measured on the way."""
+        subjects = Subjects(f"fleet{uuid.uuid4().hex[:8]}")
+        log_path = self.log_dir / f"coordinator-{policy}-{engines}.log"
+        coordinator = await self._coordinator(policy, subjects, log_path)
+        cpu_before = cpu_seconds(coordinator.pid)
+        host = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "benchmarks.doc_engines", "--nats-url", self.nats_url, "--prefix", subjects.prefix,
+            "--count", str(engines), "--id-prefix", "sim-", stdout=asyncio.subprocess.PIPE,
+        )
+        fleet = RunningFleet(policy, engines, subjects, coordinator, host, log_path)
+        fleet.registration_s = await _registered(host)
+        fleet.registration_cpu_s = cpu_seconds(coordinator.pid) - cpu_before
+        known = len((await self._status(fleet))["engines"])
+        if known != engines:
+            raise RuntimeError(f"the coordinator knows {known} engines, not {engines}")
+        return fleet
+
     async def _coordinator(self, policy: str, subjects: Subjects, log_path: Path) -> asyncio.subprocess.Process:
         env = dict(os.environ)
         env.update({
@@ -149,6 +193,8 @@ class FleetBench:
             "DPCOORD_COORDINATOR_ID": COORDINATOR_ID, "DPCOORD_ROUTING_POLICY": policy, "DPCOORD_LOG_LEVEL": "INFO",
             "DPCOORD_EVENT_LOOP": self.args.event_loop, "DPCOORD_HTTP_PORT": "0",
         })
+        if self.args.coordinator_source:
+            env["PYTHONPATH"] = str(self.args.coordinator_source)
         with log_path.open("w") as log_file:
             process = await asyncio.create_subprocess_exec(sys.executable, "-m", "service", "coordinator", env=env, stderr=log_file)
         status = subjects.status("coordinator", COORDINATOR_ID)
@@ -162,95 +208,102 @@ class FleetBench:
                 await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
         raise RuntimeError(f"the coordinator did not come up in 30 s; see {log_path}")
 
-    async def _status(self, subjects: Subjects) -> dict[str, Any]:
-        msg = await self.nc.request(subjects.status("coordinator", COORDINATOR_ID), b"", timeout=10.0)
+    async def _status(self, fleet: RunningFleet) -> dict[str, Any]:
+        msg = await self.nc.request(fleet.subjects.status("coordinator", COORDINATOR_ID), b"", timeout=10.0)
         return json.loads(msg.data)
 
-    async def _engines(self, subjects: Subjects, count: int) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "benchmarks.doc_engines", "--nats-url", self.nats_url, "--prefix", subjects.prefix,
-            "--count", str(count), "--id-prefix", "sim-", stdout=asyncio.subprocess.PIPE,
-        )
-
     @staticmethod
-    async def _stop(process: asyncio.subprocess.Process) -> None:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), 30)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+    async def stop(fleet: RunningFleet) -> None:
+        for process in (fleet.host, fleet.coordinator):
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 30)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
 
     # ------------------------------------------------------------ measurements
 
-    async def calibrate(self, engines: int) -> float:
-        """Closed-loop requests/s of the whole machine with ``engines`` engines: the reference rate."""
-        subjects = Subjects(f"fleet{uuid.uuid4().hex[:8]}")
-        coordinator = await self._coordinator(self.args.policies[0], subjects, self.log_dir / "calibrate-coordinator.log")
-        host = await self._engines(subjects, engines)
-        try:
-            await self._registered(host)
-            numbers = iter(range(1 << 62))
-            target = Target(subjects.coordinator(Header.SUBMIT_REQUEST), lambda: self.workload(next(numbers)))
-            window = await pipelined(self.nc, target, self.args.inflight, 1.0, self.args.duration, {})
-            return window.rate
-        finally:
-            await self._stop(host)
-            await self._stop(coordinator)
+    def _body(self) -> bytes:
+        return self.workload(next(self._numbers))
 
-    @staticmethod
-    async def _registered(host: asyncio.subprocess.Process) -> float:
-        assert host.stdout is not None  # created with stdout=PIPE
-        line = (await asyncio.wait_for(host.stdout.readline(), 300)).decode().split()
-        if not line or line[0] != "registered":
-            raise RuntimeError(f"the engine process said {line!r} instead of registering")
-        return float(line[2])
+    async def closed_loop_rate(self, fleet: RunningFleet) -> float:
+        """Requests/s of the whole machine with ``inflight`` requests outstanding: the reference rate."""
+        target = Target(fleet.subjects.coordinator(Header.SUBMIT_REQUEST), self._body)
+        window = await pipelined(self.nc, target, self.args.inflight, self.args.warmup, self.args.duration, {})
+        return window.rate
 
-    async def measure(self, policy: str, engines: int, rate: float) -> FleetResult:
-        args = self.args
-        subjects = Subjects(f"fleet{uuid.uuid4().hex[:8]}")
-        log_path = self.log_dir / f"coordinator-{policy}-{engines}.log"
-        coordinator = await self._coordinator(policy, subjects, log_path)
-        pid = coordinator.pid
-        try:
-            cpu_before = cpu_seconds(pid)
-            host = await self._engines(subjects, engines)
-            try:
-                registration_s = await self._registered(host)
-                registration_cpu = cpu_seconds(pid) - cpu_before
-                status = await self._status(subjects)
-                if len(status["engines"]) != engines:
-                    raise RuntimeError(f"the coordinator knows {len(status['engines'])} engines, not {engines}")
-                await asyncio.sleep(2.0)  # every engine heartbeating by now; nothing to await on
-                idle_start = cpu_seconds(pid)
-                await asyncio.sleep(args.idle)
-                idle_core_pct = (cpu_seconds(pid) - idle_start) / args.idle * 100
-                before = (await self._status(subjects))["counters"]
-                watch = {"coordinator": pid, "engines": host.pid, "client": os.getpid()}
-                if self.nats_pid is not None:
-                    watch["nats_server"] = self.nats_pid
-                load = await offer(
-                    self.nc, subjects.coordinator(Header.SUBMIT_REQUEST), self.workload, rate, args.warmup, args.duration, watch,
-                )
-                after = (await self._status(subjects))["counters"]
-            finally:
-                await self._stop(host)
-        finally:
-            await self._stop(coordinator)
+    async def measure_idle(self, fleets: list[RunningFleet]) -> None:
+        """Each coordinator's CPU with its engines heartbeating and no requests, all at once."""
+        await asyncio.sleep(2.0)  # every engine heartbeating by now; nothing to await on
+        before = [cpu_seconds(fleet.coordinator.pid) for fleet in fleets]
+        await asyncio.sleep(self.args.idle)
+        for fleet, start in zip(fleets, before, strict=True):
+            fleet.idle_core_pct = (cpu_seconds(fleet.coordinator.pid) - start) / self.args.idle * 100
+
+    async def load_window(self, fleet: RunningFleet, rate: float) -> None:
+        before = (await self._status(fleet))["counters"]
+        watch = {"coordinator": fleet.coordinator.pid, "engines": fleet.host.pid, "client": os.getpid()}
+        if self.nats_pid is not None:
+            watch["nats_server"] = self.nats_pid
+        load = await offer(
+            self.nc, fleet.subjects.coordinator(Header.SUBMIT_REQUEST), lambda _: self._body(), rate,
+            self.args.warmup, self.args.duration, watch,
+        )
+        after = (await self._status(fleet))["counters"]
         messages = after.get("routed_messages", 0) - before.get("routed_messages", 0)
         routed = after.get("routed_requests", 0) - before.get("routed_requests", 0)
         latencies = sorted(load.latencies_us)
-        return FleetResult(
-            policy=policy, engines=engines, registration_s=registration_s, registration_cpu_s=registration_cpu,
-            idle_core_pct=idle_core_pct, offered_per_s=rate, achieved_per_s=load.achieved_per_s,
-            p50_ms=percentile(latencies, 50) / 1000, p99_ms=percentile(latencies, 99) / 1000,
-            cpu_us_per_request=load.cpu_us_per_request("coordinator"),
-            coordinator_core_pct=load.cpu_s["coordinator"] / load.window_s * 100,
-            requests_per_routed_message=routed / messages if messages else float("nan"),
-            sent=load.sent, lost=load.lost, duplicated=load.duplicated, errors=load.errors,
-            others_cores=max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s), log_lines=len(log_path.read_text().splitlines()),
-        )
+        fleet.windows.append({
+            "achieved_per_s": load.achieved_per_s,
+            "p50_ms": percentile(latencies, 50) / 1000,
+            "p99_ms": percentile(latencies, 99) / 1000,
+            "cpu_us_per_request": load.cpu_us_per_request("coordinator"),
+            "coordinator_core_pct": load.cpu_s["coordinator"] / load.window_s * 100,
+            "requests_per_routed_message": routed / messages if messages else float("nan"),
+            "others_cores": max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s),
+            "sent": load.sent, "lost": load.lost, "duplicated": load.duplicated, "errors": load.errors,
+        })
+
+
+async def _registered(host: asyncio.subprocess.Process) -> float:
+    """Seconds the engine process took to register its engines, as it reports them."""
+    if host.stdout is None:
+        raise RuntimeError("the engine process has no stdout pipe")
+    line = (await asyncio.wait_for(host.stdout.readline(), 300)).decode().split()
+    if not line or line[0] != "registered":
+        raise RuntimeError(f"the engine process said {line!r} instead of registering")
+    return float(line[2])
+
+
+def summarise(fleets: list[RunningFleet], rate: float) -> list[FleetResult]:
+    """Medians over rounds per fleet, and per-round ratios to the smallest fleet's window."""
+    base = min(fleets, key=lambda fleet: fleet.engines)
+    results = []
+    for fleet in fleets:
+        windows = fleet.windows
+
+        def median(key: str, of: list[dict[str, float]] = windows) -> float:
+            return statistics.median(window[key] for window in of)
+
+        def ratio(key: str, fleet: RunningFleet = fleet) -> float:
+            return statistics.median(
+                mine[key] / theirs[key] for mine, theirs in zip(fleet.windows, base.windows, strict=True)
+            )
+
+        results.append(FleetResult(
+            policy=fleet.policy, engines=fleet.engines, registration_s=fleet.registration_s,
+            registration_cpu_s=fleet.registration_cpu_s, idle_core_pct=fleet.idle_core_pct, offered_per_s=rate,
+            achieved_per_s=median("achieved_per_s"), p50_ms=median("p50_ms"), p99_ms=median("p99_ms"),
+            cpu_us_per_request=median("cpu_us_per_request"), coordinator_core_pct=median("coordinator_core_pct"),
+            requests_per_routed_message=median("requests_per_routed_message"), others_cores=median("others_cores"),
+            sent=sum(int(w["sent"]) for w in windows), lost=sum(int(w["lost"]) for w in windows),
+            duplicated=sum(int(w["duplicated"]) for w in windows), errors=sum(int(w["errors"]) for w in windows),
+            log_lines=len(fleet.log_path.read_text().splitlines()),
+            cpu_ratio=ratio("cpu_us_per_request"), rate_ratio=ratio("achieved_per_s"),
+        ))
+    return results
 
 
 # ---------------------------------------------------------------- report
@@ -267,7 +320,7 @@ def judge(results: list[FleetResult]) -> list[dict[str, Any]]:
             if row is None or row is base:
                 continue
             cpu = "CPU" in goal.name
-            value = row.cpu_us_per_request / base.cpu_us_per_request if cpu else row.achieved_per_s / base.achieved_per_s
+            value = row.cpu_ratio if cpu else row.rate_ratio
             why = (
                 f"{base.cpu_us_per_request:.1f} -> {row.cpu_us_per_request:.1f} us/request; requests per routed message "
                 f"{base.requests_per_routed_message:.1f} -> {row.requests_per_routed_message:.1f}"
@@ -319,19 +372,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     server = None if args.nats_url else EmbeddedNatsServer().start()
     nats_url = args.nats_url or server.url  # type: ignore[union-attr]
     load_before = os.getloadavg()
+    results: list[FleetResult] = []
+    rate, reference = args.rate, None
     try:
         async with FleetBench(args, nats_url, server.pid if server else None, log_dir) as bench:
-            if args.rate:
-                rate, reference = args.rate, None
-            else:
-                reference = await bench.calibrate(args.simulated_engines[0])
-                rate = reference * args.offered_share
-            sys.stderr.write(f"offering {rate:,.0f} req/s to every fleet\n")
-            results = []
             for policy in args.policies:
-                for engines in args.simulated_engines:
-                    sys.stderr.write(f"  {policy} with {engines} engines ...\n")
-                    results.append(await bench.measure(policy, engines, rate))
+                progress = Progress(len(args.simulated_engines) * (args.rounds + 1) + 1)
+                fleets: list[RunningFleet] = []
+                try:
+                    for engines in args.simulated_engines:
+                        progress.step(f"{policy}: starting {engines} engines")
+                        fleets.append(await bench.start(policy, engines))
+                    progress.step(f"{policy}: idle CPU of every fleet")
+                    await bench.measure_idle(fleets)
+                    if rate is None:
+                        reference = await bench.closed_loop_rate(fleets[0])
+                        rate = reference * args.offered_share
+                        progress.note(f"offering {rate:,.0f} req/s to every fleet ({reference:,.0f} closed-loop)")
+                    for index in range(args.rounds):
+                        for fleet in fleets if index % 2 == 0 else list(reversed(fleets)):
+                            progress.step(f"{policy}: round {index + 1}/{args.rounds}, {fleet.engines} engines")
+                            await bench.load_window(fleet, rate)
+                finally:
+                    for fleet in fleets:
+                        await bench.stop(fleet)
+                progress.done()
+                results.extend(summarise(fleets, rate))
     finally:
         if server is not None:
             server.stop()
@@ -355,11 +421,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=None, help="offered requests/s (default: a share of the closed-loop rate)")
     parser.add_argument("--offered-share", type=float, default=0.6, help="share of the closed-loop rate to offer (default 0.6)")
     parser.add_argument("--inflight", type=int, default=256, help="requests in flight when calibrating closed-loop (default 256)")
-    parser.add_argument("--duration", type=float, default=4.0, help="seconds measured under load per fleet (default 4)")
+    parser.add_argument("--rounds", type=int, default=3, help="load windows per fleet, interleaved across fleets (default 3)")
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per load window (default 3)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each measured window (default 1)")
     parser.add_argument("--idle", type=float, default=4.0, help="seconds of idle CPU measured per fleet (default 4)")
     parser.add_argument("--nats-url", default=None, help="use this NATS server instead of an embedded one")
     parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="the coordinator's event loop")
+    parser.add_argument("--coordinator-source", type=Path, default=None, metavar="DIR",
+                        help="run the coordinator from this source tree (PYTHONPATH), to compare another commit")
     parser.add_argument("--output", type=Path, default=None, help="JSON results path (default benchmarks/results/fleet-<time>.json)")
 
 
