@@ -193,10 +193,13 @@ class FleetBench:
             "DPCOORD_COORDINATOR_ID": COORDINATOR_ID, "DPCOORD_ROUTING_POLICY": policy, "DPCOORD_LOG_LEVEL": "INFO",
             "DPCOORD_EVENT_LOOP": self.args.event_loop, "DPCOORD_HTTP_PORT": "0",
         })
-        if self.args.coordinator_source:
-            env["PYTHONPATH"] = str(self.args.coordinator_source)
+        source = self.args.coordinator_source
+        if source is not None:
+            env["PYTHONPATH"] = str(source.resolve())
         with log_path.open("w") as log_file:
-            process = await asyncio.create_subprocess_exec(sys.executable, "-m", "service", "coordinator", env=env, stderr=log_file)
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "service", "coordinator", env=env, stderr=log_file, cwd=source,
+            )
         status = subjects.status("coordinator", COORDINATOR_ID)
         for _ in range(600):
             if process.returncode is not None:
@@ -428,7 +431,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", default=None, help="use this NATS server instead of an embedded one")
     parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="the coordinator's event loop")
     parser.add_argument("--coordinator-source", type=Path, default=None, metavar="DIR",
-                        help="run the coordinator from this source tree (PYTHONPATH), to compare another commit")
+                        help="run the coordinator from this source tree, to compare another commit")
     parser.add_argument("--output", type=Path, default=None, help="JSON results path (default benchmarks/results/fleet-<time>.json)")
 
 
