@@ -10,7 +10,6 @@ import time
 import pytest
 
 from service.coordinator.fleet_log import FleetLog
-from service.coordinator.load_index import LoadIndex
 from service.coordinator.pool import EnginePool, EngineRecord
 
 
@@ -95,18 +94,23 @@ def test_departed_engines_are_remembered_for_a_while() -> None:
     assert not forgetful.recently_departed("gone")
 
 
-def test_load_index_walks_up_past_emptied_buckets() -> None:
-    index: LoadIndex[str] = LoadIndex()
-    index.add("a", 0)
-    index.add("b", 3)
-    assert index.least_loaded() == "a" and index.lowest_load == 0
-    index.discard("a", 0)
-    assert index.least_loaded() == "b" and index.lowest_load == 3
-    index.add("c", 1)
-    assert index.least_loaded() == "c" and index.lowest_load == 1
-    index.discard("c", 1)
-    index.discard("b", 3)
-    assert index.least_loaded() is None
+def test_least_loaded_walks_up_past_emptied_buckets() -> None:
+    pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=60.0)
+    a, b = pool.add("a", 10), pool.add("b", 10)
+    for index in range(3):
+        pool.assign(b, f"b{index}")
+    assert pool.least_loaded() is a and pool.lowest_load == 0
+    pool.assign(a, "a0")
+    pool.assign(a, "a1")
+    assert pool.least_loaded() is a and pool.lowest_load == 2
+    pool.assign(a, "a2")
+    pool.assign(a, "a3")
+    assert pool.least_loaded() is b and pool.lowest_load == 3
+    pool.release(a, "a0")
+    pool.release(a, "a1")
+    assert pool.least_loaded() is a and pool.lowest_load == 2
+    pool.remove("a", departed=True)
+    assert pool.least_loaded() is b and pool.lowest_load == 3
 
 
 def test_pool_records_compare_by_identity() -> None:

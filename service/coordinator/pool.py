@@ -3,9 +3,15 @@
 Every change is O(1) in the number of engines, so a fleet of thousands costs what a few do:
 registering, leaving, a heartbeat, a request routed (:meth:`EnginePool.assign`) or answered
 (:meth:`EnginePool.release`), and finding engines that fell silent (which reads only those).
-Loads change through the pool alone, because it keeps three indexes over them: engines
-bucketed by load (least-loaded routing), engines with room in turn (round robin) and a list
-to sample from uniformly (power of two choices).
+Loads change through the pool alone, because it keeps three indexes over them:
+
+- engines with room bucketed by load, for least-loaded routing: bucket ``n`` holds the
+  engines with ``n`` requests in flight, in the order they entered it, so the least loaded
+  engine is the oldest member of the lowest non-empty bucket and equals take turns. Finding
+  that bucket walks up from a lower bound on it, over at most ``max_inflight_per_engine``
+  empty buckets, whatever the fleet's size;
+- engines with room in turn, for round robin;
+- a list to sample from uniformly, for the power of two choices.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from service.coordinator.load_index import LoadIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -52,7 +57,8 @@ class EnginePool:
         self._slots: list[EngineRecord] = []
         self._by_silence: OrderedDict[str, EngineRecord] = OrderedDict()  # least recently heard first
         self._departed: OrderedDict[str, float] = OrderedDict()  # engine id -> when it left, oldest first
-        self._by_load: LoadIndex[EngineRecord] = LoadIndex()
+        self._by_load: list[OrderedDict[EngineRecord, None]] = [OrderedDict()]  # engines with room, by load
+        self.lowest_load = 0  # no engine with room has less load; exact after least_loaded() found one
         self._in_turn: OrderedDict[EngineRecord, None] = OrderedDict()  # engines with room, next in turn first
 
     # ------------------------------------------------------------ membership
@@ -64,7 +70,8 @@ class EnginePool:
         self._slots.append(record)
         self._by_silence[engine_id] = record
         self._departed.pop(engine_id, None)
-        self._by_load.add(record, 0)
+        self._by_load[0][record] = None
+        self.lowest_load = 0
         self._in_turn[record] = None
         return record
 
@@ -80,8 +87,9 @@ class EnginePool:
             last.slot = record.slot
         record.slot = -1
         del self._by_silence[engine_id]
-        self._by_load.discard(record, record.load)
-        self._in_turn.pop(record, None)
+        if record.has_room:
+            del self._by_load[len(record.requests)][record]
+            del self._in_turn[record]
         if departed:
             now = time.monotonic()
             self._forget_departed(now)
@@ -120,11 +128,15 @@ class EnginePool:
         requests.add(request_id)
         if record.slot < 0:
             return
-        self._by_load.discard(record, load)
-        if load + 1 < record.capacity:
-            self._by_load.add(record, load + 1)
+        by_load = self._by_load
+        del by_load[load][record]
+        load += 1
+        if load < record.capacity:
+            if load == len(by_load):
+                by_load.append(OrderedDict())
+            by_load[load][record] = None
         else:
-            self._in_turn.pop(record, None)
+            del self._in_turn[record]
 
     def release(self, record: EngineRecord, request_id: str) -> bool:
         """``request_id`` no longer occupies ``record``; False when it did not."""
@@ -132,15 +144,18 @@ class EnginePool:
         if request_id not in requests:
             return False
         load = len(requests)
-        requests.discard(request_id)
+        requests.remove(request_id)
         if record.slot < 0:
             return True
+        by_load = self._by_load
         if load < record.capacity:
-            self._by_load.discard(record, load)
+            del by_load[load][record]
         else:
             self._in_turn[record] = None
-        if load - 1 < record.capacity:
-            self._by_load.add(record, load - 1)
+        load -= 1
+        by_load[load][record] = None
+        if load < self.lowest_load:
+            self.lowest_load = load
         return True
 
     # ------------------------------------------------------------ liveness
@@ -168,13 +183,18 @@ class EnginePool:
     # ------------------------------------------------------------ for routing policies
 
     def least_loaded(self) -> EngineRecord | None:
-        """Fewest requests in flight among engines with room; equals in rotation. None when all are full."""
-        return self._by_load.least_loaded()
-
-    @property
-    def lowest_load(self) -> int:
-        """The load of the engine :meth:`least_loaded` returned just before."""
-        return self._by_load.lowest_load
+        """Fewest requests in flight among engines with room, equals in turn (``lowest_load`` is
+        its load); None when all are full."""
+        by_load = self._by_load
+        lowest = self.lowest_load
+        while lowest < len(by_load):
+            bucket = by_load[lowest]
+            if bucket:
+                self.lowest_load = lowest
+                return next(iter(bucket))
+            lowest += 1
+        self.lowest_load = lowest
+        return None
 
     def next_in_turn(self) -> EngineRecord | None:
         """The engine with room that has waited longest for its turn; None when all are full."""

@@ -18,7 +18,8 @@ Everything is bounded: a request's hashes are at most ``MAX_PREFIX_HASHES`` (the
 says so), each hash has at most ``OWNERS_PER_PREFIX`` owners, so one choice reads a bounded
 candidate set whatever the fleet; the table holds at most ``prefix_table_size`` hashes (least
 recently used evicted first) and forgets a hash unused for ``prefix_ttl_s``. An owner that
-left the pool is dropped when next met.
+left the pool is never chosen, and dropped when its entry next changes. A choice refreshes the
+matched prefix and records the longer ones; the shorter ones age as they were.
 """
 
 from __future__ import annotations
@@ -58,17 +59,15 @@ class PrefixTable:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
 
     def owners(self, prefix_hash: int, now: float) -> list[EngineRecord]:
-        """Live engines given this prefix within the TTL (most recent last); empty when none."""
+        """Engines given this prefix within the TTL, most recent last (some may have left the
+        pool since); empty when none."""
         entry = self._entries.get(prefix_hash)
         if entry is None:
             return []
         if now - entry.used_at > self._ttl_s:
             del self._entries[prefix_hash]
             return []
-        owners = entry.owners
-        if not all(owner.slot >= 0 for owner in owners):
-            owners[:] = [owner for owner in owners if owner.slot >= 0]
-        return owners
+        return entry.owners
 
     def record(self, hashes: Sequence[int], engine: EngineRecord, now: float) -> None:
         """``engine`` was given a prompt with every prefix in ``hashes``."""
@@ -79,14 +78,12 @@ class PrefixTable:
                 entries[prefix_hash] = _Entry([engine], now)
                 continue
             entry.used_at = now
-            owners = entry.owners
-            if not owners or owners[-1] is not engine:
-                if engine in owners:
-                    owners.remove(engine)
-                owners.append(engine)
-                if len(owners) > OWNERS_PER_PREFIX:
-                    del owners[0]
             entries.move_to_end(prefix_hash)
+            owners = entry.owners
+            if owners[-1] is not engine:
+                kept = [owner for owner in owners if owner is not engine and owner.slot >= 0]
+                del kept[: max(0, len(kept) + 1 - OWNERS_PER_PREFIX)]
+                owners[:] = [*kept, engine]
         self._evict(now)
 
     def _evict(self, now: float) -> None:
@@ -121,18 +118,18 @@ class PrefixAware:
             return None
         bound = pool.lowest_load + self._load_bound
         now = time.monotonic()
-        chosen = None
-        for prefix_hash in reversed(key):  # the longest known prefix first
-            owners = self._table.owners(prefix_hash, now)
+        table = self._table
+        for index in range(len(key) - 1, -1, -1):  # the longest known prefix first
+            owners = table.owners(key[index], now)
             if owners:
                 chosen = _least_loaded_within(owners, bound)
                 if chosen is not None:
-                    break
-        if chosen is None:
-            chosen = self._fallback.choose()
-            if chosen is None:
-                return None
-        self._table.record(key, chosen, now)
+                    # Shorter prefixes were recorded with this one; the longer ones are new here.
+                    table.record(key[index:], chosen, now)
+                    return chosen
+        chosen = self._fallback.choose()
+        if chosen is not None:
+            table.record(key, chosen, now)
         return chosen
 
     def turn_ended(self) -> None:
@@ -144,6 +141,6 @@ def _least_loaded_within(owners: list[EngineRecord], bound: int) -> EngineRecord
     best_load = bound + 1
     for owner in reversed(owners):  # most recent first among equals
         load = len(owner.requests)
-        if load < best_load and load < owner.capacity:
+        if load < best_load and load < owner.capacity and owner.slot >= 0:
             best, best_load = owner, load
     return best

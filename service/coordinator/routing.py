@@ -50,13 +50,6 @@ class _Batching:
     def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
         return None
 
-    def _keep_batching(self, lowest_load: int) -> EngineRecord | None:
-        current = self._current
-        if current is None or current.slot < 0:
-            return None
-        load = len(current.requests)
-        return current if load < current.capacity and load <= lowest_load + self._slack else None
-
     def turn_ended(self) -> None:
         self._current = None
 
@@ -71,9 +64,11 @@ class LeastLoaded(_Batching):
         least = pool.least_loaded()
         if least is None:
             return None
-        kept = self._keep_batching(pool.lowest_load)
-        if kept is not None:
-            return kept
+        current = self._current
+        if current is not None and current is not least and current.slot >= 0:
+            load = len(current.requests)
+            if load < current.capacity and load <= pool.lowest_load + self._slack:
+                return current
         self._current = least
         return least
 
@@ -94,9 +89,11 @@ class PowerOfTwoChoices(_Batching):
             if with_room is None:
                 return None
             best = with_room
-        kept = self._keep_batching(len(best.requests))
-        if kept is not None:
-            return kept
+        current = self._current
+        if current is not None and current is not best and current.slot >= 0:
+            load = len(current.requests)
+            if load < current.capacity and load <= len(best.requests) + self._slack:
+                return current
         self._current = best
         return best
 
