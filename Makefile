@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ENGINES ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: up test install clean
+.PHONY: up test check install clean
 
 install: $(STAMP)
 
@@ -21,7 +21,13 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(VENV)/bin/dpcoord up --engines $(ENGINES)
 
-test: $(STAMP)
+# Lint, types and the layer contracts of pyproject.toml (docs/architecture.md), then the tests.
+check: $(STAMP)
+	$(PY) -m ruff check service handlers engines tests benchmarks
+	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
+
+test: check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -39,10 +39,9 @@ from benchmarks.profile import fold, record
 from benchmarks.progress import Progress
 from benchmarks.stack import BenchStack, StackConfig
 from service.ops import event_loop
-from service.protocol.subjects import Header
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
-
+from service.protocol.subjects import Header
 
 RESULTS_DIR = Path("benchmarks") / "results"  # relative to where it runs: the repository root, git-ignored
 

@@ -19,8 +19,8 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from benchmarks.raw_peers import Subjects as RawSubjects
 from service.bus.server import EmbeddedNatsServer
-from service.protocol.subjects import Header, Subjects
 from service.protocol.messages import ErrorReply, Final, Partial, Reply
+from service.protocol.subjects import Header, Subjects
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from engines.metrics import EngineCollector
 from engines.runtime import EngineRuntime
 from service.ops.http_endpoints import Check
-from service.ops.services_api import ENGINE_SERVICE, EngineStatus
 from service.ops.observability import Observability, ServiceSpec
+from service.ops.services_api import ENGINE_SERVICE, EngineStatus
 
 
 def engine_health(runtime: EngineRuntime) -> Check:

@@ -12,104 +12,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections import Counter
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
-from service.bus.direct import DirectClient
-from service.protocol.errors import ErrorCode, WireError
-from service.ops.log_limit import RateLimitedLog
+from engines.handlers import ENGINE_HANDLERS
+from engines.replies import ActiveRequest, ReplyPublisher
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
+from service.bus.direct import DirectClient
+from service.bus.registry import HandlerSpec, Incoming
+from service.ops.log_limit import RateLimitedLog
 from service.ops.settings import Settings
-from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
-from service.protocol.codec import Encoding, PayloadDecoder, encode, encode_msgpack, msgpack_decoder
+from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding, encode_msgpack, msgpack_decoder
+from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
-    ControlSignal,
     EngineAck,
     EngineDisconnect,
     EngineRegister,
-    EngineReplyBatch,
-    EpochSpan,
-    Final,
-    FinishReason,
     Heartbeat,
-    Partial,
     RegisterAck,
     ResendAnswer,
     ResendReplies,
-    ReturnPath,
-    RoutedAbort,
     RoutedReply,
     RoutedRequest,
-    RoutedRequestBatch,
     SubmitRequest,
-    error_reply,
 )
+from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
 
-_routed_decoder = msgpack_decoder(RoutedRequestBatch)
-_abort_decoder = msgpack_decoder(RoutedAbort)
-_control_decoder = msgpack_decoder(ControlSignal)
 _register_ack_decoder = msgpack_decoder(RegisterAck)
 _submit_decoder = PayloadDecoder(SubmitRequest)
-_resend_decoder = msgpack_decoder(ResendReplies)
-_BATCH_OVERHEAD = 256
-# Terminal replies kept so one lost on the way (a NATS restart, say) can be sent again.
-RECENT_REPLIES_KEPT = 10_000
-
-
-@dataclass(slots=True, eq=False)
-class ActiveRequest:
-    route: ReturnPath
-    encoding: Encoding
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    unsent_tokens: list[int] = field(default_factory=list)
-    unsent_text: list[str] = field(default_factory=list)
-    partials_sent: int = 0
-    epochs: list[EpochSpan] = field(default_factory=list)
-
-    def record(self, output: TokenOutput, epoch: int | None) -> None:
-        if output.new_tokens:
-            start = len(self.tokens)
-            end = start + len(output.new_tokens)
-            if self.epochs and self.epochs[-1].epoch == epoch:
-                self.epochs[-1].end = end
-            else:
-                self.epochs.append(EpochSpan(epoch, start, end))
-        self.tokens.extend(output.new_tokens)
-        self.text.append(output.text)
-        self.unsent_tokens.extend(output.new_tokens)
-        self.unsent_text.append(output.text)
-
-    def partial(self) -> RoutedReply:
-        route = self.route
-        message = Partial(route.request_id, route.client_request_id, self.unsent_tokens, "".join(self.unsent_text))
-        self.unsent_tokens, self.unsent_text = [], []
-        reply = RoutedReply(route, encode(message, self.encoding), seq=self.partials_sent)
-        self.partials_sent += 1
-        return reply
-
-    def final(self, engine_id: str, finish_reason: FinishReason) -> RoutedReply:
-        route = self.route
-        message = Final(
-            route.request_id, route.client_request_id, engine_id, self.tokens, "".join(self.text), finish_reason,
-            epochs=self.epochs or None,
-        )
-        return RoutedReply(route, encode(message, self.encoding), seq=self.partials_sent)
-
-    def error(self, err: WireError) -> RoutedReply:
-        route = self.route
-        reply = error_reply(err, route.client_request_id, route.request_id)
-        return RoutedReply(route, encode(reply, self.encoding), seq=self.partials_sent)
 
 
 class EngineRuntime:
@@ -124,7 +61,6 @@ class EngineRuntime:
         self.registered = asyncio.Event()
         self._malformed_log = RateLimitedLog(log)
         self._active: dict[str, ActiveRequest] = {}
-        self._recent_replies: OrderedDict[str, RoutedReply] = OrderedDict()
         self._wake = asyncio.Event()
         self._connected = asyncio.Event()
         self._connected.set()
@@ -133,24 +69,13 @@ class EngineRuntime:
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
-        self._nc: DirectClient | None = None
-        self._controls: dict[str, Callable[[ControlSignal], Awaitable[str]]] = {
-            Header.PAUSE: self._pause,
-            Header.UNPAUSE: self._unpause,
-            Header.SUSPEND: self._suspend,
-            Header.RESUME: self._resume,
-            Header.STOP: self._stop_serving,
-            Header.SET_GENERATION_EPOCH: self._set_epoch,
-            Header.START_CUDA_PROFILER: self._start_profiler,
-            Header.STOP_CUDA_PROFILER: self._stop_profiler,
-        }
+        self._nc = DirectClient()
+        self._replies = ReplyPublisher(self.engine_id, self._nc, self.subjects, self.counters)
 
     # ------------------------------------------------------------ lifecycle
 
     @property
     def nc(self) -> DirectClient:
-        if self._nc is None:
-            raise RuntimeError("engine is not started")
         return self._nc
 
     @property
@@ -158,9 +83,9 @@ class EngineRuntime:
         return len(self._active)
 
     async def start(self) -> None:
-        self._nc = await connect_nats(
+        await connect_nats(
             self.settings, name=f"dpcoord-engine-{self.engine_id}",
-            on_disconnect=self._connected.clear, on_reconnect=self._on_reconnect,
+            on_disconnect=self._connected.clear, on_reconnect=self._on_reconnect, nc=self._nc,
         )
         # Routed messages are the hot path: handled on nats-py's reading task (service/bus/direct.py).
         await self.nc.subscribe_direct(self.subjects.engine_wildcard(self.engine_id), self._on_routed)
@@ -185,7 +110,7 @@ class EngineRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._nc is not None:
+        if self._nc.is_connected or self._nc.is_reconnecting:
             if self._nc.is_connected:
                 await self.nc.publish(
                     self.subjects.coordinator(Header.DISCONNECT), encode_msgpack(EngineDisconnect(self.engine_id, reason))
@@ -235,65 +160,65 @@ class EngineRuntime:
     # ------------------------------------------------------------ requests
 
     async def _on_routed(self, subject: str, reply: str, data: bytes) -> None:
-        """A direct handler: it publishes, and never waits for another message."""
+        """Messages routed to this engine alone; direct handlers, which publish and never wait
+        for another message."""
         header = self.subjects.header_of(subject)
+        spec = ENGINE_HANDLERS.get(header)
         try:
-            if header == Header.SUBMIT_REQUEST:
-                for routed in _routed_decoder.decode(data).requests:
-                    await self._on_submit(routed)
-            elif header == Header.ABORT_REQUEST:
-                await self._on_abort(_abort_decoder.decode(data))
-            elif header == RESEND_REPLIES:
-                await self._on_resend(_resend_decoder.decode(data), reply)
-            else:
+            if spec is None or spec.fanout:
                 raise WireError(ErrorCode.NOT_FOUND, f"no routed message {header!r}")
-        except (msgspec.DecodeError, msgspec.ValidationError, WireError) as exc:
+            await self._dispatch(spec, reply, data)
+        except WireError as exc:
             self.counters["malformed"] += 1
             self._malformed_log.warning("engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(data), exc)
 
-    async def _on_submit(self, routed: RoutedRequest) -> None:
-        route = routed.route
+    async def _dispatch(self, spec: HandlerSpec, reply: str, data: bytes) -> None:
+        incoming = Incoming(spec.header, reply or None, detect_encoding(data), data)
+        await spec.fn(self, incoming, spec.decoder.decode(data, incoming.encoding))
+
+    async def start_request(self, routed: RoutedRequest) -> None:
+        return_path = routed.return_path
         try:
-            encoding = Encoding(route.encoding)
+            encoding = Encoding(return_path.encoding)
         except ValueError:
             self.counters["malformed"] += 1
-            self._malformed_log.warning("engine_id=%s request_id=%s: unknown encoding %r; dropped", self.engine_id, route.request_id, route.encoding)
+            self._malformed_log.warning("engine_id=%s request_id=%s: unknown encoding %r; dropped", self.engine_id, return_path.request_id, return_path.encoding)
             return
-        if route.request_id in self._active:
-            log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, route.request_id)
+        if return_path.request_id in self._active:
+            log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, return_path.request_id)
             return
-        active = ActiveRequest(route, encoding)
+        active = ActiveRequest(return_path, encoding)
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
-            self.backend.add(GenerationRequest.from_submit(route.request_id, submit))
+            self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit))
         except WireError as err:
-            log.info("engine_id=%s request_id=%s refused: %s", self.engine_id, route.request_id, err)
-            await self._publish(Header.ENGINE_REPLY, [active.error(err)])
+            log.info("engine_id=%s request_id=%s refused: %s", self.engine_id, return_path.request_id, err)
+            await self._replies.publish(Header.ENGINE_REPLY, [active.error(err)])
             return
-        self._active[route.request_id] = active
+        self._active[return_path.request_id] = active
         self._wake.set()
 
-    async def _on_abort(self, abort: RoutedAbort) -> None:
-        active = self._active.pop(abort.request_id, None)
+    async def abort_request(self, request_id: str) -> None:
+        active = self._active.pop(request_id, None)
         if active is None:
             return
-        self.backend.abort(abort.request_id)
-        await self._publish(Header.ENGINE_REPLY, [active.final(self.engine_id, "abort")])
+        self.backend.abort(request_id)
+        await self._replies.publish(Header.ENGINE_REPLY, [active.final(self.engine_id, "abort")])
 
     def _on_reconnect(self) -> None:
         self._connected.set()
         self._wake.set()
 
-    async def _on_resend(self, resend: ResendReplies, reply_subject: str) -> None:
-        again = [reply for request_id in resend.request_ids if (reply := self._recent_replies.get(request_id))]
+    async def resend_replies(self, incoming: Incoming, resend: ResendReplies) -> None:
+        again = [reply for request_id in resend.request_ids if (reply := self._replies.recent(request_id))]
         unknown = [
             request_id for request_id in resend.request_ids
-            if request_id not in self._recent_replies and request_id not in self._active
+            if self._replies.recent(request_id) is None and request_id not in self._active
         ]
         log.info("engine_id=%s: sending %d replies again; %d requests never arrived", self.engine_id, len(again), len(unknown))
-        await self._publish(Header.ENGINE_REPLY, again, remember=False)
-        if reply_subject:
-            await self.nc.publish(reply_subject, encode_msgpack(ResendAnswer(unknown)))
+        await self._replies.publish(Header.ENGINE_REPLY, again, remember=False)
+        if incoming.reply:
+            await self.nc.publish(incoming.reply, encode_msgpack(ResendAnswer(unknown)))
 
     async def _step_loop(self) -> None:
         """Steps while there is work, the fleet is not paused and NATS is reachable: tokens
@@ -321,8 +246,8 @@ class EngineRuntime:
         failed = list(self._active.values())
         self._active.clear()
         for active in failed:
-            self.backend.abort(active.route.request_id)
-        await self._publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
+            self.backend.abort(active.return_path.request_id)
+        await self._replies.publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
         return failed
 
     async def _publish_outputs(self, outputs: list[TokenOutput]) -> None:
@@ -336,98 +261,57 @@ class EngineRuntime:
             active.record(output, self.epoch)
             if output.finish_reason is not None:
                 del self._active[output.request_id]
-                if active.route.stream and active.unsent_tokens:
+                if active.return_path.stream and active.unsent_tokens:
                     partials.append(active.partial())
                 finals.append(active.final(self.engine_id, output.finish_reason))
-            elif active.route.stream and len(active.unsent_tokens) >= interval:
+            elif active.return_path.stream and len(active.unsent_tokens) >= interval:
                 partials.append(active.partial())
-        await self._publish(Header.ENGINE_REPLY_PARTIAL, partials)
-        await self._publish(Header.ENGINE_REPLY, finals)
-
-    async def _publish(self, header: Header, replies: list[RoutedReply], remember: bool = True) -> None:
-        """Send replies in as few messages as the server's max_payload allows; terminal ones are
-        remembered for a while, in case the coordinator asks for them again."""
-        subject = self.subjects.coordinator(header)
-        if remember and header == Header.ENGINE_REPLY:
-            recent = self._recent_replies
-            for reply in replies:
-                recent[reply.route.request_id] = reply
-            while len(recent) > RECENT_REPLIES_KEPT:
-                recent.popitem(last=False)
-        limit = self.nc.max_payload - _BATCH_OVERHEAD
-        batch: list[RoutedReply] = []
-        size = 0
-        for reply in replies:
-            reply_size = len(reply.body) + len(reply.route.reply_to) + 64
-            if reply_size > limit:
-                reply = self._too_large(reply)
-                reply_size = len(reply.body) + len(reply.route.reply_to) + 64
-            if batch and size + reply_size > limit:
-                await self._send_batch(subject, batch)
-                batch, size = [], 0
-            batch.append(reply)
-            size += reply_size
-        if batch:
-            await self._send_batch(subject, batch)
-
-    async def _send_batch(self, subject: str, batch: list[RoutedReply]) -> None:
-        """A batch NATS cannot take now is lost, not fatal: the coordinator's deadline answers it."""
-        try:
-            await self.nc.publish(subject, encode_msgpack(EngineReplyBatch(self.engine_id, batch)))
-        except NatsError as exc:
-            self.counters["replies_lost"] += len(batch)
-            log.warning("engine_id=%s: %d replies lost: %s", self.engine_id, len(batch), exc)
-
-    def _too_large(self, reply: RoutedReply) -> RoutedReply:
-        route = reply.route
-        err = WireError(ErrorCode.TOO_LARGE, f"reply of {len(reply.body)} bytes exceeds NATS max_payload {self.nc.max_payload}")
-        body = encode(error_reply(err, route.client_request_id, route.request_id), Encoding(route.encoding))
-        return RoutedReply(route, body, reply.seq)
+        await self._replies.publish(Header.ENGINE_REPLY_PARTIAL, partials)
+        await self._replies.publish(Header.ENGINE_REPLY, finals)
 
     # ------------------------------------------------------------ control
 
     async def _on_broadcast(self, msg: Msg) -> None:
+        """Broadcasts to every engine, each answered with an ``EngineAck``."""
         header = self.subjects.header_of(msg.subject)
-        control = self._controls.get(header)
-        if control is None:
+        spec = ENGINE_HANDLERS.get(header)
+        if spec is None or not spec.fanout:
             self.counters["malformed"] += 1
             self._malformed_log.warning("engine_id=%s: unknown broadcast %s", self.engine_id, header)
             return
         try:
-            signal = _control_decoder.decode(msg.data)
-            ack = EngineAck(self.engine_id, header, True, await control(signal))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._dispatch(spec, msg.reply, msg.data)
+        except WireError as exc:
             self.counters["malformed"] += 1
-            ack = EngineAck(self.engine_id, header, False, f"undecodable signal: {exc}")
+            await self._answer(msg.reply, EngineAck(self.engine_id, header, False, f"undecodable signal: {exc.message}"))
         except Exception as exc:
             log.exception("engine_id=%s: %s failed", self.engine_id, header)
-            ack = EngineAck(self.engine_id, header, False, f"{type(exc).__name__}: {exc}")
-        if msg.reply:
-            await self.nc.publish(msg.reply, encode_msgpack(ack))
-        if header == Header.STOP and ack.ok:
-            self.request_stop()
+            await self._answer(msg.reply, EngineAck(self.engine_id, header, False, f"{type(exc).__name__}: {exc}"))
 
-    async def _pause(self, signal: ControlSignal) -> str:
+    async def confirm(self, incoming: Incoming, detail: str = "") -> None:
+        await self._answer(incoming.reply, EngineAck(self.engine_id, incoming.header, True, detail))
+
+    async def _answer(self, reply: str | None, ack: EngineAck) -> None:
+        if reply:
+            await self.nc.publish(reply, encode_msgpack(ack))
+
+    async def pause(self) -> None:
         async with self._step_lock:
             self.paused = True
-        return ""
 
-    async def _unpause(self, signal: ControlSignal) -> str:
+    async def unpause(self) -> None:
         self.paused = False
         self._wake.set()
-        return ""
 
-    async def _suspend(self, signal: ControlSignal) -> str:
+    async def suspend(self) -> None:
         async with self._step_lock:
             self.paused = True
             await self.backend.suspend()
-        return ""
 
-    async def _resume(self, signal: ControlSignal) -> str:
+    async def resume(self) -> None:
         await self.backend.resume()
-        return ""
 
-    async def _stop_serving(self, signal: ControlSignal) -> str:
+    async def stop_serving(self) -> str:
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         async with self._step_lock:
@@ -435,12 +319,11 @@ class EngineRuntime:
             failed = await self._fail_all(WireError(ErrorCode.NO_ENGINE, f"engine {self.engine_id} stopped by control signal"))
         return f"{len(failed)} requests failed"
 
-    async def _set_epoch(self, signal: ControlSignal) -> str:
-        self.epoch = signal.epoch
-        return ""
+    def set_epoch(self, epoch: int | None) -> None:
+        self.epoch = epoch
 
-    async def _start_profiler(self, signal: ControlSignal) -> str:
+    def start_profiler(self) -> str:
         return self.backend.start_profiler()
 
-    async def _stop_profiler(self, signal: ControlSignal) -> str:
+    def stop_profiler(self) -> str:
         return self.backend.stop_profiler()

@@ -9,7 +9,15 @@ from handlers.registry import message_handler
 from service.bus.registry import Incoming
 from service.protocol import PROTOCOL_VERSION
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import AbortRequest, Ack, ConnectAck, ConnectRequest, Empty, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import (
+    AbortRequest,
+    Ack,
+    ConnectAck,
+    ConnectRequest,
+    Empty,
+    SubmitEnvelope,
+    SubmitRequest,
+)
 from service.protocol.subjects import Header
 
 

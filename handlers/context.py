@@ -13,7 +13,14 @@ from typing import Any, Protocol
 from msgspec import Struct
 
 from service.bus.registry import Incoming
-from service.protocol.messages import ClientRequestId, ControlSignal, Heartbeat, RoutedReply, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import (
+    ClientRequestId,
+    ControlSignal,
+    Heartbeat,
+    RoutedReply,
+    SubmitEnvelope,
+    SubmitRequest,
+)
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import Header
 
@@ -54,7 +61,7 @@ class ControlContext(Replier, Protocol):
         """Broadcast ``signal`` to every engine, settle what it changes, and answer ``incoming``
         with ``state`` once every engine confirmed (or with the engines that did not)."""
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background, so a handler never blocks on engine acknowledgements."""
 
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
-from service.protocol.messages import CoordinatorHeartbeat, EngineDisconnect, EngineRegister, EngineReplyBatch, Heartbeat
+from service.protocol.messages import (
+    CoordinatorHeartbeat,
+    EngineDisconnect,
+    EngineRegister,
+    EngineReplyBatch,
+    Heartbeat,
+)
 from service.protocol.subjects import Header
 
 

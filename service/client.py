@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -29,13 +29,11 @@ from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from service.protocol.errors import ErrorCode, WireError
 from service.bus.connection import close_nats, connect_nats
 from service.bus.refusals import PublishRefusals
 from service.ops.settings import Settings
-from service.protocol.prefix import prefix_hashes
-from service.protocol.subjects import Header, Subjects
 from service.protocol.codec import encode_msgpack
+from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
     AbortRequest,
     Ack,
@@ -52,6 +50,8 @@ from service.protocol.messages import (
     SubmitEnvelope,
     SubmitRequest,
 )
+from service.protocol.prefix import prefix_hashes
+from service.protocol.subjects import Header, Subjects
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 _RECONNECTED = object()
@@ -180,7 +180,7 @@ class DpcoordClient:
                 if isinstance(reply, Final):
                     return
 
-    async def _exchange(self, body: bytes, timeout: float) -> AsyncIterator[Partial | Final]:
+    async def _exchange(self, body: bytes, timeout: float) -> AsyncGenerator[Partial | Final, None]:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
         deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
         subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
@@ -288,7 +288,11 @@ async def _call(nc: NATS, refusals: PublishRefusals, subject: str, message: msgs
 async def _call_raw(nc: NATS, refusals: PublishRefusals, subject: str, body: bytes, timeout: float) -> Reply:
     refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
-        with refusals.watch(subject, lambda message: refused.done() or refused.set_result(message)):
+        def on_refusal(message: str) -> None:
+            if not refused.done():
+                refused.set_result(message)
+
+        with refusals.watch(subject, on_refusal):
             msg = await _unless_refused(nc.request(subject, body, timeout=timeout), refused)
     except NoRespondersError:
         raise ClientError(ErrorCode.NO_ENGINE, f"no coordinator is listening on {subject}") from None

@@ -19,8 +19,8 @@ from nats.aio.client import Client as NATS
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from handlers import HANDLERS
-from service.coordinator.coordinator import Coordinator
 from service.bus.server import EmbeddedNatsServer
+from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 
 log = logging.getLogger("tests")

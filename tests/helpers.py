@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -13,6 +14,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from service.coordinator.coordinator import Coordinator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def decode_reply(data: bytes) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.scheduler import BlockAllocator, ScheduledBatch, Scheduler, Sequence, SequenceStatus
 from engines.torch_backend.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from engines.torch_backend.weights import build_model, checkpoint_weights, random_weights
-from service.protocol.errors import ErrorCode, WireError
 from service.ops.settings import Settings
+from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import FinishReason
 
 log = logging.getLogger(__name__)

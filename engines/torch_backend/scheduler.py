@@ -10,7 +10,7 @@ pages run out; then it admits waiting sequences in arrival order while the batch
 prefill-token budget and the free pages allow. A preempted sequence goes back to the front of
 the queue with no cached tokens: it is recomputed (prefilled with prompt plus generated
 tokens) when pages are free again. Nothing here knows about tensors, so every rule is tested
-on its own (tests/test_torch_scheduler.py).
+on its own (tests/torch/test_torch_scheduler.py).
 """
 
 from __future__ import annotations

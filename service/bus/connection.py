@@ -10,18 +10,48 @@ from __future__ import annotations
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
 from service.bus.direct import DirectClient
-from service.ops.settings import Settings
+
+
+class ConnectionSettings(Protocol):
+    """The connection settings this module reads; ``service.ops.settings.Settings`` has them all."""
+
+    @property
+    def nats_url(self) -> str: ...
+    @property
+    def nats_user(self) -> str | None: ...
+    @property
+    def nats_password(self) -> str | None: ...
+    @property
+    def nats_token(self) -> str | None: ...
+    @property
+    def nats_nkey_seed_file(self) -> str | None: ...
+    @property
+    def nats_creds_file(self) -> str | None: ...
+    @property
+    def nats_tls_ca_file(self) -> str | None: ...
+    @property
+    def nats_tls_cert_file(self) -> str | None: ...
+    @property
+    def nats_tls_key_file(self) -> str | None: ...
+    @property
+    def nats_tls_hostname(self) -> str | None: ...
+    @property
+    def nats_tls_handshake_first(self) -> bool: ...
+    @property
+    def nats_inbox_prefix(self) -> str: ...
+    @property
+    def nats_connect_timeout_s(self) -> float: ...
 
 log = logging.getLogger(__name__)
 
 
-def _tls_context(settings: Settings) -> ssl.SSLContext | None:
+def _tls_context(settings: ConnectionSettings) -> ssl.SSLContext | None:
     """A context for the CA and client certificate in settings; None leaves nats-py's default
     (the system CAs), which it uses when the server requires TLS."""
     if not (settings.nats_tls_ca_file or settings.nats_tls_cert_file):
@@ -37,7 +67,7 @@ ErrorListener = Callable[[Exception], Awaitable[None]]
 
 
 def connect_options(
-    settings: Settings,
+    settings: ConnectionSettings,
     name: str,
     nc: NATS,
     on_disconnect: ConnectionEvent | None,
@@ -97,7 +127,7 @@ def connect_options(
 
 
 async def connect_nats(
-    settings: Settings,
+    settings: ConnectionSettings,
     name: str,
     on_disconnect: ConnectionEvent | None = None,
     on_reconnect: ConnectionEvent | None = None,

@@ -27,7 +27,7 @@ from service.protocol.codec import Encoding, PayloadDecoder
 Context = TypeVar("Context")
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass costs 0.6 us more to build, once per message
+@dataclass(slots=True)  # not frozen: a frozen dataclass is slower to build, and one is built per message
 class Incoming:
     """A received message: its header, the NATS reply subject (None when the sender gave none),
     the encoding detected from its body, and the body itself."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import json
 import logging
 import signal
 import sys
@@ -214,7 +213,7 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark parses its own flags: argparse's REMAINDER refuses leading ones
+    if argv[:1] == ["bench"]:  # the benchmark parses its own arguments, options included
         return _run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:

@@ -58,7 +58,7 @@ class Admission:
         relay: ReplyRelay,
         deliveries: ClientDeliveries,
         counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
         self._id = coordinator_id
         self._settings = settings
@@ -108,8 +108,8 @@ class Admission:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self._settings.max_queued_requests} held)")
 
         request_id = f"{self._id}-{next(self._sequence)}"
-        route = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(route, encoding, body, client_key, routing_key=key)
+        return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
+        entry = InflightRequest(return_path, encoding, body, client_key, routing_key=key)
         entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
         self._requests.add(entry)
         self._counters["submitted"] += 1
@@ -128,7 +128,7 @@ class Admission:
                 raise WireError(ErrorCode.CONFLICT, f"client_request_id {client_key[1]!r} is already in flight")
             return False
         if existing is not None:
-            existing.route = msgspec.structs.replace(existing.route, reply_to=reply_to, stream=stream)
+            existing.return_path = msgspec.structs.replace(existing.return_path, reply_to=reply_to, stream=stream)
             self._counters["resubmitted"] += 1
             return True
         if self._deliveries.repoint(client_key, reply_to):
@@ -146,14 +146,14 @@ class Admission:
         queue = self._queue
         while queue and self._control.state is CoordinatorState.RUNNING:
             entry = queue[0]
-            if entry.route.request_id not in self._requests:
+            if entry.return_path.request_id not in self._requests:
                 queue.popleft()
                 continue
             if len(self._pool) == 0:
                 if not self._peers.warmed_up:
                     return  # heartbeats are about to introduce the fleet
                 queue.popleft()
-                await self._relay.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
+                await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "no engine available"))
                 continue
             engine = self._policy.choose(entry.routing_key)
             if engine is None:

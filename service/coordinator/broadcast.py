@@ -1,4 +1,4 @@
-"""Broadcast a signal to every engine and collect their confirmations (principle 5)."""
+"""Broadcast a signal to every engine and collect their confirmations, so control is acknowledged."""
 
 from __future__ import annotations
 

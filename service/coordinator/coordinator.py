@@ -96,7 +96,7 @@ class Coordinator:
             settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.counters, self.reply
         )
         self._subscriptions: list[Subscription | DirectSubscription] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._max_body = settings.max_payload_bytes
@@ -139,6 +139,7 @@ class Coordinator:
         for header, spec in self._handlers.items():
             queue = "" if spec.fanout else self.settings.queue_group
             subject = self.subjects.coordinator(header)
+            subscription: Subscription | DirectSubscription
             if spec.direct:
                 subscription = await self.nc.subscribe_direct(subject, functools.partial(self._dispatch, spec), queue=queue)
             else:
@@ -167,7 +168,7 @@ class Coordinator:
         for sub in self._subscriptions:
             await sub.unsubscribe()
         for entry in self.requests:
-            await self._relay.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down"))
+            await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down"))
         for task in list(self._tasks):
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
@@ -181,7 +182,7 @@ class Coordinator:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -245,7 +246,7 @@ class Coordinator:
         if entry is None:
             raise WireError(ErrorCode.NOT_FOUND, f"no request in flight with {wanted}")
         await self._relay.abort(entry)
-        return entry.route.request_id
+        return entry.return_path.request_id
 
     async def shut_down(self, incoming: Incoming) -> None:
         await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state))

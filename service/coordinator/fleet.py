@@ -52,7 +52,7 @@ class Fleet:
         admission: Admission,
         relay: ReplyRelay,
         counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
         self._settings = settings
         self._nc = nc

@@ -8,10 +8,10 @@ pool, since without one every submission gets 503.
 from __future__ import annotations
 
 from service.coordinator.coordinator import Coordinator
-from service.ops.http_endpoints import Check
 from service.coordinator.metrics import CoordinatorCollector
-from service.ops.services_api import COORDINATOR_SERVICE, CoordinatorStatus, EngineLoad
+from service.ops.http_endpoints import Check
 from service.ops.observability import Observability, ServiceSpec
+from service.ops.services_api import COORDINATOR_SERVICE, CoordinatorStatus, EngineLoad
 
 
 def coordinator_health(coordinator: Coordinator) -> Check:

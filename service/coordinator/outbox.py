@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 
 def routed_size(entry: InflightRequest) -> int:
     """Bytes a routed request takes in a batch: its body and the variable strings of its return path."""
-    route = entry.route
+    return_path = entry.return_path
     return (
-        len(entry.body) + len(route.reply_to) + len(str(route.client_request_id)) + len(route.client_id or "")
-        + len(route.request_id) + len(route.coordinator_id) + ITEM_OVERHEAD
+        len(entry.body) + len(return_path.reply_to) + len(str(return_path.client_request_id)) + len(return_path.client_id or "")
+        + len(return_path.request_id) + len(return_path.coordinator_id) + ITEM_OVERHEAD
     )
 
 
@@ -61,7 +61,7 @@ class Outbox:
         entry.engine_id = engine.engine_id
         entry.attempts += 1
         entry.routed_at = time.monotonic()
-        self._pool.assign(engine, entry.route.request_id)
+        self._pool.assign(engine, entry.return_path.request_id)
         batch = self._pending.get(engine.engine_id)
         if batch is None:
             self._pending[engine.engine_id] = [entry]
@@ -86,10 +86,10 @@ class Outbox:
         max_payload = self._nc.max_payload
         routable: list[InflightRequest] = []
         for entry in entries:
-            if entry.engine_id != engine_id or entry.route.request_id not in self._requests:
+            if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
                 continue  # answered or routed elsewhere while it waited for this turn
             if not fits_alone(routed_size(entry), max_payload):
-                await self._relay.fail(entry.route.request_id, WireError(
+                await self._relay.fail(entry.return_path.request_id, WireError(
                     ErrorCode.TOO_LARGE,
                     f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
                 ))
@@ -100,7 +100,7 @@ class Outbox:
             await self._publish_batch(subject, batch)
 
     async def _publish_batch(self, subject: str, batch: list[InflightRequest]) -> None:
-        message = RoutedRequestBatch([RoutedRequest(entry.route, entry.body) for entry in batch])
+        message = RoutedRequestBatch([RoutedRequest(entry.return_path, entry.body) for entry in batch])
         try:
             await self._nc.publish(subject, encode_msgpack(message))
             self._counters["routed_messages"] += 1
@@ -108,4 +108,4 @@ class Outbox:
         except Exception as exc:  # the routing task must outlive any one failed publish
             log.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for entry in batch:
-                await self._relay.fail(entry.route.request_id, WireError(ErrorCode.NO_ENGINE, f"could not route to engine: {exc}"))
+                await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"))

@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
-
 @dataclass(slots=True, eq=False)
 class EngineRecord:
     engine_id: str

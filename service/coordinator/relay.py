@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from service.bus.direct import DirectClient
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
@@ -31,7 +32,6 @@ from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.messages import Final, ReturnPath, RoutedAbort, RoutedReply, error_reply
 from service.protocol.subjects import Header, Subjects
-from service.bus.direct import DirectClient
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ReplyRelay:
         results: ResultCache,
         deliveries: ClientDeliveries,
         counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
         self._id = coordinator_id
         self._nc = nc
@@ -83,19 +83,19 @@ class ReplyRelay:
                 self._pool.release(engine, request_id)
         return entry
 
-    async def reply(self, route: ReturnPath, body: bytes, terminal: bool) -> None:
-        """Send one reply along ``route``: this replica's own (its reply subject was checked on
+    async def reply(self, return_path: ReturnPath, body: bytes, terminal: bool) -> None:
+        """Send one reply along ``return_path``: this replica's own (its reply subject was checked on
         admission), or an orphan's that :meth:`_on_orphan` checked, since an engine wrote it."""
         client_key = None
-        if route.client_id is not None and route.client_request_id is not None:
-            client_key = (route.client_id, route.client_request_id)
-        await self._deliveries.publish(route.reply_to, body, client_key)
+        if return_path.client_id is not None and return_path.client_request_id is not None:
+            client_key = (return_path.client_id, return_path.client_request_id)
+        await self._deliveries.publish(return_path.reply_to, body, client_key)
         if terminal:
             self._counters["completed"] += 1
             if client_key is not None:
                 self._results.put(client_key, body)
-            if route.stream:
-                await self._deliveries.publish(route.reply_to, b"", client_key)
+            if return_path.stream:
+                await self._deliveries.publish(return_path.reply_to, b"", client_key)
 
     async def replay(self, client_key: ClientKey, reply_to: str, stream: bool) -> bool:
         """Send a named client's cached terminal reply again; False when none is cached."""
@@ -115,7 +115,7 @@ class ReplyRelay:
             await self.on_slot_freed()
 
     async def _relay_final(self, engine_id: str, reply: RoutedReply) -> None:
-        request_id = reply.route.request_id
+        request_id = reply.return_path.request_id
         entry = self._requests.get(request_id)
         if entry is None:
             await self._on_orphan(reply, terminal=True)
@@ -128,14 +128,14 @@ class ReplyRelay:
             asyncio.get_running_loop().call_later(EARLY_FINAL_WAIT_S, self._send_early_final, request_id)
             return
         self.finish(request_id)
-        await self.reply(entry.route, reply.body, terminal=True)
+        await self.reply(entry.return_path, reply.body, terminal=True)
 
     async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
         for reply in replies:
             await self._relay_partial(engine_id, reply)
 
     async def _relay_partial(self, engine_id: str, reply: RoutedReply) -> None:
-        entry = self._requests.get(reply.route.request_id)
+        entry = self._requests.get(reply.return_path.request_id)
         if entry is None:
             await self._on_orphan(reply, terminal=False)
             return
@@ -145,12 +145,12 @@ class ReplyRelay:
         if not entry.streamed:
             self.latency.observe_first_token(entry.admitted_at)
         entry.streamed = True
-        await self.reply(entry.route, reply.body, terminal=False)
+        await self.reply(entry.return_path, reply.body, terminal=False)
         entry.partials_delivered += 1
         early = entry.early_final
         if early is not None and early.seq <= entry.partials_delivered:
-            self.finish(reply.route.request_id)
-            await self.reply(entry.route, early.body, terminal=True)
+            self.finish(reply.return_path.request_id)
+            await self.reply(entry.return_path, early.body, terminal=True)
 
     def _send_early_final(self, request_id: str) -> None:
         """The partial a final waited for never came: send the final, which carries every token."""
@@ -158,30 +158,30 @@ class ReplyRelay:
         if entry is not None and entry.early_final is not None:
             self._counters["partials_lost"] += 1
             self.finish(request_id)
-            self._spawn(self.reply(entry.route, entry.early_final.body, terminal=True))
+            self._spawn(self.reply(entry.return_path, entry.early_final.body, terminal=True))
 
     async def _on_orphan(self, reply: RoutedReply, terminal: bool) -> None:
-        route = reply.route
-        if route.coordinator_id == self._id:
+        return_path = reply.return_path
+        if return_path.coordinator_id == self._id:
             if terminal:
                 self._counters["late_replies"] += 1
-                log.info("request_id=%s: engine reply after the request ended", route.request_id)
+                log.info("request_id=%s: engine reply after the request ended", return_path.request_id)
             return
         if not self._peers.warmed_up:
             if len(self._orphans) < MAX_BUFFERED_ORPHANS:
                 self._orphans.append((reply, terminal))
             return
-        if not self._peers.should_adopt(route.coordinator_id):
+        if not self._peers.should_adopt(return_path.coordinator_id):
             return
-        if (problem := self._subjects.reply_problem(route.reply_to)) is not None:
+        if (problem := self._subjects.reply_problem(return_path.reply_to)) is not None:
             # Admission refuses such a reply_to, so only an engine that rewrote the route gets here.
             self._counters["unsafe_reply_subject"] += 1
             self._refusal_log.warning(
-                "request_id=%s: not delivering to reply subject %r, which %s", route.request_id, route.reply_to, problem
+                "request_id=%s: not delivering to reply subject %r, which %s", return_path.request_id, return_path.reply_to, problem
             )
             return
         self._counters["orphans_delivered"] += 1
-        await self.reply(route, reply.body, terminal)
+        await self.reply(return_path, reply.body, terminal)
 
     async def settle_orphans(self) -> None:
         """Once every live peer has been heard: deliver the orphans buffered until then."""
@@ -197,12 +197,12 @@ class ReplyRelay:
         if entry is None:
             return False
         if entry.early_final is not None:
-            await self.reply(entry.route, entry.early_final.body, terminal=True)
+            await self.reply(entry.return_path, entry.early_final.body, terminal=True)
             return True
         self._counters[f"failed_{err.code}"] += 1
         log.info("request_id=%s engine_id=%s failed: %s", request_id, entry.engine_id, err)
-        message = error_reply(err, entry.route.client_request_id, request_id)
-        await self.reply(entry.route, encode(message, entry.encoding), terminal=True)
+        message = error_reply(err, entry.return_path.client_request_id, request_id)
+        await self.reply(entry.return_path, encode(message, entry.encoding), terminal=True)
         if entry.engine_id is not None:
             await self.tell_engine_abort(entry.engine_id, request_id)
         if self.on_slot_freed is not None:
@@ -213,12 +213,12 @@ class ReplyRelay:
         """A queued request ends here with an ``abort`` final; a routed one is aborted by its
         engine, whose final says ``abort``."""
         if entry.engine_id is not None:
-            await self.tell_engine_abort(entry.engine_id, entry.route.request_id)
+            await self.tell_engine_abort(entry.engine_id, entry.return_path.request_id)
             return
-        if self.finish(entry.route.request_id) is None:
+        if self.finish(entry.return_path.request_id) is None:
             return
-        final = Final(entry.route.request_id, entry.route.client_request_id, None, [], "", "abort")
-        await self.reply(entry.route, encode(final, entry.encoding), terminal=True)
+        final = Final(entry.return_path.request_id, entry.return_path.client_request_id, None, [], "", "abort")
+        await self.reply(entry.return_path, encode(final, entry.encoding), terminal=True)
 
     async def tell_engine_abort(self, engine_id: str, request_id: str) -> None:
         subject = self._subjects.engine(engine_id, Header.ABORT_REQUEST)

@@ -18,7 +18,7 @@ ClientKey = tuple[str | None, ClientRequestId]
 
 @dataclass(slots=True, eq=False)
 class InflightRequest:
-    route: ReturnPath
+    return_path: ReturnPath
     encoding: Encoding
     body: bytes
     client_key: ClientKey | None
@@ -39,9 +39,9 @@ class RequestTable:
         self._by_client: dict[ClientKey, str] = {}
 
     def add(self, entry: InflightRequest) -> None:
-        self._by_id[entry.route.request_id] = entry
+        self._by_id[entry.return_path.request_id] = entry
         if entry.client_key is not None:
-            self._by_client[entry.client_key] = entry.route.request_id
+            self._by_client[entry.client_key] = entry.return_path.request_id
 
     def get(self, request_id: str) -> InflightRequest | None:
         return self._by_id.get(request_id)

@@ -1,10 +1,10 @@
 """Coarse timers: ``call_later`` for many timeouts that may fire a little late.
 
 The coordinator gives every request a deadline, and almost every request finishes long
-before it. One event-loop timer per request costs 1.6-1.8 us to arm and cancel with a few
-hundred alive (uvloop), a noticeable share of the coordinator's per-request budget. Here
+before it. One event-loop timer per request is a noticeable share of the coordinator's
+per-request budget to arm and cancel with a few hundred alive (docs/performance.md). Here
 timers due in the same ``resolution_s`` slot share one event-loop timer, and arming and
-cancelling one is a small object and a set insert and discard (0.5 us). A timer fires at
+cancelling one is a small object and a set insert and discard. A timer fires at
 most ``resolution_s`` late, never early.
 """
 

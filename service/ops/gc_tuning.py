@@ -2,9 +2,9 @@
 
 Every request allocates a few short-lived objects the collector tracks (coroutines, request
 table entries, timers). With CPython's default generation-0 threshold of 700 the collector
-runs every hundred requests or so and walks whatever is young and alive each time: about
-0.8 us per request on the 2-core reference machine (docs/performance.md). A threshold of
-10,000 makes those runs 14 times rarer at the same cost each. Objects alive at startup are
+runs every hundred requests or so and walks whatever is young and alive each time, a
+measurable share of the per-request cost (docs/performance.md). A threshold of 10,000 makes
+those runs 14 times rarer at the same cost each. Objects alive at startup are
 frozen out of every later sweep. Reference counting still frees almost everything at once;
 only cycles wait longer.
 """

@@ -1,8 +1,8 @@
 """Request latency as the coordinator sees it, counted cheaply on the request path.
 
-prometheus_client's ``Histogram.observe`` takes a lock per call (≈ 0.7 µs here); a request
-is observed twice and the coordinator's whole per-request budget is a few microseconds, so
-observations go into plain bucket counts (one ``bisect``, two additions: ≈ 0.13 µs) and
+prometheus_client's ``Histogram.observe`` takes a lock per call; a request is observed twice
+and the coordinator's whole per-request budget is a few microseconds, so observations go
+into plain bucket counts (one ``bisect``, two additions) and
 ``service.ops.metrics`` exports them when Prometheus scrapes.
 """
 

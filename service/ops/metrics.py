@@ -9,10 +9,8 @@ from collections.abc import Iterator
 
 from nats.aio.client import Client as NATS
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from service.ops.latency import LatencyHistogram
-
 
 
 def histogram_family(name: str, documentation: str, histogram: LatencyHistogram) -> HistogramMetricFamily:

@@ -19,6 +19,7 @@ from msgspec import Struct
 
 from service.protocol.errors import ErrorCode, WireError
 
+
 class Encoding(enum.Enum):
     JSON = "json"
     MSGPACK = "msgpack"
@@ -84,7 +85,8 @@ class PayloadDecoder:
 
     The type may be a union of one map-shaped Struct and one ``array_like`` Struct (msgspec
     would need tags to tell untagged Structs apart); a msgpack array body decodes as the
-    array-shaped member, anything else as the map-shaped one."""
+    array-shaped member, anything else as the map-shaped one. A lone ``array_like`` Struct
+    (the messages between dpcoord processes) decodes from a msgpack or JSON array."""
 
     __slots__ = ("_array", "_json", "_msgpack", "type")
 
@@ -93,11 +95,12 @@ class PayloadDecoder:
         members = get_args(payload_type) if isinstance(payload_type, types.UnionType) else (payload_type,)
         arrays = [member for member in members if _is_array_like(member)]
         maps = [member for member in members if not _is_array_like(member)]
-        if len(arrays) > 1 or len(maps) != 1:
+        if len(arrays) > 1 or len(maps) > 1 or not members:
             raise TypeError(f"payload type {payload_type!r}: need one map-shaped type and at most one array_like Struct")
-        self._json = msgspec.json.Decoder(maps[0])
-        self._msgpack = msgspec.msgpack.Decoder(maps[0])
-        self._array = msgspec.msgpack.Decoder(arrays[0]) if arrays else None
+        main = maps[0] if maps else arrays[0]
+        self._json = msgspec.json.Decoder(main)
+        self._msgpack = msgspec.msgpack.Decoder(main)
+        self._array = msgspec.msgpack.Decoder(arrays[0]) if arrays and maps else None
 
     def decode(self, body: bytes, encoding: Encoding) -> Any:
         try:

@@ -7,12 +7,12 @@ only, so their field names are not part of the wire contract.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
-from service.protocol.errors import ErrorCode, WireError
+from service.protocol.errors import WireError
 from service.protocol.prefix import MAX_PREFIX_HASHES
 
 ClientRequestId = str | int
@@ -192,7 +192,8 @@ class EngineDisconnect(Struct):
 
 
 class ReturnPath(Struct, array_like=True, gc=False):
-    """Everything needed to answer a client, carried with the request (principle 4).
+    """Everything needed to answer a client, carried with the request, so that a reply does not
+    depend on one coordinator's memory.
 
     Routed messages hold only strings, numbers and bytes, never cycles, so they are kept out
     of the garbage collector's sweeps (``gc=False``): one is alive per request in flight."""
@@ -209,7 +210,7 @@ class ReturnPath(Struct, array_like=True, gc=False):
 class RoutedRequest(Struct, array_like=True, gc=False):
     """A client's submission as routed to one engine: its return path plus the untouched body."""
 
-    route: ReturnPath
+    return_path: ReturnPath
     body: bytes
 
 
@@ -224,14 +225,14 @@ class RoutedAbort(Struct):
 
 
 class RoutedReply(Struct, array_like=True, gc=False):
-    """One reply, already encoded for its client, with the route to deliver it.
+    """One reply, already encoded for its client, with the return path to deliver it.
 
     ``seq`` orders a stream across the two engine subjects: a partial's index, or for a final
     the number of partials sent before it, so the coordinator never delivers a final ahead of
     a partial still in flight on the other subject.
     """
 
-    route: ReturnPath
+    return_path: ReturnPath
     body: bytes
     seq: int = 0
 

@@ -1,0 +1,135 @@
+"""The engine runtime's handler registry: one decorated function per message an engine receives.
+
+Extension contract: as for the coordinator (:mod:`service.bus.registry`). ``direct=True``
+marks messages routed to this engine alone (``<prefix>.engine.<engine_id>.<header>``), handled
+on nats-py's reading task; ``fanout=True`` marks broadcasts to every engine
+(``<prefix>.engines.<header>``), each answered with an ``EngineAck`` whose detail the handler
+returns through :meth:`EngineContext.confirm`. Handlers are typed against
+:class:`EngineContext`, all they may ask of the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from service.bus.registry import HandlerRegistry, Incoming
+from service.protocol.messages import ControlSignal, ResendReplies, RoutedAbort, RoutedRequest, RoutedRequestBatch
+from service.protocol.subjects import RESEND_REPLIES, Header
+
+
+class EngineContext(Protocol):
+    async def start_request(self, routed: RoutedRequest) -> None:
+        """Hand a routed request to the backend; one it refuses gets an error reply at once."""
+
+    async def abort_request(self, request_id: str) -> None:
+        """Stop generating for ``request_id``; its final says ``abort``."""
+
+    async def resend_replies(self, incoming: Incoming, resend: ResendReplies) -> None:
+        """Send the named terminal replies again and answer which requests never arrived."""
+
+    async def pause(self) -> None:
+        """Stop stepping once the step in progress ends."""
+
+    async def unpause(self) -> None: ...
+
+    async def suspend(self) -> None:
+        """Pause and free the backend's memory (KV cache); requests are kept."""
+
+    async def resume(self) -> None:
+        """Restore what suspend freed; still paused."""
+
+    async def stop_serving(self) -> str:
+        """Fail every request and stop; the detail says how many failed."""
+
+    def set_epoch(self, epoch: int | None) -> None: ...
+
+    def start_profiler(self) -> str: ...
+
+    def stop_profiler(self) -> str: ...
+
+    async def confirm(self, incoming: Incoming, detail: str = "") -> None:
+        """Answer a broadcast with a successful ``EngineAck``."""
+
+    def request_stop(self) -> None: ...
+
+
+ENGINE_HANDLERS: HandlerRegistry[EngineContext] = HandlerRegistry()
+engine_handler = ENGINE_HANDLERS.message_handler
+
+
+@engine_handler(Header.SUBMIT_REQUEST, direct=True)
+async def handle_routed_requests(engine: EngineContext, incoming: Incoming, payload: RoutedRequestBatch) -> None:
+    """Sent by the coordinator: every request it routed here in one loop turn, each a return
+    path and the client's body. Each starts generating; no answer (replies follow)."""
+    for routed in payload.requests:
+        await engine.start_request(routed)
+
+
+@engine_handler(Header.ABORT_REQUEST, direct=True)
+async def handle_abort(engine: EngineContext, incoming: Incoming, payload: RoutedAbort) -> None:
+    """Sent by the coordinator when a client aborts or a request failed elsewhere: its request
+    id. Generation stops; the final says ``abort``."""
+    await engine.abort_request(payload.request_id)
+
+
+@engine_handler(RESEND_REPLIES, direct=True)
+async def handle_resend_replies(engine: EngineContext, incoming: Incoming, payload: ResendReplies) -> None:
+    """Sent by a coordinator reconciling after lost messages: request ids this engine no longer
+    holds. The remembered replies are sent again; the answer lists the ids never received."""
+    await engine.resend_replies(incoming, payload)
+
+
+@engine_handler(Header.PAUSE, fanout=True)
+async def handle_pause(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator. Confirmed once the step in progress ended: a barrier."""
+    await engine.pause()
+    await engine.confirm(incoming)
+
+
+@engine_handler(Header.UNPAUSE, fanout=True)
+async def handle_unpause(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator. Stepping resumes; confirmed at once."""
+    await engine.unpause()
+    await engine.confirm(incoming)
+
+
+@engine_handler(Header.SUSPEND, fanout=True)
+async def handle_suspend(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator while paused. Confirmed once the backend freed its memory."""
+    await engine.suspend()
+    await engine.confirm(incoming)
+
+
+@engine_handler(Header.RESUME, fanout=True)
+async def handle_resume(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator. Confirmed once the backend restored its memory."""
+    await engine.resume()
+    await engine.confirm(incoming)
+
+
+@engine_handler(Header.STOP, fanout=True)
+async def handle_stop(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator. Every request fails with 503, the confirmation says how
+    many, then the engine leaves."""
+    detail = await engine.stop_serving()
+    await engine.confirm(incoming, detail)
+    engine.request_stop()
+
+
+@engine_handler(Header.SET_GENERATION_EPOCH, fanout=True)
+async def handle_set_generation_epoch(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator: the ``epoch`` that tokens generated from now on carry."""
+    engine.set_epoch(payload.epoch)
+    await engine.confirm(incoming)
+
+
+@engine_handler(Header.START_CUDA_PROFILER, fanout=True)
+async def handle_start_profiler(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator. The confirmation's detail says what was started."""
+    await engine.confirm(incoming, engine.start_profiler())
+
+
+@engine_handler(Header.STOP_CUDA_PROFILER, fanout=True)
+async def handle_stop_profiler(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+    """Broadcast by the coordinator. The confirmation's detail names the trace written, if any."""
+    await engine.confirm(incoming, engine.stop_profiler())

@@ -1,0 +1,223 @@
+"""The NATS users and permissions the chart renders, run on a real nats-server.
+
+The chart's auth.conf is laid out as the nats chart lays it out in its pod (its config at
+/etc/nats-config/nats.conf including ``nats.config.merge.$include``, our Secret mounted where
+``nats.container.patch`` puts it), so the include path is checked too. Then a coordinator and
+an engine run with the chart's coordinator and engine credentials, a client may submit but not
+pause, and only the admin may pause and list the services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import posixpath
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from helm_python import Chart
+from nats.aio.client import Client as NATS
+
+from engines.echo import EchoBackend
+from engines.observability import engine_observability
+from engines.runtime import EngineRuntime
+from handlers import HANDLERS
+from service.bus.server import EmbeddedNatsServer
+from service.coordinator.coordinator import Coordinator
+from service.coordinator.observability import coordinator_observability
+from service.ops.settings import Settings
+from service.protocol.state import CoordinatorState
+from service.protocol.subjects import CONTROL_HEADERS, ENGINE_HEADERS, PROFILER_HEADERS, Header
+from tests.chart.contract import CHART
+from tests.chart.test_helm_chart import RELEASE, render
+from tests.helpers import request_json
+from tests.integration.test_observability import collect_replies
+
+NATS_CONFIG_DIR = "/etc/nats-config"  # where the nats chart mounts nats.conf in its pod
+USERS = ("coordinator", "engine", "client", "admin")
+
+
+@dataclass(frozen=True)
+class RenderedAuth:
+    auth_conf: str
+    passwords: dict[str, str]
+    include: str  # as nats.conf says it
+    mount_path: str  # where the nats container sees our Secret
+
+
+def rendered_auth(values: dict[str, Any]) -> RenderedAuth:
+    with Chart.load(CHART) as chart:
+        objects = render(chart, values)
+        nats_values = chart.merge_values(values)["nats"]
+    secrets = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Secret"}
+    auth_secret = secrets[f"{RELEASE}-dpcoord-nats-auth"]
+    credentials = secrets.get(f"{RELEASE}-dpcoord-nats-credentials", {"data": {}})["data"]
+    passwords = {
+        user: base64.b64decode(credentials[f"{user}-password"]).decode()
+        for user in USERS if f"{user}-password" in credentials
+    }
+    [mount] = [patch["value"] for patch in nats_values["container"]["patch"] if patch["path"] == "/volumeMounts/-"]
+    [volume] = [patch["value"] for patch in nats_values["podTemplate"]["patch"] if patch["path"] == "/spec/volumes/-"]
+    assert volume["name"] == mount["name"]
+    # The sub-chart templates the Secret's name in its own context, where only the release is known.
+    secret_name = volume["secret"]["secretName"]["$tplYaml"].replace("{{ .Release.Name }}", RELEASE)
+    assert secret_name == auth_secret["metadata"]["name"]
+    return RenderedAuth(auth_secret["stringData"]["auth.conf"], passwords, nats_values["config"]["merge"]["$include"],
+                        mount["mountPath"])
+
+
+def start_server(auth: RenderedAuth, root: Path) -> EmbeddedNatsServer:
+    """A nats-server (to start) with nats.conf and the auth Secret where they are in the NATS pod, under ``root``."""
+    secret_dir = root / auth.mount_path.lstrip("/")
+    secret_dir.mkdir(parents=True)
+    (secret_dir / "auth.conf").write_text(auth.auth_conf)
+    config_dir = root / NATS_CONFIG_DIR.lstrip("/")
+    config_dir.mkdir(parents=True)
+    (config_dir / "nats.conf").write_text(f"include {auth.include}\n")
+    assert posixpath.normpath(posixpath.join(NATS_CONFIG_DIR, auth.include)) == f"{auth.mount_path}/auth.conf"
+    return EmbeddedNatsServer(extra_args=("-c", str(config_dir / "nats.conf")))
+
+
+def permissions(auth_conf: str) -> dict[str, dict[str, Any]]:
+    body = auth_conf.split("authorization:", 1)[1]
+    return {user["user"]: user["permissions"] for user in json.loads(body)["users"]}
+
+
+def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
+    return {f"dpcoord.{header}" for header in headers}
+
+
+# Who sends each header. A new header fails this test until it is given to a user here and in
+# templates/nats-auth.yaml.
+SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN}
+BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT}
+FROM_ENGINES = set(ENGINE_HEADERS)
+FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST}
+
+
+def test_permissions_follow_the_protocols_subjects() -> None:
+    assert SIGNALS | BETWEEN_COORDINATORS | FROM_ENGINES | FROM_CLIENTS == set(Header)
+    rules = permissions(rendered_auth({}).auth_conf)
+    assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS)
+    assert set(rules["engine"]["publish"]["allow"]) == subjects(FROM_ENGINES)
+    assert set(rules["coordinator"]["publish"]["deny"]) == subjects(SIGNALS | FROM_CLIENTS)
+    assert rules["coordinator"]["publish"]["allow"] == [">"]  # replies go wherever clients ask
+    assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]
+
+
+class Connection:
+    """A nats-py client that keeps the server's asynchronous errors (permission violations)."""
+
+    def __init__(self) -> None:
+        self.nc = NATS()
+        self.errors: asyncio.Queue[Exception] = asyncio.Queue()
+
+    async def connect(self, url: str, user: str, password: str) -> NATS:
+        async def on_error(exc: Exception) -> None:
+            await self.errors.put(exc)
+
+        await self.nc.connect(url, user=user, password=password, error_cb=on_error, allow_reconnect=False)
+        return self.nc
+
+    async def refused(self, subject: str) -> str:
+        """Publish where this user may not; the server's complaint, lower-cased."""
+        await self.nc.publish(subject, b"{}")
+        error = await asyncio.wait_for(self.errors.get(), 5)
+        return str(error).lower()
+
+
+def as_user(settings: Settings, user: str, auth: RenderedAuth) -> Settings:
+    return settings.model_copy(update={"nats_user": user, "nats_password": auth.passwords[user]})
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, RenderedAuth, Coordinator, EngineRuntime]]:
+    auth = rendered_auth({})
+    with start_server(auth, tmp_path) as server:
+        base = Settings(nats_url=server.url, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, control_timeout_s=2.0)
+        coordinator = Coordinator(as_user(base, "coordinator", auth), HANDLERS)
+        engine = EngineRuntime(as_user(base, "engine", auth), EchoBackend())
+        async with coordinator:
+            coordinator_obs = coordinator_observability(coordinator, "127.0.0.1", None)
+            await coordinator_obs.start(coordinator.nc)
+            async with engine:
+                engine_obs = engine_observability(engine, "127.0.0.1", None)
+                await engine_obs.start(engine.nc)
+                await coordinator.wait_for_engines(1)
+                await engine.registered.wait()
+                yield server.url, auth, coordinator, engine
+                await engine_obs.stop()
+            await coordinator_obs.stop()
+
+
+@pytest.fixture
+async def connect() -> AsyncIterator[Any]:
+    opened: list[Connection] = []
+
+    async def open_as(url: str, user: str, password: str) -> Connection:
+        connection = Connection()
+        await connection.connect(url, user, password)
+        opened.append(connection)
+        return connection
+
+    yield open_as
+    for connection in opened:
+        await connection.nc.close()
+
+
+async def test_client_submits_but_cannot_pause(secured: Any, connect: Any) -> None:
+    url, auth, coordinator, _ = secured
+    client = await connect(url, "client", auth.passwords["client"])
+    reply = await request_json(client.nc, "dpcoord.submit_request", {"prompt": "hi", "sampling_params": {"max_tokens": 2}})
+    assert reply["type"] == "final" and reply["generated_text"] == "hi"
+    for forbidden in ("dpcoord.pause", "dpcoord.shutdown", "dpcoord.start_cuda_profiler", "dpcoord.register", "$SRV.PING"):
+        assert f'permissions violation for publish to "{forbidden.lower()}"' in await client.refused(forbidden)
+    assert coordinator.state is CoordinatorState.RUNNING
+
+
+async def test_only_admin_pauses_and_lists_services(secured: Any, connect: Any) -> None:
+    url, auth, coordinator, engine = secured
+    admin = await connect(url, "admin", auth.passwords["admin"])
+    ack = await request_json(admin.nc, "dpcoord.pause", {})
+    assert ack == {"type": "ack", "signal": "pause", "state": "paused"}
+    assert coordinator.state is CoordinatorState.PAUSED
+    assert (await request_json(admin.nc, "dpcoord.unpause", {}))["state"] == "running"
+    services = await collect_replies(admin.nc, "$SRV.PING", {coordinator.id, engine.engine_id})
+    assert {reply["name"] for reply in services.values()} == {"dpcoord-coordinator", "dpcoord-engine"}
+
+
+async def test_engines_and_coordinators_stay_in_their_lanes(secured: Any, connect: Any) -> None:
+    url, auth, _, _ = secured
+    engine_user = await connect(url, "engine", auth.passwords["engine"])
+    for forbidden in ("dpcoord.submit_request", "dpcoord.pause", "dpcoord.engines.stop"):
+        assert f'permissions violation for publish to "{forbidden.lower()}"' in await engine_user.refused(forbidden)
+    coordinator_user = await connect(url, "coordinator", auth.passwords["coordinator"])
+    for forbidden in ("dpcoord.shutdown", "dpcoord.submit_request"):
+        assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(forbidden)
+
+
+async def test_wrong_password_is_refused(secured: Any) -> None:
+    url, _, _, _ = secured
+    with pytest.raises(nats.errors.Error, match="[Aa]uthorization"):
+        await nats.connect(url, user="client", password="guess", allow_reconnect=False, max_reconnect_attempts=0)
+
+
+async def test_auth_off_leaves_nats_open(tmp_path: Path) -> None:
+    auth = rendered_auth({"natsAuth": {"enabled": False}})
+    assert auth.passwords == {} and "authorization" not in auth.auth_conf.replace("# dpcoord: NATS authentication", "")
+    with start_server(auth, tmp_path) as server:
+        nc = await nats.connect(server.url)
+        await nc.close()
+
+
+def test_given_passwords_are_used() -> None:
+    auth = rendered_auth({"natsAuth": {"passwords": {"client": "let-me-in"}}})
+    assert auth.passwords["client"] == "let-me-in"
+    assert len(auth.passwords["admin"]) == 32
+    assert sorted(permissions(auth.auth_conf)) == sorted(USERS)
+    assert "let-me-in" not in auth.auth_conf  # the server gets bcrypt hashes only

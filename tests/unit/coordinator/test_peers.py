@@ -1,0 +1,57 @@
+"""Coordinator peers: exactly one live replica adopts a dead replica's orphan replies."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.coordinator import peers as peers_module
+from service.coordinator.peers import CoordinatorPeers
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(peers_module.time, "monotonic", fake)
+    return fake
+
+
+def test_not_warmed_up_until_a_heartbeat_timeout_passed(clock: Clock) -> None:
+    peers = CoordinatorPeers("c2", timeout_s=3.0)
+    assert not peers.warmed_up
+    clock.now += 3.0
+    assert peers.warmed_up
+
+
+def test_lowest_live_id_adopts_a_dead_owners_replies(clock: Clock) -> None:
+    low, high = CoordinatorPeers("c1", 3.0), CoordinatorPeers("c2", 3.0)
+    low.saw("c2")
+    high.saw("c1")
+    assert low.should_adopt("c9") and not high.should_adopt("c9")
+
+
+def test_a_live_owner_keeps_its_replies(clock: Clock) -> None:
+    peers = CoordinatorPeers("c1", 3.0)
+    peers.saw("c5")
+    assert not peers.should_adopt("c5")
+
+
+def test_a_silent_peer_is_forgotten_so_the_survivor_adopts(clock: Clock) -> None:
+    survivor = CoordinatorPeers("c2", 3.0)
+    survivor.saw("c1")
+    assert not survivor.should_adopt("c9")  # c1 is live and lower: it adopts
+    clock.now += 3.0
+    assert survivor.should_adopt("c9") and survivor.should_adopt("c1")
+
+
+def test_own_heartbeats_are_ignored(clock: Clock) -> None:
+    peers = CoordinatorPeers("c3", 3.0)
+    peers.saw("c3")
+    assert peers.should_adopt("c9")
