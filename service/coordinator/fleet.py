@@ -154,7 +154,7 @@ class Fleet:
             entry = self._requests.get(request_id)
             if entry is None or entry.engine_id != record.engine_id:
                 continue
-            self.pool.release(record, request_id)
+            self.pool.release(record.engine_id, request_id)
             if entry.streamed:
                 await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
                 continue

@@ -137,15 +137,17 @@ class EnginePool:
         else:
             del self._in_turn[record]
 
-    def release(self, record: EngineRecord, request_id: str) -> bool:
-        """``request_id`` no longer occupies ``record``; False when it did not."""
+    def release(self, engine_id: str, request_id: str) -> bool:
+        """``request_id`` no longer occupies a slot of engine ``engine_id``; False when it did not
+        (or that engine is gone: a new record of the same engine never held it)."""
+        record = self._engines.get(engine_id)
+        if record is None:
+            return False
         requests = record.requests
         if request_id not in requests:
             return False
         load = len(requests)
         requests.remove(request_id)
-        if record.slot < 0:
-            return True
         by_load = self._by_load
         if load < record.capacity:
             del by_load[load][record]

@@ -54,7 +54,7 @@ def test_assign_and_release_are_idempotent() -> None:
     pool.assign(e0, "r")
     pool.assign(e0, "r")
     assert e0.load == 1 and pool.least_loaded() is pool.get("e1")
-    assert pool.release(e0, "r") and not pool.release(e0, "r")
+    assert pool.release(e0.engine_id, "r") and not pool.release(e0.engine_id, "r")
     assert e0.load == 0
 
 
@@ -66,7 +66,9 @@ def test_a_removed_engine_keeps_its_requests_but_leaves_every_index() -> None:
     pool.remove("e0", departed=False)
     assert record.requests == {"r"}
     assert pool.least_loaded() is None and pool.next_in_turn() is None and len(pool) == 0
-    assert pool.release(record, "r")  # a late answer for the removed engine changes nothing else
+    assert not pool.release("e0", "r")  # a late answer for the removed engine changes nothing
+    again = pool.add("e0", 4)  # the engine registers again: its new record never held "r"
+    assert not pool.release("e0", "r") and again.load == 0 and pool.least_loaded() is again
 
 
 def test_silent_engines_are_found_without_reading_the_others() -> None:
@@ -106,8 +108,8 @@ def test_least_loaded_walks_up_past_emptied_buckets() -> None:
     pool.assign(a, "a2")
     pool.assign(a, "a3")
     assert pool.least_loaded() is b and pool.lowest_load == 3
-    pool.release(a, "a0")
-    pool.release(a, "a1")
+    pool.release(a.engine_id, "a0")
+    pool.release(a.engine_id, "a1")
     assert pool.least_loaded() is a and pool.lowest_load == 2
     pool.remove("a", departed=True)
     assert pool.least_loaded() is b and pool.lowest_load == 3

@@ -65,9 +65,9 @@ def test_an_engine_answering_a_request_is_least_loaded_again() -> None:
     policy = LeastLoaded(pool)
     e1 = pool.get("e1")
     assert e1 is not None
-    pool.release(e1, next(iter(e1.requests)))
+    pool.release(e1.engine_id, next(iter(e1.requests)))
     assert policy.choose() is e1
-    assert not pool.release(e1, "never-routed-here")
+    assert not pool.release(e1.engine_id, "never-routed-here")
 
 
 def test_full_engines_are_skipped_and_none_when_all_full() -> None:
@@ -81,7 +81,7 @@ def test_a_full_engine_gets_room_back_when_a_request_ends() -> None:
     pool = pool_of(4, 4)
     e0 = pool.get("e0")
     assert e0 is not None
-    pool.release(e0, next(iter(e0.requests)))
+    pool.release(e0.engine_id, next(iter(e0.requests)))
     for policy_type in (LeastLoaded, PowerOfTwoChoices, RoundRobin):
         assert policy_type(pool).choose() is e0  # type: ignore[abstract]
 
@@ -111,7 +111,7 @@ def test_slack_bounds_every_choice_whatever_the_releases() -> None:
             busy = [record for record in pool if record.load]
             if busy:
                 record = rng.choice(busy)
-                pool.release(record, next(iter(record.requests)))
+                pool.release(record.engine_id, next(iter(record.requests)))
         if rng.random() < 0.2:
             policy.turn_ended()
 
