@@ -106,6 +106,7 @@ class FleetResult:
     lost: int
     duplicated: int
     errors: int
+    engines_lost: int  # most engines missing from the coordinator's pool after a window (removed for silence)
     log_lines: int
     cpu_ratio: float = float("nan")  # median over rounds of CPU per request / the smallest fleet's in that round
     rate_ratio: float = float("nan")  # same, of the achieved rate
@@ -254,7 +255,8 @@ class FleetBench:
             self.nc, fleet.subjects.coordinator(Header.SUBMIT_REQUEST), lambda _: self._body(), rate,
             self.args.warmup, self.args.duration, watch,
         )
-        after = (await self._status(fleet))["counters"]
+        status = await self._status(fleet)
+        after = status["counters"]
         messages = after.get("routed_messages", 0) - before.get("routed_messages", 0)
         routed = after.get("routed_requests", 0) - before.get("routed_requests", 0)
         latencies = sorted(load.latencies_us)
@@ -267,6 +269,7 @@ class FleetBench:
             "requests_per_routed_message": routed / messages if messages else float("nan"),
             "others_cores": max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s),
             "sent": load.sent, "lost": load.lost, "duplicated": load.duplicated, "errors": load.errors,
+            "engines_lost": fleet.engines - len(status["engines"]),
         })
 
 
@@ -303,6 +306,7 @@ def summarise(fleets: list[RunningFleet], rate: float) -> list[FleetResult]:
             requests_per_routed_message=median("requests_per_routed_message"), others_cores=median("others_cores"),
             sent=sum(int(w["sent"]) for w in windows), lost=sum(int(w["lost"]) for w in windows),
             duplicated=sum(int(w["duplicated"]) for w in windows), errors=sum(int(w["errors"]) for w in windows),
+            engines_lost=max(int(w["engines_lost"]) for w in windows),
             log_lines=len(fleet.log_path.read_text().splitlines()),
             cpu_ratio=ratio("cpu_us_per_request"), rate_ratio=ratio("achieved_per_s"),
         ))
@@ -329,7 +333,8 @@ def judge(results: list[FleetResult]) -> list[dict[str, Any]]:
                 f"{base.requests_per_routed_message:.1f} -> {row.requests_per_routed_message:.1f}"
                 if cpu else
                 f"{base.achieved_per_s:,.0f} -> {row.achieved_per_s:,.0f} req/s of {row.offered_per_s:,.0f} offered; "
-                f"coordinator at {row.coordinator_core_pct:.0f}% of a core; other processes {row.others_cores:.2f} cores"
+                f"coordinator at {row.coordinator_core_pct:.0f}% of a core; other processes {row.others_cores:.2f} cores; "
+                f"{row.engines_lost} engines removed for silence"
             )
             verdicts.append(_verdict(policy, goal, f"{goal.name} ({goal.engines} / {base.engines} engines)", value, why))
         for goal, field_name in ((REGISTRATION_CPU_GOAL, "registration_cpu_s"), (IDLE_GOAL, "idle_core_pct")):
@@ -349,7 +354,7 @@ def print_report(results: list[FleetResult], verdicts: list[dict[str, Any]], hea
     out.write(f"\n{header}\n")
     columns = (
         "policy       engines  achieved/s   p50 ms   p99 ms  coord us/req  coord %core  req/msg  "
-        "reg s  reg CPU s  idle %core  lost  dup  log lines  others (cores)\n"
+        "reg s  reg CPU s  idle %core  lost  dup  errors  engines lost  log lines  others (cores)\n"
     )
     out.write(columns)
     for r in results:
@@ -357,7 +362,7 @@ def print_report(results: list[FleetResult], verdicts: list[dict[str, Any]], hea
             f"{r.policy:<12} {r.engines:>7}  {r.achieved_per_s:>10,.0f}  {r.p50_ms:>7.2f}  {r.p99_ms:>7.2f}  "
             f"{r.cpu_us_per_request:>12.1f}  {r.coordinator_core_pct:>11.0f}  {r.requests_per_routed_message:>7.1f}  "
             f"{r.registration_s:>5.2f}  {r.registration_cpu_s:>9.2f}  {r.idle_core_pct:>10.1f}  {r.lost:>4}  {r.duplicated:>3}  "
-            f"{r.log_lines:>9}  {r.others_cores:>14.2f}\n"
+            f"{r.errors:>6}  {r.engines_lost:>12}  {r.log_lines:>9}  {r.others_cores:>14.2f}\n"
         )
     out.write("\ntargets (within this run)\n")
     for v in verdicts:

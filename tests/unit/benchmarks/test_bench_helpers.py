@@ -99,7 +99,8 @@ def _fleet(engines: int, cpu_ratio: float, rate_ratio: float, per_message: float
         policy="least_loaded", engines=engines, registration_s=0.1, registration_cpu_s=registration_cpu,
         idle_core_pct=idle, offered_per_s=1000.0, achieved_per_s=1000.0 * rate_ratio, p50_ms=1.0, p99_ms=2.0,
         cpu_us_per_request=20.0 * cpu_ratio, coordinator_core_pct=50.0, requests_per_routed_message=per_message,
-        others_cores=0.5, sent=1000, lost=0, duplicated=0, errors=0, log_lines=6, cpu_ratio=cpu_ratio, rate_ratio=rate_ratio,
+        others_cores=0.5, sent=1000, lost=0, duplicated=0, errors=0, engines_lost=0, log_lines=6, cpu_ratio=cpu_ratio,
+        rate_ratio=rate_ratio,
     )
 
 
@@ -116,7 +117,8 @@ def test_fleet_targets_are_ratios_to_the_smallest_fleet_and_misses_say_why() -> 
 def test_fleet_summary_takes_medians_and_per_round_ratios(tmp_path: Path) -> None:
     def window(cpu: float, rate: float) -> dict[str, float]:
         return {"achieved_per_s": rate, "p50_ms": 1.0, "p99_ms": 2.0, "cpu_us_per_request": cpu, "coordinator_core_pct": 50.0,
-                "requests_per_routed_message": 4.0, "others_cores": 0.1, "sent": 10, "lost": 0, "duplicated": 0, "errors": 0}
+                "requests_per_routed_message": 4.0, "others_cores": 0.1, "sent": 10, "lost": 0, "duplicated": 0, "errors": 0,
+                "engines_lost": 0}
 
     log = tmp_path / "coordinator.log"
     log.write_text("one\ntwo\n")
