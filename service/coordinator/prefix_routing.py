@@ -17,7 +17,8 @@ to the least-loaded engine (with the batching slack of
 Everything is bounded: a request's hashes are at most ``MAX_PREFIX_HASHES`` (the wire type
 says so), each hash has at most ``OWNERS_PER_PREFIX`` owners, so one choice reads a bounded
 candidate set whatever the fleet; the table holds at most ``prefix_table_size`` hashes (least
-recently used evicted first) and forgets a hash unused for ``prefix_ttl_s``. An owner that
+recently used evicted first) and forgets a hash unused for ``prefix_ttl_s`` (at once for
+lookups; its memory within ``SWEEP_EVERY`` choices). An owner that
 left the pool is never chosen, and dropped when its entry next changes. A choice refreshes the
 matched prefix and records the longer ones; the shorter ones age as they were.
 """
@@ -36,6 +37,9 @@ from service.protocol.prefix import prefix_hashes
 
 # Engines remembered per prefix: a hot prefix spreads over this many before the oldest is forgotten.
 OWNERS_PER_PREFIX = 4
+# Choices between two sweeps of the hashes unused for the TTL (the table is also trimmed to its
+# size at every choice): the sweep's cost is spread over this many choices.
+SWEEP_EVERY = 64
 
 
 class Fallback(Protocol):
@@ -57,6 +61,7 @@ class PrefixTable:
         self._max_entries = max_entries
         self._ttl_s = ttl_s
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._until_sweep = SWEEP_EVERY
 
     def owners(self, prefix_hash: int, now: float) -> list[EngineRecord]:
         """Engines given this prefix within the TTL, most recent last (some may have left the
@@ -84,9 +89,13 @@ class PrefixTable:
                 kept = [owner for owner in owners if owner is not engine and owner.slot >= 0]
                 del kept[: max(0, len(kept) + 1 - OWNERS_PER_PREFIX)]
                 owners[:] = [*kept, engine]
-        self._evict(now)
+        self._until_sweep -= 1
+        if self._until_sweep <= 0 or len(entries) > self._max_entries:
+            self._until_sweep = SWEEP_EVERY
+            self._evict(now)
 
     def _evict(self, now: float) -> None:
+        """Least recently used first, while over the size or unused for the TTL."""
         entries = self._entries
         while entries:
             oldest, entry = next(iter(entries.items()))

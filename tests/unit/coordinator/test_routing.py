@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from service.coordinator.pool import EnginePool, EngineRecord
-from service.coordinator.prefix_routing import OWNERS_PER_PREFIX, PrefixAware, PrefixTable
+from service.coordinator.prefix_routing import OWNERS_PER_PREFIX, SWEEP_EVERY, PrefixAware, PrefixTable
 from service.coordinator.routing import LeastLoaded, PowerOfTwoChoices, RoundRobin, RoutingPolicy, make_policy
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
@@ -254,9 +254,10 @@ def test_prefix_table_is_bounded_in_count_and_age() -> None:
     [engine] = list(pool_of(0))
     table.record(list(range(20)), engine, now=0.0)
     assert len(table) == 5 and table.owners(19, now=0.0) == [engine] and table.owners(0, now=0.0) == []
-    assert table.owners(19, now=10.5) == []  # too old to trust
-    table.record([100], engine, now=11.0)
-    assert len(table) == 1  # the expired ones were evicted
+    assert table.owners(19, now=10.5) == []  # too old to trust, and forgotten
+    for _ in range(SWEEP_EVERY):
+        table.record([100], engine, now=11.0)
+    assert len(table) == 1  # the other expired ones were swept within SWEEP_EVERY choices
 
 
 def test_an_owner_that_left_is_not_chosen() -> None:
