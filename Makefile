@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch first: an open range alone could pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,engine,fast,bench]'
+	$(PY) -m pip install -q -e '.[dev,engine,fast,bench,gateway]'
 	touch $(STAMP)
 
 up: $(STAMP)

@@ -125,7 +125,7 @@ class Workload:
 
     def __call__(self, number: int) -> bytes:
         hashes = self._hashes[number % len(self._hashes)]
-        return encode_msgpack(SubmitEnvelope(1, self._body, False, number, self._client_id, None, None, hashes))
+        return encode_msgpack(SubmitEnvelope(1, self._body, False, number, self._client_id, None, None, None, hashes))
 
 
 @dataclass(slots=True)

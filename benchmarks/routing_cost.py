@@ -28,7 +28,7 @@ def microseconds_per_request(policy_name: str, engines: int, batch: int = 64, re
     pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=6.0)
     for index in range(engines):
         pool.add(f"e{index}", 256)
-    policy = make_policy(Settings(routing_policy=policy_name), pool)  # type: ignore[arg-type]
+    policy = make_policy(Settings(routing_policy=policy_name))  # type: ignore[arg-type]
     rng = random.Random(7)
     systems = [[rng.randrange(32000) for _ in range(1024)] for _ in range(8)]
     submissions = [
@@ -40,7 +40,7 @@ def microseconds_per_request(policy_name: str, engines: int, batch: int = 64, re
     def cycle() -> None:
         routed = []
         for index, (submit, request_id) in enumerate(zip(submissions, request_ids, strict=True)):
-            record = policy.choose(policy.key_of(submit))
+            record = policy.choose(pool.everyone, policy.key_of(submit))
             if record is None:
                 raise RuntimeError("every engine is full")
             pool.assign(record, request_id)

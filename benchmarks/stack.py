@@ -111,6 +111,24 @@ class BenchStack:
                 raise RuntimeError(f"dpcoord answered the probe with {reply!r}")
         raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in 30 s")
 
+    async def start_gateway(self, port: int) -> None:
+        """The HTTP gateway on 127.0.0.1:``port``, ready once its /readyz answers 200."""
+        env = self._dpcoord_env() | {"DPCOORD_GATEWAY_HOST": "127.0.0.1", "DPCOORD_GATEWAY_PORT": str(port)}
+        await self._spawn("gateway", "-m", "service", "gateway", env=env)
+        for _ in range(600):
+            self._check_children()
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /readyz HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")
+                status = (await reader.readline()).split()[1:2]
+                writer.close()
+                if status == [b"200"]:
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
+        raise RuntimeError("the gateway was not ready in 30 s")
+
     def _check_children(self) -> None:
         children = [name for name in self.pids if name not in ("client", "nats_server")]
         for name, child in zip(children, self._children, strict=True):

@@ -2,7 +2,7 @@
 # Build from the repository root:
 #   docker build -f docker/coordinator.Dockerfile -t dpcoord/coordinator:0.1.0 .
 # It installs the dpcoord package without the `engine` extra, so torch is never pulled in
-# (tests/test_images.py holds it to that).
+# (tests/rehearsal/test_images.py installs it as this file does and holds it to that).
 
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

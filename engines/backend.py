@@ -2,16 +2,20 @@
 
 The runtime owns the protocol: it decodes routed requests, streams partials, batches
 replies, tracks epochs and obeys control signals. A backend only schedules and generates:
-``add`` requests, ``step`` to advance every running request by (at most) one token, and
-report new tokens, the text they complete, and why a request finished.
+``add`` requests (and say how many tokens the prompt is), ``step`` to advance every running
+request by (at most) one token, and report new tokens, the text they complete, and why a
+request finished. It also names the model it serves and renders chat ``messages`` into a
+prompt, since it owns the tokenizer and so the chat template.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.protocol.messages import FinishReason, SubmitRequest
+from engines.chat_template import plain_prompt
+from service.protocol.messages import ChatMessage, FinishReason, SubmitRequest
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
@@ -30,11 +34,12 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
 
     @classmethod
-    def from_submit(cls, request_id: str, submit: SubmitRequest) -> GenerationRequest:
+    def from_submit(cls, request_id: str, submit: SubmitRequest, prompt: str | list[int]) -> GenerationRequest:
+        """``prompt``: the submission's own, or its ``messages`` rendered by the backend."""
         params = submit.sampling_params
         return cls(
             request_id=request_id,
-            prompt=submit.prompt,
+            prompt=prompt,
             max_tokens=params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS,
             temperature=params.temperature if params.temperature is not None else DEFAULT_TEMPERATURE,
             top_k=params.top_k or 0,
@@ -56,10 +61,17 @@ class TokenOutput:
 
 class Backend(abc.ABC):
     name: str
+    default_model_name: str  # the served model name unless --served-model-name gives one
 
     @abc.abstractmethod
-    def add(self, request: GenerationRequest) -> None:
-        """Queue a request; raise WireError (400, 413) for one this backend cannot serve."""
+    def add(self, request: GenerationRequest) -> int:
+        """Queue a request and return its prompt's length in tokens; raise WireError (400, 413)
+        for one this backend cannot serve."""
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str | list[int]:
+        """The prompt for a conversation: text, or token ids when the backend tokenised it
+        itself. Backends without a chat template use the plain fallback (engines/chat_template.py)."""
+        return plain_prompt(messages)
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:

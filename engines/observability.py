@@ -42,8 +42,11 @@ def engine_status(runtime: EngineRuntime) -> EngineStatus:
     )
 
 
-def engine_observability(runtime: EngineRuntime, http_host: str, http_port: int | None) -> Observability:
-    """Start it with ``runtime.nc`` once the runtime has started."""
+def engine_observability(
+    runtime: EngineRuntime, http_host: str, http_port: int | None, http_port_chosen: bool = True
+) -> Observability:
+    """Bind it before the runtime starts (a chosen port that is taken stops the engine before it
+    registers) and start it with ``runtime.nc`` once the runtime has started."""
     return Observability(
         EngineCollector(runtime),
         health=lambda: engine_health(runtime),
@@ -54,4 +57,5 @@ def engine_observability(runtime: EngineRuntime, http_host: str, http_port: int 
         ),
         http_host=http_host,
         http_port=http_port,
+        http_port_chosen=http_port_chosen,
     )

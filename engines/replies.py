@@ -48,6 +48,7 @@ class ActiveRequest:
     unsent_text: list[str] = field(default_factory=list)
     partials_sent: int = 0
     epochs: list[EpochSpan] = field(default_factory=list)
+    prompt_tokens: int | None = None
 
     def record(self, output: TokenOutput, epoch: int | None) -> None:
         if output.new_tokens:
@@ -74,7 +75,7 @@ class ActiveRequest:
         return_path = self.return_path
         message = Final(
             return_path.request_id, return_path.client_request_id, engine_id, self.tokens, "".join(self.text), finish_reason,
-            epochs=self.epochs or None,
+            epochs=self.epochs or None, prompt_tokens=self.prompt_tokens,
         )
         return RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
 

@@ -54,6 +54,7 @@ class EngineRuntime:
         self.settings = settings
         self.backend = backend
         self.engine_id = settings.engine_id or f"e{uuid.uuid4().hex[:12]}"
+        self.served_model_name = settings.served_model_name or backend.default_model_name
         self.subjects = Subjects(settings.subject_prefix)
         self.paused = False
         self.epoch: int | None = None
@@ -128,7 +129,7 @@ class EngineRuntime:
 
     async def _register(self) -> None:
         message = encode_msgpack(
-            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused)
+            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused, self.served_model_name)
         )
         delay = 0.05
         while True:
@@ -144,7 +145,10 @@ class EngineRuntime:
         self.epoch = ack.epoch
         self.registered.set()
         self._wake.set()
-        log.info("engine_id=%s registered with coordinator %s (state %s)", self.engine_id, ack.coordinator_id, ack.state)
+        log.info(
+            "engine_id=%s registered with coordinator %s (model %s, state %s)",
+            self.engine_id, ack.coordinator_id, self.served_model_name, ack.state,
+        )
 
     async def _heartbeat(self) -> None:
         """Beats only once registered: an early beat would make the coordinator adopt, then
@@ -153,7 +157,9 @@ class EngineRuntime:
         await self.registered.wait()
         while True:
             if self._connected.is_set():
-                beat = Heartbeat(self.engine_id, self.load, self.settings.engine_capacity, list(self._active))
+                beat = Heartbeat(
+                    self.engine_id, self.load, self.settings.engine_capacity, list(self._active), self.served_model_name
+                )
                 await self.nc.publish(subject, encode_msgpack(beat))
             await asyncio.sleep(self.settings.heartbeat_interval_s)
 
@@ -190,7 +196,8 @@ class EngineRuntime:
         active = ActiveRequest(return_path, encoding)
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
-            self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit))
+            prompt = submit.prompt if submit.prompt is not None else self.backend.render_chat(submit.messages or ())
+            active.prompt_tokens = self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit, prompt))
         except WireError as err:
             log.info("engine_id=%s request_id=%s refused: %s", self.engine_id, return_path.request_id, err)
             await self._replies.publish(Header.ENGINE_REPLY, [active.error(err)])

@@ -1,4 +1,4 @@
-"""Handlers for client messages: connect, submit_request, abort_request, shutdown."""
+"""Handlers for client messages: connect, submit_request, abort_request, list_models, shutdown."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from service.protocol.messages import (
     ConnectAck,
     ConnectRequest,
     Empty,
+    ModelList,
     SubmitEnvelope,
     SubmitRequest,
 )
@@ -59,6 +60,15 @@ async def handle_abort_request(coordinator: ClientContext, incoming: Incoming, p
     else:
         raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
     await coordinator.reply(incoming, Ack(Header.ABORT_REQUEST, request_id=request_id))
+
+
+@message_handler(Header.LIST_MODELS)
+async def handle_list_models(coordinator: ClientContext, incoming: Incoming, payload: Empty) -> None:
+    """Sent by a client (the HTTP gateway's ``/v1/models``), with an empty body.
+
+    Answers a ``ModelList``: the models this replica's engines serve, each with its engine
+    count, capacity and requests in flight."""
+    await coordinator.reply(incoming, ModelList(coordinator.served_models()))
 
 
 @message_handler(Header.SHUTDOWN)

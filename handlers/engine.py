@@ -20,11 +20,11 @@ from service.protocol.subjects import Header
 
 @message_handler(Header.REGISTER, fanout=True, direct=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
-    """Sent by an engine when it starts: its ``engine_id`` and ``capacity`` (msgpack).
+    """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
 
-    The engine joins with zero load; one registering again had restarted, so its old work is
-    lost. Answers a ``RegisterAck`` with the control state and epoch to start in."""
-    await coordinator.register_engine(incoming, payload.engine_id, payload.capacity)
+    The engine joins with zero load, serving that model; one registering again had restarted,
+    so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start in."""
+    await coordinator.register_engine(incoming, payload.engine_id, payload.capacity, payload.served_model_name)
 
 
 @message_handler(Header.HEARTBEAT, fanout=True, direct=True)

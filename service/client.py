@@ -1,6 +1,11 @@
-"""The async client library: submit, stream, abort, control and shutdown, each with a timeout.
+"""The async client library: submit, stream, abort, list models, control and shutdown, each with
+a timeout.
 
 It speaks msgpack. Error replies raise :class:`ClientError` with the wire code.
+
+Replies to every submission arrive on one wildcard subscription per client,
+``<inbox>.*``, each submission on its own token of it (as nats-py's own request/reply does), so
+a submission costs no SUB and UNSUB of its own.
 
 Core NATS delivers at most once; the library closes the gap for submissions. Every submission
 carries this client's id and a unique client_request_id, which makes it idempotent at the
@@ -17,15 +22,17 @@ callback, so the call would otherwise wait out its timeout.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -37,6 +44,7 @@ from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
     AbortRequest,
     Ack,
+    ChatMessage,
     ClientRequestId,
     ConnectAck,
     ConnectRequest,
@@ -44,6 +52,7 @@ from service.protocol.messages import (
     Empty,
     ErrorReply,
     Final,
+    ModelList,
     Partial,
     Reply,
     SamplingParams,
@@ -80,13 +89,31 @@ class _Refused:
 
 
 class _Exchanges:
-    """Reply queues of the submissions in progress; each hears about reconnects."""
+    """Reply queues of the submissions in progress, by their token of the reply inbox; each
+    hears about reconnects."""
 
     def __init__(self) -> None:
-        self.queues: set[asyncio.Queue[object]] = set()
+        self.queues: dict[str, asyncio.Queue[object]] = {}
+        self.inbox = ""  # the reply subjects' prefix, set once connected
+        self._tokens = itertools.count()
+
+    def open(self) -> tuple[str, asyncio.Queue[object]]:
+        """A fresh reply subject and the queue its replies go to."""
+        token = str(next(self._tokens))
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        self.queues[token] = queue
+        return f"{self.inbox}.{token}", queue
+
+    def close(self, reply_subject: str) -> None:
+        self.queues.pop(reply_subject.rpartition(".")[2], None)
+
+    async def on_reply(self, msg: Msg) -> None:
+        queue = self.queues.get(msg.subject.rpartition(".")[2])
+        if queue is not None:  # else a late reply to a submission that ended
+            queue.put_nowait(msg)
 
     def reconnected(self) -> None:
-        for queue in self.queues:
+        for queue in self.queues.values():
             queue.put_nowait(_RECONNECTED)
 
 
@@ -100,6 +127,7 @@ class DpcoordClient:
         owns_connection: bool,
         exchanges: _Exchanges,
         refusals: PublishRefusals,
+        replies: Subscription,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -108,6 +136,7 @@ class DpcoordClient:
         self._owns_connection = owns_connection
         self._exchanges = exchanges
         self._refusals = refusals
+        self._replies = replies
 
     @classmethod
     async def connect(
@@ -122,19 +151,25 @@ class DpcoordClient:
             settings, name="dpcoord-client", on_reconnect=exchanges.reconnected, on_error=refusals.on_error
         )
         subjects = Subjects(settings.subject_prefix)
+        exchanges.inbox = connection.new_inbox()
+        replies = await connection.subscribe(f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1)
         try:
             ack = await _call(connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout)
         except BaseException:
             if owns:
                 await connection.close()
+            else:
+                await replies.unsubscribe()
             raise
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals)
+        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies)
 
     async def close(self) -> None:
         if self._owns_connection:
             await close_nats(self.nc)
+        elif not (self.nc.is_closed or self.nc.is_draining):
+            await self._replies.unsubscribe()
 
     async def __aenter__(self) -> DpcoordClient:
         return self
@@ -143,7 +178,8 @@ class DpcoordClient:
         await self.close()
 
     def _submission(
-        self, prompt: str | list[int], stream: bool, client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any]
+        self, prompt: str | list[int] | None, messages: Sequence[ChatMessage] | None, model: str | None, stream: bool,
+        client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any],
     ) -> bytes:
         """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
         carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
@@ -152,17 +188,21 @@ class DpcoordClient:
         if params.timeout_s is None:
             params.timeout_s = timeout
         request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
-        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id))
-        hashes = prefix_hashes(prompt) or None
-        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, hashes))
+        chat = list(messages) if messages is not None else None
+        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
+        hashes = prefix_hashes(prompt, chat) or None
+        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes))
 
     async def submit(
-        self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any
+        self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
-        ``timeout`` bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, False, client_request_id, timeout, sampling)
+        Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
+        ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
+        bounds the wait and is also the request's deadline at the coordinator."""
+        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
         async with aclosing(self._exchange(body, timeout)) as replies:
             async for reply in replies:
                 if isinstance(reply, Final):
@@ -170,10 +210,11 @@ class DpcoordClient:
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
 
     async def stream(
-        self, prompt: str | list[int], *, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any
-    ) -> AsyncIterator[Partial | Final]:
-        """Yield partials, then the final; ``timeout`` bounds the whole stream."""
-        body = self._submission(prompt, True, client_request_id, timeout, sampling)
+        self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
+    ) -> AsyncGenerator[Partial | Final, None]:
+        """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream."""
+        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         async with aclosing(self._exchange(body, timeout)) as replies:
             async for reply in replies:
                 yield reply
@@ -184,14 +225,7 @@ class DpcoordClient:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
         deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
         subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
-        queue: asyncio.Queue[object] = asyncio.Queue()
-
-        async def on_reply(msg: Msg) -> None:
-            queue.put_nowait(msg)
-
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=on_reply)
-        self._exchanges.queues.add(queue)
+        inbox, queue = self._exchanges.open()
         backoff = 0.02
         try:
             with self._refusals.watch(subject, lambda message: queue.put_nowait(_Refused(message))):
@@ -221,9 +255,7 @@ class DpcoordClient:
                         if isinstance(reply, Final):
                             return
         finally:
-            self._exchanges.queues.discard(queue)
-            if not (self.nc.is_closed or self.nc.is_draining):
-                await sub.unsubscribe()
+            self._exchanges.close(inbox)
 
     async def _publish(self, subject: str, body: bytes, inbox: str) -> None:
         try:
@@ -238,6 +270,13 @@ class DpcoordClient:
     ) -> Ack:
         message = AbortRequest(client_request_id, self.client_id if request_id is None else None, request_id)
         return await self._ack(Header.ABORT_REQUEST, message, timeout)
+
+    async def list_models(self, timeout: float = 10.0) -> ModelList:
+        """The models the fleet serves, as the coordinator that answers sees it."""
+        reply = await _call(self.nc, self._refusals, self.subjects.coordinator(Header.LIST_MODELS), Empty(), timeout)
+        if not isinstance(reply, ModelList):
+            raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {Header.LIST_MODELS}: {reply!r}")
+        return reply
 
     async def control(self, signal: Header, epoch: int | None = None, timeout: float = 30.0) -> Ack:
         """Send a control or profiler signal; returns once every engine confirmed it."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+import os
+import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +76,11 @@ def read_up_banner(stdout: Iterable[str]) -> list[str]:
         if line.startswith("Ctrl-C"):
             return lines
     raise AssertionError(f"dpcoord up ended before it was ready: {lines}")
+
+
+def new_shell_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as a new terminal has it: no DPCOORD_ variables, the virtual environment not activated."""
+    venv_bin = Path(sys.executable).parent.resolve()
+    shell = {key: value for key, value in env.items() if not key.startswith("DPCOORD_")}
+    shell["PATH"] = os.pathsep.join(entry for entry in env["PATH"].split(os.pathsep) if Path(entry).resolve() != venv_bin)
+    return shell

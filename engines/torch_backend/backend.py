@@ -10,6 +10,7 @@ ids.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import logging
 import os
 import random
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
+from engines.chat_template import ChatTemplate, plain_prompt
 from engines.torch_backend.batch import build_batch
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.memory import page_bytes, plan_cache
@@ -33,7 +35,7 @@ from engines.torch_backend.tokenizer import IncrementalDetokenizer, Tokenizer, l
 from engines.torch_backend.weights import build_model, checkpoint_weights, random_weights
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import FinishReason
+from service.protocol.messages import ChatMessage, FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,8 @@ class TorchBackend(Backend):
         self.model: LlamaModel = build_model(self.config, weights, self.dtype, self.device)
         self.tokenizer: Tokenizer = load_tokenizer(model_dir)
         self.model_name = str(model_dir) if model_dir else f"random default model (seed {settings.model_seed})"
+        self.default_model_name = (model_dir.resolve().name or str(model_dir)) if model_dir else "dpcoord-random"
+        self.chat_template = ChatTemplate.from_dir(model_dir) if model_dir else None
 
         max_context = settings.max_context or self.config.max_position_embeddings
         if max_context > self.config.max_position_embeddings:
@@ -113,7 +117,14 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------ requests
 
-    def add(self, request: GenerationRequest) -> None:
+    def render_chat(self, messages: collections.abc.Sequence[ChatMessage]) -> str | list[int]:
+        """The model's chat template, tokenised without adding special tokens (the template writes
+        them, as transformers' ``apply_chat_template`` does); the plain fallback without one."""
+        if self.chat_template is None:
+            return plain_prompt(messages)
+        return self.tokenizer.encode(self.chat_template.render(messages), add_special_tokens=False)
+
+    def add(self, request: GenerationRequest) -> int:
         prompt = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         if not prompt:
             raise WireError(ErrorCode.MALFORMED, "the prompt is empty: the model needs at least one token")
@@ -134,6 +145,7 @@ class TorchBackend(Backend):
                 raise WireError(ErrorCode.CONFLICT, f"request {request.request_id} is already running")
             self.scheduler.add(state.sequence)
             self._requests[request.request_id] = state
+        return len(prompt)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:

@@ -24,7 +24,9 @@ class Tokenizer(Protocol):
     name: str
     context_tokens: int  # prompt tokens an IncrementalDetokenizer starts its window with
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; ``add_special_tokens=False`` for text that already holds them (a rendered chat template)."""
+        ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of the tokens, special tokens left out, invalid UTF-8 as U+FFFD."""
@@ -35,7 +37,7 @@ class ByteTokenizer:
     name = "bytes"
     context_tokens = 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -53,8 +55,8 @@ class HFTokenizer:
         self.name = str(path)
         self._tokenizer = RustTokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)

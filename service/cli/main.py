@@ -1,5 +1,6 @@
 """The ``dpcoord`` command line. Every setting is also a flag (``--nats-url`` for
-``DPCOORD_NATS_URL``); flags win over the environment."""
+``DPCOORD_NATS_URL``) of the commands that use it, and ``--help`` lists only those; flags win
+over the environment, which every command reads in full."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from typing import Any, get_args
 import msgspec
 from pydantic import ValidationError
 
+from service.cli import terminal
 from service.ops import event_loop, gc_tuning
-from service.ops.settings import Settings
+from service.ops.settings import SettingGroup, Settings, group_of, settings_in
 from service.protocol.subjects import Header
 
 BENCHMARK_MODULE = "benchmarks.coordinator"
+GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
+# Settings of the coordinator's group that the gateway reads too: its body limit and deadline.
+GATEWAY_SHARED_SETTINGS = ("max_payload_bytes", "request_timeout_s")
 FLEET_BENCHMARK_MODULE = "benchmarks.fleet"  # dpcoord bench --simulated-engines N,...
 
 CONTROL_COMMANDS: dict[str, Header] = {
@@ -35,31 +40,79 @@ CONTROL_COMMANDS: dict[str, Header] = {
 }
 
 
-def _settings_parser() -> argparse.ArgumentParser:
+def _settings_parser(*groups: SettingGroup, shared: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The settings read by ``groups`` as flags, one help section per group; ``shared`` names
+    settings of other groups this command reads too."""
     parser = argparse.ArgumentParser(add_help=False)
-    group = parser.add_argument_group("settings (each also DPCOORD_<NAME> in the environment)")
-    for name, field in Settings.model_fields.items():
+    sections = {
+        group: parser.add_argument_group(
+            f"settings: {group}",
+            None if index else "each also DPCOORD_<NAME> in the environment, where every command reads all of them",
+        )
+        for index, group in enumerate(groups)
+    }
+    fields = settings_in(groups) | {name: Settings.model_fields[name] for name in shared}
+    for name, field in fields.items():
         choices = get_args(field.annotation) if str(field.annotation).startswith("typing.Literal") else None
-        group.add_argument(
+        group = group_of(field)
+        if group not in sections:
+            sections[group] = parser.add_argument_group(f"settings: {group}")
+        sections[group].add_argument(
             f"--{name.replace('_', '-')}", dest=f"setting_{name}", default=None, choices=choices,
             metavar=None if choices else name.upper(), help=f"{field.description} (default: {field.default})",
         )
     return parser
 
 
+UP_DESCRIPTION = """\
+Runs NATS, one coordinator and --engines engines on this machine, prints how to reach them once
+every engine has registered, and stops them all on Ctrl-C.
+
+NATS: an embedded nats-server on a free port, unless --nats-url (DPCOORD_NATS_URL) points at an
+existing server, for example --nats-url nats://nats.example:4222 (its auth and TLS settings below).
+
+Engines: the torch backend runs the model in --model, a local Hugging Face-format directory
+(config.json, *.safetensors, tokenizer.json); without --model, a seeded random 3 M-parameter
+model whose output is noise. --backend echo runs the protocol test double instead.
+
+Logs: every process logs to this command's stderr (dpcoord up 2> up.log keeps them in a file);
+the banner goes to stdout.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    settings = _settings_parser()
+    settings = _settings_parser(*SettingGroup)
+    client_settings = _settings_parser(SettingGroup.NATS)
+    coordinator_settings = _settings_parser(SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.COORDINATOR)
+    engine_settings = _settings_parser(SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.ENGINE, SettingGroup.TORCH)
     parser = argparse.ArgumentParser(prog="dpcoord", description="Data-parallel LLM inference coordinator on NATS")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("coordinator", parents=[settings], help="run a coordinator")
-    engine = commands.add_parser("engine", parents=[settings], help="run one engine (data-parallel rank)")
+    commands.add_parser("coordinator", parents=[coordinator_settings], help="run a coordinator")
+    engine = commands.add_parser("engine", parents=[engine_settings], help="run one engine (data-parallel rank)")
     engine.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
-    up = commands.add_parser("up", parents=[settings], help="run NATS (embedded unless --nats-url), a coordinator and engines")
+    up = commands.add_parser(
+        "up", parents=[settings], help="run NATS (embedded unless --nats-url), a coordinator and engines",
+        description=UP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     up.add_argument("--engines", type=int, default=2, help="number of engines (default 2)")
     up.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
-    submit = commands.add_parser("submit", parents=[settings], help="submit a prompt and print the reply")
+    up.add_argument("--no-gateway", action="store_true", help="do not start the OpenAI-compatible HTTP gateway")
+    gateway_settings = _settings_parser(
+        SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.GATEWAY, shared=GATEWAY_SHARED_SETTINGS
+    )
+    gateway = commands.add_parser("gateway", parents=[gateway_settings], help="run the OpenAI-compatible HTTP gateway")
+    gateway.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="an API key clients must send as 'Authorization: Bearer KEY' (repeatable; see also --gateway-api-key-file)",
+    )
+    submit = commands.add_parser("submit", parents=[client_settings], help="submit a prompt and print the reply")
     submit.add_argument("prompt")
     submit.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    submit.add_argument(
+        "--raw", action="store_true",
+        help="write the generated text as it is; without it a terminal gets control and other non-printable "
+        "characters as \\uXXXX escapes (pipes always get the raw text)",
+    )
     submit.add_argument("--max-tokens", type=int, default=None)
     submit.add_argument("--temperature", type=float, default=None)
     submit.add_argument("--top-k", type=int, default=None)
@@ -67,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
-    control = commands.add_parser("control", parents=[settings], help="send a control signal")
+    control = commands.add_parser("control", parents=[client_settings], help="send a control signal")
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
@@ -82,9 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_bench(argv: list[str]) -> int:
     """The benchmarks live in the source checkout, not in the images: load them only here.
-    With ``--simulated-engines`` it is the fleet-size benchmark, else the coordinator benchmark."""
-    fleet = any(arg.split("=", 1)[0] == "--simulated-engines" for arg in argv)
-    module = FLEET_BENCHMARK_MODULE if fleet else BENCHMARK_MODULE
+    ``--gateway`` runs the gateway benchmark, ``--simulated-engines`` the fleet-size benchmark, and
+    anything else the coordinator benchmark."""
+    if "--gateway" in argv:
+        module = GATEWAY_BENCHMARK_MODULE
+    elif any(arg.split("=", 1)[0] == "--simulated-engines" for arg in argv):
+        module = FLEET_BENCHMARK_MODULE
+    else:
+        module = BENCHMARK_MODULE
+    argv = [arg for arg in argv if arg != "--gateway"]
     try:
         benchmark = importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -96,7 +155,8 @@ def _run_bench(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    args = benchmark.build_parser(prog="dpcoord bench").parse_args(argv)
+    prog = "dpcoord bench --gateway" if module == GATEWAY_BENCHMARK_MODULE else "dpcoord bench"
+    args = benchmark.build_parser(prog=prog).parse_args(argv)
     return int(benchmark.main(args))
 
 
@@ -134,11 +194,14 @@ async def _run_coordinator(settings: Settings) -> int:
     from service.coordinator.observability import coordinator_observability
 
     coordinator = Coordinator(settings, HANDLERS)
-    observability = coordinator_observability(coordinator, settings.http_host, settings.http_port or None)
+    observability = coordinator_observability(
+        coordinator, settings.http_host, settings.http_port or None, "http_port" in settings.model_fields_set
+    )
 
     gc_tuning.tune_for_throughput()
 
     async def start() -> None:
+        await observability.bind()
         await coordinator.start()
         await observability.start(coordinator.nc)
 
@@ -156,11 +219,14 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     from engines.runtime import EngineRuntime
 
     runtime = EngineRuntime(settings, make_backend(settings, model))
-    observability = engine_observability(runtime, settings.http_host, settings.http_port or None)
+    observability = engine_observability(
+        runtime, settings.http_host, settings.http_port or None, "http_port" in settings.model_fields_set
+    )
 
     gc_tuning.tune_for_throughput()
 
     async def start() -> None:
+        await observability.bind()
         await runtime.start()
         await observability.start(runtime.nc)
 
@@ -172,8 +238,20 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
     return 0
 
 
-def _print_json(message: msgspec.Struct) -> None:
-    print(msgspec.json.encode(message).decode())
+async def _run_gateway(settings: Settings, api_keys: list[str]) -> int:
+    from service.gateway.auth import ApiKeys
+    from service.gateway.server import serve
+
+    try:
+        keys = ApiKeys.load(api_keys, settings.gateway_api_key_file)
+    except ValueError as exc:
+        print(f"dpcoord gateway: {exc}", file=sys.stderr)
+        return 2
+    return await serve(settings, keys)
+
+
+def _print_json(message: msgspec.Struct, shown: Callable[[str], str] = str) -> None:
+    print(shown(msgspec.json.encode(message).decode()))
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
@@ -184,16 +262,19 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
         "top_p": args.top_p, "seed": args.seed, "stop": args.stop,
     }
+    shown = terminal.shown_on(sys.stdout, raw=args.raw)
     async with await DpcoordClient.connect(settings, timeout=args.timeout) as client:
         if not args.stream:
-            _print_json(await client.submit(args.prompt, timeout=args.timeout, **sampling))
+            async with terminal.Spinner(sys.stderr, "waiting for the reply"):
+                final = await client.submit(args.prompt, timeout=args.timeout, **sampling)
+            _print_json(final, shown)
             return 0
         async for reply in client.stream(args.prompt, timeout=args.timeout, **sampling):
             if isinstance(reply, Partial):
-                print(reply.text, end="", flush=True)
+                print(shown(reply.text), end="", flush=True)
             else:
                 print()
-                _print_json(reply)
+                _print_json(reply, shown)
     return 0
 
 
@@ -229,10 +310,12 @@ def main(argv: list[str] | None = None) -> int:
             return event_loop.run(_run_coordinator(settings), settings.event_loop)
         if args.command == "engine":
             return event_loop.run(_run_engine(settings, args.model), settings.event_loop)
+        if args.command == "gateway":
+            return event_loop.run(_run_gateway(settings, args.api_key), settings.event_loop)
         if args.command == "up":
             from service.cli.stack import run_stack
 
-            return asyncio.run(run_stack(settings, args.engines, args.model))
+            return asyncio.run(run_stack(settings, args.engines, args.model, gateway=not args.no_gateway))
         if args.command == "submit":
             return asyncio.run(_submit(settings, args))
         return asyncio.run(_control(settings, args))

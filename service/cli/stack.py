@@ -1,23 +1,27 @@
-"""``dpcoord up``: an embedded nats-server (unless a NATS URL is given), one coordinator and N
-engines as child processes, stopped together on Ctrl-C or SIGTERM."""
+"""``dpcoord up``: an embedded nats-server (unless a NATS URL is given), one coordinator, N
+engines and the OpenAI-compatible HTTP gateway (unless ``--no-gateway``) as child processes,
+stopped together on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shlex
+import shutil
 import signal
+import socket
 import sys
+from pathlib import Path
 
 import msgspec
 from nats.errors import Error as NatsError
 
-from service.bus.connection import close_nats, connect_nats
 from service.bus.server import EmbeddedNatsServer, free_port
 from service.client import ClientError, DpcoordClient
 from service.ops.services_api import CoordinatorStatus
-from service.ops.settings import Settings
-from service.protocol.subjects import Subjects
+from service.ops.settings import SettingGroup, Settings, settings_in
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +69,142 @@ async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> 
             await asyncio.sleep(0.1)
 
 
-async def _wait_for_engines(settings: Settings, coordinator_id: str, count: int, timeout_s: float = 300.0) -> None:
-    """Until the coordinator's status lists ``count`` engines: a torch engine loads its model first."""
-    subject = Subjects(settings.subject_prefix).status("coordinator", coordinator_id)
-    nc = await connect_nats(settings, name="dpcoord-up")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+async def _registered_engines(client: DpcoordClient) -> int | None:
+    """How many engines the coordinator knows; None while its status endpoint is not up yet."""
+    subject = client.subjects.status("coordinator", client.coordinator_id)
+    try:
+        reply = await client.nc.request(subject, b"", timeout=2.0)
+    except NatsError as exc:
+        log.debug("coordinator status not read yet: %s", exc)
+        return None
+    return len(msgspec.json.decode(reply.data, type=CoordinatorStatus).engines)
+
+
+async def _until_ready(settings: Settings, engines: list[asyncio.subprocess.Process]) -> int:
+    """Wait for the coordinator, then until every engine still running has registered (a model
+    takes a while to load); returns how many did."""
+    client = await _wait_for_coordinator(settings)
     try:
         while True:
-            try:
-                reply = await nc.request(subject, b"", timeout=2.0)
-                if len(msgspec.json.decode(reply.data, type=CoordinatorStatus).engines) >= count:
-                    return
-            except (NatsError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.debug("coordinator status not read yet: %s", exc)
-            if loop.time() > deadline:
-                raise TimeoutError(f"{count} engine(s) did not register within {timeout_s:g} s")
-            await asyncio.sleep(0.2)
+            registered = await _registered_engines(client)
+            if registered is not None and registered >= sum(engine.returncode is None for engine in engines):
+                break
+            await asyncio.sleep(0.1)
     finally:
-        await close_nats(nc)
+        await client.close()
+    if 0 < registered < len(engines):
+        log.warning("%d of %d engines exited before registering; their logs are above", len(engines) - registered, len(engines))
+    return registered
 
 
-async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
+def dpcoord_command() -> str:
+    """How a shell in this directory runs this dpcoord: ``dpcoord`` when that name on PATH is this
+    installation, else the script's path (``.venv/bin/dpcoord`` after ``make up``)."""
+    script = Path(sys.executable).parent / "dpcoord"
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m service"
+    on_path = shutil.which("dpcoord")
+    if on_path is not None and os.path.samefile(on_path, script):
+        return "dpcoord"
+    if script.is_relative_to(Path.cwd()):
+        return shlex.quote(str(script.relative_to(Path.cwd())))
+    return shlex.quote(str(script))
+
+
+_SECRETS = ("nats_password", "nats_token")
+
+
+def _connection_flags(settings: Settings) -> str:
+    """The flags a client in another terminal needs to reach this stack: the NATS settings it was
+    given, secrets as references to their environment variables rather than in clear."""
+    flags = []
+    for name, field in settings_in((SettingGroup.NATS,)).items():
+        value = getattr(settings, name)
+        if name not in settings.model_fields_set or value in (None, field.default):
+            continue
+        shown = f'"$DPCOORD_{name.upper()}"' if name in _SECRETS else shlex.quote(str(value))
+        flags.append(f" --{name.replace('_', '-')} {shown}")
+    return "".join(flags)
+
+
+def _model_line(settings: Settings, model: str | None, dpcoord: str) -> str:
+    if settings.backend == "echo":
+        return "Engines: the echo backend, a test double that repeats the prompt (no model)\n"
+    if model is not None:
+        return f"Model: {model}\n"
+    return (
+        f"Model: the built-in random model (seed {settings.model_seed}): its output is noise.\n"
+        f"   Load a checkpoint (a local Hugging Face-format directory): {dpcoord} up --model /path/to/model\n"
+    )
+
+
+GATEWAY_PORT = 8000  # the gateway's port when it is free and --gateway-port is not given
+GATEWAY_READY_TIMEOUT_S = 30.0
+
+
+def gateway_port(settings: Settings) -> int:
+    """--gateway-port when given, else 8000 when free, else a free port."""
+    if "gateway_port" in settings.model_fields_set:
+        return settings.gateway_port
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", GATEWAY_PORT))
+        except OSError:
+            return free_port()
+    return GATEWAY_PORT
+
+
+async def _http_status(host: str, port: int, path: str) -> int | None:
+    """The status of one GET, or None when nothing answers."""
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError:
+        return None
+    try:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        status_line = await reader.readline()
+    except OSError:
+        return None
+    finally:
+        writer.close()
+    parts = status_line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+async def _gateway_lines(settings: Settings, host: str, port: int) -> str:
+    """The banner's lines for the gateway, once its /readyz says a model is served."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GATEWAY_READY_TIMEOUT_S
+    while await _http_status(host, port, "/readyz") != 200:
+        if loop.time() > deadline:
+            log.warning("the gateway on port %d is not ready after %.0f s", port, GATEWAY_READY_TIMEOUT_S)
+            break
+        await asyncio.sleep(0.1)
+    async with await _wait_for_coordinator(settings) as client:
+        models = [served.name for served in (await client.list_models()).models]
+    url = f"http://{host}:{port}"
+    body = json.dumps({"model": models[0] if models else "MODEL", "prompt": "Hello", "max_tokens": 16})
+    return (
+        f"OpenAI API: {url}/v1 (models: {', '.join(models) or 'none yet'})\n"
+        f"   curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+    )
+
+
+def _banner(settings: Settings, model: str | None, registered: int, ports: list[int], gateway_lines: str = "") -> str:
+    dpcoord = dpcoord_command()
+    return (
+        f"dpcoord is up: coordinator + {registered} {settings.backend} engine(s)\n"
+        f"{_model_line(settings, model, dpcoord)}"
+        f"NATS: {settings.nats_url}\n"
+        f"Submit: {dpcoord} submit 'Hello' --stream{_connection_flags(settings)}\n"
+        f"   or: nats request -s {settings.nats_url} {settings.subject_prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
+        f"{gateway_lines}"
+        f"{_http_lines(ports)}"
+        "Ctrl-C stops everything.\n"
+    )
+
+
+async def run_stack(settings: Settings, engines: int, model: str | None, gateway: bool = True) -> int:
     server: EmbeddedNatsServer | None = None
     if "nats_url" not in settings.model_fields_set:
         server = EmbeddedNatsServer().start()
@@ -100,10 +218,16 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
     python = [sys.executable, "-m", "service"]
     engine_args = ["--model", model] if model else []
     children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env | {_PORT_ENV: str(ports[0])})]
-    children += [
+    engine_processes = [
         await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env | {_PORT_ENV: str(port)})
         for port in ports[1:]
     ]
+    children += engine_processes
+    gateway_host = settings.gateway_host if "gateway_host" in settings.model_fields_set else "127.0.0.1"
+    gateway_address = ("127.0.0.1" if gateway_host == "0.0.0.0" else gateway_host, gateway_port(settings))
+    if gateway:
+        gateway_env = env | {"DPCOORD_GATEWAY_HOST": gateway_host, "DPCOORD_GATEWAY_PORT": str(gateway_address[1])}
+        children.append(await asyncio.create_subprocess_exec(*python, "gateway", env=gateway_env))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -111,21 +235,21 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
         loop.add_signal_handler(signum, stop.set)
     coordinator_exit = asyncio.ensure_future(children[0].wait())
     coordinator_exit.add_done_callback(lambda _: stop.set())
+    exit_code = 0
     try:
-        client = await _wait_for_coordinator(settings)
-        await client.close()
-        await _wait_for_engines(settings, client.coordinator_id, engines)
-        prefix = settings.subject_prefix
-        sys.stdout.write(
-            f"dpcoord is up: coordinator + {engines} {settings.backend} engine(s)\n"
-            f"NATS: {settings.nats_url}\n"
-            f"Submit: dpcoord submit 'Hello' --stream --nats-url {settings.nats_url}\n"
-            f"   or: nats request -s {settings.nats_url} {prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
-            f"{_http_lines(ports)}"
-            "Ctrl-C stops everything.\n"
-        )
-        sys.stdout.flush()
-        await stop.wait()
+        ready = asyncio.ensure_future(_until_ready(settings, engine_processes))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done() and ready.result() == 0 < engines:
+            log.error("every engine exited before registering; their logs are above")
+            exit_code = 1
+            stop.set()
+        elif not stopping.done():
+            lines = await _gateway_lines(settings, *gateway_address) if gateway else ""
+            sys.stdout.write(_banner(settings, model, ready.result(), ports, lines))
+            sys.stdout.flush()
+        ready.cancel()
+        await stopping
     finally:
         for child in children:
             if child.returncode is None:
@@ -138,4 +262,4 @@ async def run_stack(settings: Settings, engines: int, model: str | None) -> int:
                 await child.wait()
         if server is not None:
             server.stop()
-    return 0
+    return exit_code

@@ -53,6 +53,7 @@ from service.protocol.messages import (
     Heartbeat,
     RegisterAck,
     RoutedReply,
+    ServedModel,
     SubmitEnvelope,
     SubmitRequest,
     error_reply,
@@ -81,7 +82,7 @@ class Coordinator:
             self.id, self.nc, self.subjects, self.requests, self.engines, self.peers, self.results, self._deliveries,
             self.counters, self.spawn,
         )
-        policy = make_policy(settings, self.engines)
+        policy = make_policy(settings)
         self._outbox = Outbox(self.nc, self.subjects, self.requests, self.engines, self._relay, self.counters, policy.turn_ended)
         self._admission = Admission(
             self.id, settings, self.subjects, self.requests, self.engines, self.peers, policy,
@@ -89,8 +90,8 @@ class Coordinator:
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._fleet = Fleet(
-            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay, self.counters,
-            self.spawn,
+            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay,
+            self.counters, self.spawn,
         )
         self._control = Control(
             settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.counters, self.reply
@@ -248,6 +249,9 @@ class Coordinator:
         await self._relay.abort(entry)
         return entry.return_path.request_id
 
+    def served_models(self) -> list[ServedModel]:
+        return self.engines.served()
+
     async def shut_down(self, incoming: Incoming) -> None:
         await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state))
         await self.nc.flush()
@@ -259,8 +263,8 @@ class Coordinator:
     async def control_engines(self, incoming: Incoming, signal: Header, payload: ControlSignal, state: CoordinatorState) -> None:
         await self._control.control_engines(incoming, signal, payload, state)
 
-    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int) -> None:
-        await self._fleet.register(engine_id, capacity)
+    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
+        await self._fleet.register(engine_id, capacity, model)
         if incoming.reply:
             ack = RegisterAck(self.id, self.state, self.epoch)
             await self.nc.publish(incoming.reply, encode_msgpack(ack))

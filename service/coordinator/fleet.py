@@ -1,8 +1,8 @@
 """The engine fleet as this replica sees it: joining, heartbeats, silence, and reconciliation.
 
 Contract:
-- An engine joins with zero load when it registers, or when a heartbeat introduces it to a
-  replica that did not know it (say, one that restarted). A heartbeat sent just before an
+- An engine joins with zero load, serving the model it names, when it registers, or when a
+  heartbeat introduces it to a replica that did not know it (say, one that restarted). A heartbeat sent just before an
   engine left on purpose never brings it back; only registering again does.
 - An engine silent for ``heartbeat_timeout_s`` is removed, except while this replica's own
   NATS connection is down: then the silence is ours.
@@ -66,17 +66,17 @@ class Fleet:
         self.changed = asyncio.Event()
         self._log = FleetLog(log)
 
-    def add(self, engine_id: str, capacity: int) -> EngineRecord:
-        record = self.pool.add(engine_id, capacity)
+    def add(self, engine_id: str, capacity: int, model: str | None) -> EngineRecord:
+        record = self.pool.add(engine_id, capacity, model)
         self.changed.set()
-        self._log.joined(engine_id, record.capacity, len(self.pool))
+        self._log.joined(engine_id, model, record.capacity, len(self.pool))
         return record
 
-    async def register(self, engine_id: str, capacity: int) -> None:
+    async def register(self, engine_id: str, capacity: int, model: str | None) -> None:
         """An engine that registers again had restarted: its old work is lost."""
         if self.pool.get(engine_id) is not None:
             await self.remove(engine_id, "registered again")
-        self.add(engine_id, capacity)
+        self.add(engine_id, capacity, model)
 
     async def remove(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are queued again, the rest fail."""
@@ -102,7 +102,7 @@ class Fleet:
         record = self.pool.get(heartbeat.engine_id)
         if record is None:
             if not self.pool.recently_departed(heartbeat.engine_id):
-                self.add(heartbeat.engine_id, heartbeat.capacity)
+                self.add(heartbeat.engine_id, heartbeat.capacity, heartbeat.served_model_name)
                 await self._admission.release_queue()
             return
         self.pool.heard(record)

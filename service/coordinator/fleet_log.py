@@ -37,11 +37,11 @@ class FleetLog:
         self._removals = _Burst(interval_s)
         self._fleet_size = 0
 
-    def joined(self, engine_id: str, capacity: int, fleet_size: int) -> None:
+    def joined(self, engine_id: str, model: str | None, capacity: int, fleet_size: int) -> None:
         self._fleet_size = fleet_size
         burst = self._joins
         if self._opens_window(burst, self._flush_joins):
-            self._log.info("engine_id=%s joined (capacity %d, %d engines)", engine_id, capacity, fleet_size)
+            self._log.info("engine_id=%s joined (model %s, capacity %d, %d engines)", engine_id, model, capacity, fleet_size)
             return
         burst.count += 1
         burst.last_engine_id = engine_id

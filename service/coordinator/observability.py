@@ -37,13 +37,15 @@ def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
         state=coordinator.state.value,
         epoch=coordinator.epoch,
         requests_in_flight=len(coordinator.requests),
-        engines=[EngineLoad(record.engine_id, record.load, record.capacity) for record in coordinator.engines],
+        engines=[EngineLoad(record.engine_id, record.load, record.capacity, record.model) for record in coordinator.engines],
         counters=dict(coordinator.counters),
     )
 
 
-def coordinator_observability(coordinator: Coordinator, http_host: str, http_port: int | None) -> Observability:
-    """Start it with ``coordinator.nc`` once the coordinator has started."""
+def coordinator_observability(
+    coordinator: Coordinator, http_host: str, http_port: int | None, http_port_chosen: bool = True
+) -> Observability:
+    """Bind it before the coordinator starts and start it with ``coordinator.nc`` once it has."""
     return Observability(
         CoordinatorCollector(coordinator),
         health=lambda: coordinator_health(coordinator),
@@ -54,4 +56,5 @@ def coordinator_observability(coordinator: Coordinator, http_host: str, http_por
         ),
         http_host=http_host,
         http_port=http_port,
+        http_port_chosen=http_port_chosen,
     )

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.coordinator.pool import EnginePool, EngineRecord
+from service.coordinator.pool import EngineGroup, EngineRecord
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
 from service.protocol.prefix import prefix_hashes
 
@@ -43,7 +43,7 @@ SWEEP_EVERY = 64
 
 
 class Fallback(Protocol):
-    def choose(self, key: Sequence[int] | None = None) -> EngineRecord | None: ...
+    def choose(self, group: EngineGroup, key: Sequence[int] | None = None) -> EngineRecord | None: ...
 
     def turn_ended(self) -> None: ...
 
@@ -86,7 +86,7 @@ class PrefixTable:
             entries.move_to_end(prefix_hash)
             owners = entry.owners
             if owners[-1] is not engine:
-                kept = [owner for owner in owners if owner is not engine and owner.slot >= 0]
+                kept = [owner for owner in owners if owner is not engine and owner.in_pool]
                 del kept[: max(0, len(kept) + 1 - OWNERS_PER_PREFIX)]
                 owners[:] = [*kept, engine]
         self._until_sweep -= 1
@@ -108,35 +108,33 @@ class PrefixTable:
 
 
 class PrefixAware:
-    def __init__(self, fallback: Fallback, pool: EnginePool, table: PrefixTable, load_bound: int) -> None:
+    def __init__(self, fallback: Fallback, table: PrefixTable, load_bound: int) -> None:
         self._fallback = fallback
-        self._pool = pool
         self._table = table
         self._load_bound = load_bound
 
     def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> Sequence[int] | None:
         if isinstance(submit, SubmitEnvelope):
             return submit.prefix_hashes
-        return prefix_hashes(submit.prompt)
+        return prefix_hashes(submit.prompt, submit.messages)
 
-    def choose(self, key: Sequence[int] | None = None) -> EngineRecord | None:
+    def choose(self, group: EngineGroup, key: Sequence[int] | None = None) -> EngineRecord | None:
         if not key:
-            return self._fallback.choose()
-        pool = self._pool
-        if pool.least_loaded() is None:
+            return self._fallback.choose(group)
+        if group.least_loaded() is None:
             return None
-        bound = pool.lowest_load + self._load_bound
+        bound = group.lowest_load + self._load_bound
         now = time.monotonic()
         table = self._table
         for index in range(len(key) - 1, -1, -1):  # the longest known prefix first
             owners = table.owners(key[index], now)
             if owners:
-                chosen = _least_loaded_within(owners, bound)
+                chosen = _least_loaded_within(owners, bound, group)
                 if chosen is not None:
                     # Shorter prefixes were recorded with this one; the longer ones are new here.
                     table.record(key[index:], chosen, now)
                     return chosen
-        chosen = self._fallback.choose()
+        chosen = self._fallback.choose(group)
         if chosen is not None:
             table.record(key, chosen, now)
         return chosen
@@ -145,11 +143,11 @@ class PrefixAware:
         self._fallback.turn_ended()
 
 
-def _least_loaded_within(owners: list[EngineRecord], bound: int) -> EngineRecord | None:
+def _least_loaded_within(owners: list[EngineRecord], bound: int, group: EngineGroup) -> EngineRecord | None:
     best = None
     best_load = bound + 1
     for owner in reversed(owners):  # most recent first among equals
         load = len(owner.requests)
-        if load < best_load and load < owner.capacity and owner.slot >= 0:
+        if load < best_load and load < owner.capacity and owner.in_pool and owner in group:
             best, best_load = owner, load
     return best

@@ -22,6 +22,7 @@ class InflightRequest:
     encoding: Encoding
     body: bytes
     client_key: ClientKey | None
+    model: str | None = None  # routed only to engines serving it
     engine_id: str | None = None
     streamed: bool = False
     attempts: int = 0

@@ -1,8 +1,9 @@
 """Routing policies: which engine gets the next request, in O(1) whatever the fleet's size.
 
-A policy reads the indexes of :class:`~service.coordinator.pool.EnginePool` and never scans
-the engines. ``choose`` returns None when every engine is full, so the coordinator can hold
-or refuse the request. The coordinator calls ``turn_ended`` when it publishes the requests
+A policy chooses within an :class:`~service.coordinator.pool.EngineGroup` (the whole fleet, or
+the engines serving the model a request names), reading its indexes, never scanning its
+engines. ``choose`` returns None when every engine of the group is full, so the coordinator
+can hold or refuse the request. The coordinator calls ``turn_ended`` when it publishes the requests
 routed in one event-loop turn (one message per engine), so a policy knows which engine is
 already receiving a batch.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from service.coordinator.pool import EnginePool, EngineRecord
+from service.coordinator.pool import EngineGroup, EngineRecord
 from service.coordinator.prefix_routing import PrefixAware, PrefixTable
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
@@ -35,7 +36,9 @@ class RoutingPolicy(Protocol):
         """What ``choose`` needs of a submission beyond the fleet's loads (prefix hashes), if anything."""
         ...
 
-    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None: ...
+    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+        """An engine of ``group`` (the whole fleet, or one model's engines) with room, or None."""
+        ...
 
     def turn_ended(self) -> None: ...
 
@@ -43,84 +46,70 @@ class RoutingPolicy(Protocol):
 class _Batching:
     """The engine receiving a batch this loop turn, kept while it stays within the load slack."""
 
-    def __init__(self, load_slack: int) -> None:
+    def __init__(self, load_slack: int = 0) -> None:
         self._slack = load_slack
         self._current: EngineRecord | None = None
+        self._current_group: EngineGroup | None = None
 
     def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
         return None
 
+    def _keep(self, group: EngineGroup, chosen: EngineRecord, lowest_load: int) -> EngineRecord:
+        """The engine to route to: the one batching this turn while it qualifies, else ``chosen``."""
+        current = self._current
+        if current is not None and current is not chosen and group is self._current_group and current.in_pool:
+            load = len(current.requests)
+            if load < current.capacity and load <= lowest_load + self._slack:
+                return current
+        self._current, self._current_group = chosen, group
+        return chosen
+
     def turn_ended(self) -> None:
-        self._current = None
+        self._current = self._current_group = None
 
 
 class LeastLoaded(_Batching):
-    def __init__(self, pool: EnginePool, load_slack: int = 0) -> None:
-        super().__init__(load_slack)
-        self._pool = pool
-
-    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None:
-        pool = self._pool
-        least = pool.least_loaded()
+    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+        least = group.least_loaded()
         if least is None:
             return None
-        current = self._current
-        if current is not None and current is not least and current.slot >= 0:
-            load = len(current.requests)
-            if load < current.capacity and load <= pool.lowest_load + self._slack:
-                return current
-        self._current = least
-        return least
+        return self._keep(group, least, group.lowest_load)
 
 
 class PowerOfTwoChoices(_Batching):
-    def __init__(self, pool: EnginePool, load_slack: int = 0) -> None:
-        super().__init__(load_slack)
-        self._pool = pool
-
-    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None:
-        pool = self._pool
-        if len(pool) == 0:
+    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+        if len(group) == 0:
             return None
-        first, second = pool.sample_two()
+        first, second = group.sample_two()
         best = first if len(first.requests) <= len(second.requests) else second
         if len(best.requests) >= best.capacity:
-            with_room = pool.least_loaded()
+            with_room = group.least_loaded()
             if with_room is None:
                 return None
             best = with_room
-        current = self._current
-        if current is not None and current is not best and current.slot >= 0:
-            load = len(current.requests)
-            if load < current.capacity and load <= len(best.requests) + self._slack:
-                return current
-        self._current = best
-        return best
+        return self._keep(group, best, len(best.requests))
 
 
 class RoundRobin:
-    def __init__(self, pool: EnginePool) -> None:
-        self._pool = pool
-
     def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
         return None
 
-    def choose(self, key: PrefixHashes | None = None) -> EngineRecord | None:
-        return self._pool.next_in_turn()
+    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+        return group.next_in_turn()
 
     def turn_ended(self) -> None:
         pass
 
 
-def make_policy(settings: Settings, pool: EnginePool) -> RoutingPolicy:
+def make_policy(settings: Settings) -> RoutingPolicy:
     name = settings.routing_policy
     if name == "least_loaded":
-        return LeastLoaded(pool, settings.routing_load_slack)
+        return LeastLoaded(settings.routing_load_slack)
     if name == "p2c":
-        return PowerOfTwoChoices(pool, settings.routing_load_slack)
+        return PowerOfTwoChoices(settings.routing_load_slack)
     if name == "round_robin":
-        return RoundRobin(pool)
+        return RoundRobin()
     if name == "prefix":
         table = PrefixTable(settings.prefix_table_size, settings.prefix_ttl_s)
-        return PrefixAware(LeastLoaded(pool, settings.routing_load_slack), pool, table, settings.prefix_load_bound)
+        return PrefixAware(LeastLoaded(settings.routing_load_slack), table, settings.prefix_load_bound)
     raise ValueError(f"unknown routing policy {name!r}")

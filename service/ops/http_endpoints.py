@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,7 +42,12 @@ class Response:
 
 
 class HttpEndpoints:
-    """Serves the probes and the metrics of one process; ``port`` 0 binds a free port."""
+    """Serves the probes and the metrics of one process; ``port`` 0 binds a free port.
+
+    A port the operator chose (``port_chosen``) is bound or the process fails. The default port,
+    when it cannot be bound (another process on the host has it), falls back to a free port
+    with a warning that names it: the endpoints are never why a process that could serve exits.
+    """
 
     def __init__(
         self,
@@ -50,24 +56,49 @@ class HttpEndpoints:
         health: Callable[[], Check],
         ready: Callable[[], Check],
         registry: CollectorRegistry,
+        port_chosen: bool = True,
     ) -> None:
         self.host = host
         self.port = port
+        self._port_chosen = port_chosen
         self._health = health
         self._ready = ready
         self._registry = registry
         self._server: asyncio.Server | None = None
 
+    async def bind(self) -> None:
+        """Take the port without answering on it yet; a process binds before it joins the fleet,
+        so a chosen port it cannot have stops it before a coordinator counts on it."""
+        await self._bound()
+
     async def start(self) -> None:
-        try:
-            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=_MAX_HEAD_BYTES)
-        except OSError as exc:
-            raise OSError(
-                exc.errno, f"cannot serve /healthz, /readyz and /metrics on {self.host}:{self.port} ({exc.strerror}); "
-                "choose another --http-port (DPCOORD_HTTP_PORT), or 0 to turn them off",
-            ) from exc
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        """Bind (unless ``bind`` did) and answer requests."""
+        await (await self._bound()).start_serving()
         log.info("health and metrics on http://%s:%d (%s, %s, %s)", self.host, self.port, HEALTH_PATH, READY_PATH, METRICS_PATH)
+
+    async def _bound(self) -> asyncio.Server:
+        if self._server is not None:
+            return self._server
+        try:
+            server = await self._listen(self.port)
+        except OSError as exc:
+            if self._port_chosen:
+                raise OSError(
+                    exc.errno, f"cannot serve {HEALTH_PATH}, {READY_PATH} and {METRICS_PATH} on {self.host}:{self.port} "
+                    f"({_reason(exc)}); choose another --http-port (DPCOORD_HTTP_PORT), or 0 to turn them off",
+                ) from exc
+            server = await self._listen(0)
+            log.warning(
+                "default HTTP port %d is taken on %s (%s): serving %s, %s and %s on port %d instead; "
+                "--http-port (DPCOORD_HTTP_PORT) chooses the port", self.port, self.host, _reason(exc),
+                HEALTH_PATH, READY_PATH, METRICS_PATH, _port_of(server),
+            )
+        self._server = server
+        self.port = _port_of(server)
+        return server
+
+    async def _listen(self, port: int) -> asyncio.Server:
+        return await asyncio.start_server(self._serve, self.host, port, limit=_MAX_HEAD_BYTES, start_serving=False)
 
     async def stop(self) -> None:
         """Stop listening; safe to call twice."""
@@ -108,6 +139,15 @@ class HttpEndpoints:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+
+def _reason(exc: OSError) -> str:
+    """``Address already in use`` rather than asyncio's sentence around it."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def _port_of(server: asyncio.Server) -> int:
+    return int(server.sockets[0].getsockname()[1])
 
 
 def _request_line(head: bytes) -> tuple[str, str]:

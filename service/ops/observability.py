@@ -31,7 +31,9 @@ class ServiceSpec:
 
 
 class Observability:
-    """Starts after the process it watches has connected; ``http_port`` None serves no HTTP, 0 a free port."""
+    """Binds its HTTP port before the process it watches joins the fleet, and starts after that
+    process has connected; ``http_port`` None serves no HTTP, 0 a free port. ``http_port_chosen``
+    false lets a busy port fall back to a free one (see ``HttpEndpoints``)."""
 
     def __init__(
         self,
@@ -41,13 +43,22 @@ class Observability:
         service: ServiceSpec,
         http_host: str,
         http_port: int | None,
+        http_port_chosen: bool = True,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
-        self.http = None if http_port is None else HttpEndpoints(http_host, http_port, health, ready, self.registry)
+        self.http = (
+            None if http_port is None
+            else HttpEndpoints(http_host, http_port, health, ready, self.registry, port_chosen=http_port_chosen)
+        )
         self._spec = service
         self._service: Service | None = None
         self._nc: NATS | None = None
+
+    async def bind(self) -> None:
+        """Take the HTTP port; a port that cannot be had stops the process before it serves."""
+        if self.http is not None:
+            await self.http.bind()
 
     async def start(self, nc: NATS) -> None:
         if self.http is not None:

@@ -40,6 +40,7 @@ class EngineLoad(msgspec.Struct):
     engine_id: str
     in_flight: int
     capacity: int
+    model: str | None = None
 
 
 class CoordinatorStatus(msgspec.Struct):

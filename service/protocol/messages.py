@@ -34,13 +34,33 @@ class SamplingParams(Struct, omit_defaults=True):
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
 
 
+class ChatMessage(Struct, omit_defaults=True):
+    """One turn of a conversation; the engine renders ``messages`` into a prompt with its model's
+    chat template (engines/chat_template.py)."""
+
+    role: str
+    content: str = ""
+    name: str | None = None
+
+
+ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
 class SubmitRequest(Struct):
-    prompt: str | list[Annotated[int, Meta(ge=0)]]
+    """Exactly one of ``prompt`` and ``messages``; ``model`` limits routing to engines serving it."""
+
+    prompt: str | list[Annotated[int, Meta(ge=0)]] | None = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
     client_request_id: ClientRequestId | None = None
     client_id: str | None = None
     reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # a subject one can publish to
+    model: ModelName | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
 
 
 class SubmitEnvelope(Struct, array_like=True):
@@ -63,6 +83,7 @@ class SubmitEnvelope(Struct, array_like=True):
     client_id: str | None = None
     reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # as SubmitRequest.reply_to
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
+    model: ModelName | None = None  # the body's model, for routing without decoding the body
     prefix_hashes: Annotated[list[int], Meta(max_length=MAX_PREFIX_HASHES)] | None = None
 
 
@@ -117,6 +138,7 @@ class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     generated_text: str
     finish_reason: FinishReason
     epochs: list[EpochSpan] | None = None
+    prompt_tokens: int | None = None  # the prompt's length in the engine's tokens (usage)
 
 
 class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
@@ -139,7 +161,22 @@ class ConnectAck(Struct, tag="connect_ack", tag_field="type"):
     protocol_version: int
 
 
-Reply = Partial | Final | ErrorReply | Ack | ConnectAck
+class ServedModel(Struct):
+    """A model some engines serve, as one coordinator sees the fleet."""
+
+    name: str
+    engines: int
+    capacity: int
+    in_flight: int
+
+
+class ModelList(Struct, tag="models", tag_field="type"):
+    """The answer to ``list_models``."""
+
+    models: list[ServedModel]
+
+
+Reply = Partial | Final | ErrorReply | Ack | ConnectAck | ModelList
 
 
 def error_reply(err: WireError, client_request_id: ClientRequestId | None = None, request_id: str | None = None) -> ErrorReply:
@@ -154,6 +191,7 @@ class EngineRegister(Struct):
     capacity: Annotated[int, Meta(ge=1)] = 256
     backend: str = "unknown"
     paused: bool = False
+    served_model_name: ModelName | None = None
 
 
 class RegisterAck(Struct):
@@ -170,6 +208,7 @@ class Heartbeat(Struct):
     load: Annotated[int, Meta(ge=0)] = 0
     capacity: Annotated[int, Meta(ge=1)] = 256
     active: list[str] = msgspec.field(default_factory=list)
+    served_model_name: ModelName | None = None  # so a coordinator that adopts the engine routes by model
 
 
 class ResendReplies(Struct):

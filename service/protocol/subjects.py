@@ -17,6 +17,7 @@ class Header(enum.StrEnum):
     CONNECT = "connect"
     SUBMIT_REQUEST = "submit_request"
     ABORT_REQUEST = "abort_request"
+    LIST_MODELS = "list_models"
     PAUSE = "pause"
     UNPAUSE = "unpause"
     SUSPEND = "suspend"

@@ -2,7 +2,7 @@
 
 Every field of ``Settings`` is either a value under ``settings:`` in values.yaml, with the
 JSON schema that pydantic derives for it in values.schema.json, or set per pod by the chart
-(``DERIVED_SETTINGS``). The drift tests in tests/test_helm_chart.py hold the chart to it.
+(``DERIVED_SETTINGS``). The drift tests in tests/chart/test_helm_chart.py hold the chart to it.
 When a field is added to Settings, add it to values.yaml under ``settings:`` and paste the
 schema printed by ``python -m tests.chart.contract`` into values.schema.json.
 """
@@ -20,6 +20,7 @@ CHART = Path(__file__).resolve().parents[2] / "helm" / "dpcoord"
 # Settings the chart sets per pod rather than from values, and where from.
 DERIVED_SETTINGS: dict[str, str] = {
     "nats_url": "nats.enabled (the bundled NATS Service) or externalNats.url",
+    "nats_inbox_prefix": "the role's reply-inbox prefix, _INBOX_<component> (docs/security.md)",
     "coordinator_id": "left unset: random per process, so a restarted container never reuses its request ids",
     "engine_id": "the engine pod's name (its data-parallel rank)",
     "nats_user": "the credentials Secret, key <component>-user",
@@ -27,6 +28,7 @@ DERIVED_SETTINGS: dict[str, str] = {
     "nats_token": "the credentials Secret, key <component>-token",
     "nats_creds_file": "the credentials Secret, file <component>.creds",
     "nats_nkey_seed_file": "the credentials Secret, file <component>.nk",
+    "gateway_api_key_file": "gateway.apiKeys.existingSecret, mounted in the gateway pods",
 }
 
 _NOT_CONSTRAINTS = ("title", "default")

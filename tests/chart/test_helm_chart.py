@@ -22,11 +22,11 @@ from helm_python import Chart, HelmValuesError, lint, values_from_yaml
 from service.ops.http_endpoints import HEALTH_PATH, METRICS_PATH, READY_PATH
 from service.ops.settings import Settings
 from tests.chart.contract import CHART, DERIVED_SETTINGS, settings_schema, valued_settings
+from tests.chart.render import Manifest, render_objects
 
 RELEASE = "rel"
 NAMESPACE = "llm"
 NON_DEFAULT_VALUES = CHART / "ci" / "external-nats-values.yaml"
-Manifest = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +41,7 @@ def non_default_values() -> dict[str, Any]:
 
 def render(chart: Chart, values: dict[str, Any] | None = None, release: str = RELEASE) -> list[Manifest]:
     """Every object the chart renders, parsed."""
-    objects = []
-    for path, text in chart.render(values or {}, name=release, namespace=NAMESPACE).items():
-        if not path.endswith(".yaml"):
-            continue
-        for document in re.split(r"^---\s*$", text, flags=re.MULTILINE):
-            if document.strip():
-                parsed = values_from_yaml(document)
-                if parsed:
-                    objects.append(parsed)
-    return objects
+    return render_objects(chart, values or {}, release, NAMESPACE)
 
 
 def only(objects: list[Manifest], kind: str, component: str | None = None) -> Manifest:
@@ -61,6 +52,10 @@ def only(objects: list[Manifest], kind: str, component: str | None = None) -> Ma
     ]
     assert len(found) == 1, f"expected one {kind} {component or ''}, found {len(found)}"
     return found[0]
+
+
+# Every workload the default values render, as (kind, component).
+WORKLOADS = (("Deployment", "coordinator"), ("StatefulSet", "engine"), ("Deployment", "gateway"))
 
 
 def container(workload: Manifest) -> Manifest:
@@ -109,14 +104,16 @@ def test_default_render_kinds_and_names(chart: Chart) -> None:
     assert kinds == [
         ("ConfigMap", "rel-dpcoord-settings"),
         ("Deployment", "rel-dpcoord-coordinator"),
+        ("Deployment", "rel-dpcoord-gateway"),
         ("PodDisruptionBudget", "rel-dpcoord-coordinator"),
         ("Secret", "rel-dpcoord-nats-auth"),
         ("Secret", "rel-dpcoord-nats-credentials"),
         ("Service", "rel-dpcoord-coordinator"),
         ("Service", "rel-dpcoord-engine"),
+        ("Service", "rel-dpcoord-gateway"),
         ("StatefulSet", "rel-dpcoord-engine"),
     ]
-    assert only(objects, "Deployment")["spec"]["replicas"] == 2
+    assert only(objects, "Deployment", "coordinator")["spec"]["replicas"] == 2
     assert only(objects, "StatefulSet")["spec"]["replicas"] == 2
 
 
@@ -125,12 +122,13 @@ def test_non_default_render(chart: Chart) -> None:
     objects = render(chart, non_default_values())
     kinds = sorted(obj["kind"] for obj in objects)
     assert kinds == [
-        "ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service", "ServiceMonitor", "StatefulSet",
+        "ConfigMap", "Deployment", "Deployment", "PodDisruptionBudget", "Service", "Service", "Service", "ServiceMonitor",
+        "StatefulSet",
     ]  # no NATS secrets of its own: the credentials Secret is the operator's
     engines = only(objects, "StatefulSet")
     assert engines["spec"]["replicas"] == 4
-    assert only(objects, "Deployment")["spec"]["replicas"] == 3
-    for workload, component in ((only(objects, "Deployment"), "coordinator"), (engines, "engine")):
+    assert only(objects, "Deployment", "coordinator")["spec"]["replicas"] == 3
+    for workload, component in ((only(objects, "Deployment", "coordinator"), "coordinator"), (engines, "engine")):
         env = env_of(workload, objects)
         assert env["DPCOORD_NATS_URL"] == "tls://nats.messaging.svc:4222"
         assert env["DPCOORD_NATS_USER"] == {"secretKeyRef": {"name": "dpcoord-nats-users", "key": f"{component}-user"}}
@@ -217,8 +215,8 @@ def test_engines_get_gpus_shm_and_the_model(chart: Chart) -> None:
 
 def test_pods_run_as_non_root_on_a_read_only_root(chart: Chart) -> None:
     objects = render(chart)
-    for kind in ("Deployment", "StatefulSet"):
-        workload = only(objects, kind)
+    for kind, component in WORKLOADS:
+        workload = only(objects, kind, component)
         pod = workload["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["automountServiceAccountToken"] is False
@@ -305,8 +303,8 @@ def test_configmap_env_names_are_settings_and_parse(
     data = only(objects, "ConfigMap")["data"]
     settings_values = chart.merge_values(chosen)["settings"]
     assert set(data) == {f"DPCOORD_{name.upper()}" for name, value in settings_values.items() if value is not None}
-    for kind in ("Deployment", "StatefulSet"):
-        dpcoord_env = {name for name in env_of(only(objects, kind), objects) if name.startswith("DPCOORD_")}
+    for kind, component in WORKLOADS:
+        dpcoord_env = {name for name in env_of(only(objects, kind, component), objects) if name.startswith("DPCOORD_")}
         assert dpcoord_env <= setting_env_names(), dpcoord_env - setting_env_names()
     for name, value in data.items():
         monkeypatch.setenv(name, value)
@@ -327,15 +325,19 @@ def test_settings_set_per_pod_are_set(chart: Chart, auth: str) -> None:
         "creds": {"DPCOORD_NATS_CREDS_FILE"},
         "nkey": {"DPCOORD_NATS_NKEY_SEED_FILE"},
     }
-    for kind in ("Deployment", "StatefulSet"):
-        env = env_of(only(objects, kind), objects)
+    for kind, component in WORKLOADS:
+        env = env_of(only(objects, kind, component), objects)
         assert {"DPCOORD_NATS_URL"} | per_auth[auth] <= env.keys()
         assert not (set().union(*per_auth.values()) - per_auth[auth]) & env.keys()
         assert "DPCOORD_COORDINATOR_ID" not in env
     engine_env = env_of(only(objects, "StatefulSet"), objects)
     assert engine_env["DPCOORD_ENGINE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the rank's pod name
+    for kind, role in WORKLOADS:
+        # The role's inbox prefix, which docs/nats-server.example.conf lets that role subscribe to.
+        assert env_of(only(objects, kind, role), objects)["DPCOORD_NATS_INBOX_PREFIX"] == f"_INBOX_{role}"
     covered = {name.removeprefix("DPCOORD_").lower() for names in per_auth.values() for name in names}
-    assert covered | {"nats_url", "coordinator_id", "engine_id"} == set(DERIVED_SETTINGS)
+    # gateway_api_key_file: tests/chart/test_helm_gateway.py
+    assert covered | {"nats_url", "nats_inbox_prefix", "coordinator_id", "engine_id", "gateway_api_key_file"} == set(DERIVED_SETTINGS)
 
 
 def test_default_settings_are_valid_settings(chart: Chart) -> None:

@@ -39,7 +39,7 @@ from tests.helpers import request_json
 from tests.integration.test_observability import collect_replies
 
 NATS_CONFIG_DIR = "/etc/nats-config"  # where the nats chart mounts nats.conf in its pod
-USERS = ("coordinator", "engine", "client", "admin")
+USERS = ("coordinator", "engine", "client", "gateway", "admin")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN}
 BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT}
 FROM_ENGINES = set(ENGINE_HEADERS)
-FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST}
+FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}
 
 
 def test_permissions_follow_the_protocols_subjects() -> None:
@@ -108,6 +108,14 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     assert set(rules["coordinator"]["publish"]["deny"]) == subjects(SIGNALS | FROM_CLIENTS)
     assert rules["coordinator"]["publish"]["allow"] == [">"]  # replies go wherever clients ask
     assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]
+    # Each pod replies on its role's inbox prefix (the chart sets it per pod), which no client may read.
+    for role in ("coordinator", "engine"):
+        inboxes = [subject for subject in rules[role]["subscribe"]["allow"] if subject.startswith("_INBOX")]
+        assert inboxes == [f"_INBOX_{role}.>"]
+    assert rules["client"]["subscribe"]["allow"] == ["_INBOX.>"]
+    # The gateway is a client with its own reply inbox, which other clients cannot read.
+    assert rules["gateway"]["publish"] == rules["client"]["publish"]
+    assert rules["gateway"]["subscribe"]["allow"] == ["_INBOX_gateway.>"]
 
 
 class Connection:
@@ -131,8 +139,11 @@ class Connection:
         return str(error).lower()
 
 
-def as_user(settings: Settings, user: str, auth: RenderedAuth) -> Settings:
-    return settings.model_copy(update={"nats_user": user, "nats_password": auth.passwords[user]})
+def as_pod(settings: Settings, role: str, auth: RenderedAuth) -> Settings:
+    """A pod's NATS settings as the chart sets them: its role's credentials and reply-inbox prefix."""
+    return settings.model_copy(
+        update={"nats_user": role, "nats_password": auth.passwords[role], "nats_inbox_prefix": f"_INBOX_{role}"}
+    )
 
 
 @pytest.fixture
@@ -140,8 +151,8 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[str, RenderedAuth, Coor
     auth = rendered_auth({})
     with start_server(auth, tmp_path) as server:
         base = Settings(nats_url=server.url, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0, control_timeout_s=2.0)
-        coordinator = Coordinator(as_user(base, "coordinator", auth), HANDLERS)
-        engine = EngineRuntime(as_user(base, "engine", auth), EchoBackend())
+        coordinator = Coordinator(as_pod(base, "coordinator", auth), HANDLERS)
+        engine = EngineRuntime(as_pod(base, "engine", auth), EchoBackend())
         async with coordinator:
             coordinator_obs = coordinator_observability(coordinator, "127.0.0.1", None)
             await coordinator_obs.start(coordinator.nc)
@@ -175,6 +186,8 @@ async def test_client_submits_but_cannot_pause(secured: Any, connect: Any) -> No
     client = await connect(url, "client", auth.passwords["client"])
     reply = await request_json(client.nc, "dpcoord.submit_request", {"prompt": "hi", "sampling_params": {"max_tokens": 2}})
     assert reply["type"] == "final" and reply["generated_text"] == "hi"
+    models = await request_json(client.nc, "dpcoord.list_models", {})  # what the gateway, a client, asks
+    assert models["type"] == "models"
     for forbidden in ("dpcoord.pause", "dpcoord.shutdown", "dpcoord.start_cuda_profiler", "dpcoord.register", "$SRV.PING"):
         assert f'permissions violation for publish to "{forbidden.lower()}"' in await client.refused(forbidden)
     assert coordinator.state is CoordinatorState.RUNNING

@@ -210,9 +210,9 @@ class RecordingEcho(EchoBackend):
         super().__init__(token_delay_ms=5)
         self._runs = runs
 
-    def add(self, request: GenerationRequest) -> None:
+    def add(self, request: GenerationRequest) -> int:
         self._runs[str(request.prompt)] += 1
-        super().add(request)
+        return super().add(request)
 
 
 async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: EmbeddedNatsServer) -> None:

@@ -28,7 +28,7 @@ from tests.helpers import decode_reply
 T = TypeVar("T")
 FIELD_NAMES = ["prompt", "sampling_params", "stream", "client_request_id", "client_id", "reply_to", "request_id",
                "epoch", "engine_id", "replies", "load", "capacity", "max_tokens", "temperature", "top_p", "route", "body"]
-REPLY_TYPES = {"partial", "final", "error", "ack", "connect_ack"}
+REPLY_TYPES = {"partial", "final", "error", "ack", "connect_ack", "models"}
 
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from service.cli import main as cli_main
-from service.cli.main import build_parser, settings_from
-from service.ops.settings import Settings
-from tests.helpers import REPO_ROOT, read_up_banner
+from service.cli.main import build_parser, main, settings_from
+from service.ops.settings import SettingGroup, Settings, group_of
+from tests.helpers import REPO_ROOT, new_shell_env, read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]
 
@@ -23,15 +25,55 @@ def run(args: list[str], env: dict[str, str], timeout: float = 30) -> subprocess
     return subprocess.run(DPCOORD + args, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def test_every_setting_is_a_flag_and_flags_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def help_of(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return capsys.readouterr().out
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')} "
+
+
+COMMAND_GROUPS = {
+    "submit": {SettingGroup.NATS},
+    "control": {SettingGroup.NATS},
+    "coordinator": {SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.COORDINATOR},
+    "engine": {SettingGroup.NATS, SettingGroup.SERVICE, SettingGroup.ENGINE, SettingGroup.TORCH},
+    "up": set(SettingGroup),
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_GROUPS))
+def test_help_lists_the_settings_the_command_uses(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    help_text = help_of(command, capsys)
+    for name, field in Settings.model_fields.items():
+        assert (flag(name) in help_text) == (group_of(field) in COMMAND_GROUPS[command]), name
+    for group in SettingGroup:
+        assert (f"settings: {group}:" in help_text) == (group in COMMAND_GROUPS[command])
+    assert help_text.count("DPCOORD_<NAME>") == 1
+
+
+def test_flags_win_over_env_and_every_command_reads_every_setting_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DPCOORD_SUBJECT_PREFIX", "from-env")
     monkeypatch.setenv("DPCOORD_REQUEST_TIMEOUT_S", "12")
+    monkeypatch.setenv("DPCOORD_MAX_BATCH", "3")
     args = build_parser().parse_args(["coordinator", "--subject-prefix", "from-flag", "--max-retries", "5"])
     settings = settings_from(args)
     assert (settings.subject_prefix, settings.max_retries, settings.request_timeout_s) == ("from-flag", 5, 12.0)
-    help_text = build_parser()._subparsers._group_actions[0].choices["coordinator"].format_help()  # type: ignore[union-attr]
-    for name in Settings.model_fields:
-        assert f"--{name.replace('_', '-')}" in help_text
+    assert settings_from(build_parser().parse_args(["submit", "Hello"])).max_batch == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["submit", "Hello", "--max-batch", "3"])
+
+
+def test_up_help_says_what_engines_run_how_to_use_an_existing_nats_and_where_logs_go(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    help_text = help_of("up", capsys)
+    assert "the torch backend runs the model in --model" in help_text and "output is noise" in help_text
+    assert "--backend echo" in help_text
+    assert "unless --nats-url (DPCOORD_NATS_URL) points at an\nexisting server" in help_text
+    assert "every process logs to this command's stderr" in help_text
 
 
 def test_invalid_settings_are_reported_and_exit_2(tmp_path: Path) -> None:
@@ -41,8 +83,7 @@ def test_invalid_settings_are_reported_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env.pop("DPCOORD_NATS_URL", None)
+    env = new_shell_env(os.environ)  # `make up` without the virtual environment activated
     env["DPCOORD_BACKEND"] = "echo"
     env["DPCOORD_SUBJECT_PREFIX"] = "clitest"
     log = (tmp_path / "up.log").open("w")
@@ -50,9 +91,22 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
     try:
         assert stack.stdout is not None
         lines = read_up_banner(stack.stdout)
+        assert lines[0] == "dpcoord is up: coordinator + 2 echo engine(s)\n"
+        metrics = next(line.split()[3] for line in lines if line.startswith("Health and metrics:"))
+        with urllib.request.urlopen(metrics.replace("/metrics", "/readyz"), timeout=5) as ready:
+            assert ready.read() == b"ok: 2 engine(s), state running\n"  # the banner waits for every engine
         url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
         assert url.startswith("nats://127.0.0.1:")
         client_env = dict(env, DPCOORD_NATS_URL=url)
+
+        # In a second terminal: no DPCOORD_ variables, the virtual environment not activated.
+        printed = next(line.removeprefix("Submit: ") for line in lines if line.startswith("Submit: "))
+        assert not printed.startswith("dpcoord ")
+        as_printed = subprocess.run(
+            printed, shell=True, env=new_shell_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=False
+        )
+        assert as_printed.returncode == 0, as_printed.stderr
+        assert json.loads(as_printed.stdout.splitlines()[-1])["generated_text"].startswith("Hello")
 
         streamed = run(["submit", "Hello", "--stream", "--max-tokens", "5"], client_env)
         assert streamed.returncode == 0, streamed.stderr
@@ -61,6 +115,13 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
 
         plain = run(["submit", "ab", "--max-tokens", "3"], client_env)
         assert json.loads(plain.stdout)["generated_text"] == "aba"
+
+        # The banner's curl line, as a user pastes it.
+        curl = shlex.split(next(line for line in lines if line.strip().startswith("curl ")))
+        request = urllib.request.Request(curl[1], data=curl[curl.index("-d") + 1].encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            completion = json.loads(response.read())
+        assert completion["model"] == "dpcoord-echo" and completion["choices"][0]["text"] == "HelloHelloHelloH"
 
         assert json.loads(run(["control", "pause"], client_env).stdout)["state"] == "paused"
         suspended = run(["control", "suspend"], client_env)
@@ -72,6 +133,14 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         stack.send_signal(signal.SIGINT)
         assert stack.wait(timeout=30) == 0
         log.close()
+
+
+def test_up_exits_1_without_a_banner_when_every_engine_fails_to_start(tmp_path: Path) -> None:
+    env = dict(new_shell_env(os.environ), DPCOORD_SUBJECT_PREFIX="clifail")
+    result = run(["up", "--engines", "1", "--backend", "echo", "--model", str(tmp_path)], env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "--model needs the torch backend" in result.stderr
+    assert "every engine exited before registering" in result.stderr
 
 
 def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:

@@ -198,16 +198,18 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
-    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, "future", 42]), Encoding.MSGPACK)
+    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, "future", 42]), Encoding.MSGPACK)
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
+    with_model = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], "future"]), Encoding.MSGPACK)
+    assert with_model == SubmitEnvelope(1, b"{}", True, 9, "c", model="m", prefix_hashes=[7])
 
 
 def test_envelope_carries_at_most_16_prefix_hashes() -> None:
-    fields = [1, b"{}", False, 1, None, None, None]
+    fields = [1, b"{}", False, 1, None, None, None, None]
     assert _decoder.decode(msgpack.packb([*fields, list(range(16))]), Encoding.MSGPACK).prefix_hashes == list(range(16))
     with pytest.raises(WireError) as caught:
         _decoder.decode(msgpack.packb([*fields, list(range(17))]), Encoding.MSGPACK)
-    assert caught.value.code == 400 and "length <= 16 - at `$[7]`" in caught.value.message
+    assert caught.value.code == 400 and "length <= 16 - at `$[8]`" in caught.value.message
 
 
 def test_envelope_reply_to_must_be_a_publishable_subject() -> None:

@@ -250,7 +250,7 @@ async def test_nats_micro_lists_coordinator_and_engines(
 
         status = await request_json(nc, endpoint["subject"], {})
         assert status["state"] == "running"
-        assert status["engines"] == [{"engine_id": engine.engine_id, "in_flight": 0, "capacity": 256}]
+        assert status["engines"] == [{"engine_id": engine.engine_id, "in_flight": 0, "capacity": 256, "model": "dpcoord-echo"}]
 
         # The service answers on its own subjects; the coordinator keeps serving its own.
         reply = await request_json(nc, coordinator.subjects.coordinator("submit_request"), {"prompt": "ok"})

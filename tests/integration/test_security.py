@@ -46,7 +46,7 @@ from tests.nats_jwt import Operator
 
 EXAMPLE_CONFIG = REPO_ROOT / "docs" / "nats-server.example.conf"
 PREFIX = "dpcoord"  # the prefix the example config grants
-ROLES = ("coordinator", "engine", "admin", "client")
+ROLES = ("coordinator", "engine", "admin", "client", "gateway")
 PASSWORDS = {role: f"{role}-test-password" for role in ROLES}
 # What the server is given: bcrypt hashes for two roles (bcrypt.hashpw(password, bcrypt.gensalt(10))),
 # plain text for the others; the example config takes either.
@@ -55,6 +55,7 @@ SERVER_PASSWORDS = {
     "engine": PASSWORDS["engine"],
     "admin": "$2b$10$b4IP.sYixzbnCkcZShVCCe9IvdHbsXLorwyrtMlxYnJXGBXYApoNW",
     "client": "$2b$10$BIkP7aobPsVsTMWwkPZsUOwNgpkHUQKf9lJh8WUl1uuCCjVq002iS",
+    "gateway": PASSWORDS["gateway"],
 }
 TLS_NAME = "nats.dpcoord.test"  # the only name in the test server certificate
 
@@ -218,6 +219,18 @@ async def test_client_cannot_read_replies_meant_for_others(fleet: Fleet) -> None
         for subject in ("_INBOX_admin.>", "_INBOX.>", "dpcoord.>"):
             await nc.subscribe(subject)
             await violations.wait_for("subscription", subject)
+
+
+async def test_the_gateway_user_is_a_client_whose_replies_no_client_reads(fleet: Fleet) -> None:
+    async with await DpcoordClient.connect(role_settings(fleet.url, "gateway")) as gateway:
+        assert (await gateway.submit("ok", max_tokens=2)).generated_text == "ok"
+        assert [model.name for model in (await gateway.list_models()).models] == ["dpcoord-echo"]
+        with pytest.raises(ClientError) as paused:
+            await asyncio.wait_for(gateway.pause(timeout=60), 10)
+        assert paused.value.code == 403
+    async with connected(role_settings(fleet.url, "client")) as (nc, violations):
+        await nc.subscribe("_INBOX_gateway.>")
+        await violations.wait_for("subscription", "_INBOX_gateway.>")
 
 
 async def test_client_library_fails_fast_with_403(fleet: Fleet) -> None:

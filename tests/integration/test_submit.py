@@ -35,6 +35,7 @@ async def test_json_submission_gets_one_json_final(coordinator: Coordinator, sta
         "generated_text": "hellohe",
         "finish_reason": "length",
         "epochs": [{"epoch": None, "start": 0, "end": 7}],
+        "prompt_tokens": 5,
     }
 
 

@@ -100,8 +100,10 @@ booleans through JSON (Helm holds numbers as float64, and printing 1048576 plain
 {{- end }}
 
 {{/*
-Environment shared by every dpcoord container: settings from the ConfigMap, the NATS URL and
-this component's NATS credentials. Call with (dict "root" $ "component" "coordinator").
+Environment shared by every dpcoord container: settings from the ConfigMap, the NATS URL, this
+component's reply-inbox prefix (its role's, _INBOX_<component>, as docs/security.md and
+docs/nats-server.example.conf give each role) and its NATS credentials. Call with
+(dict "root" $ "component" "coordinator").
 */}}
 {{- define "dpcoord.natsEnv" -}}
 {{- $root := .root }}
@@ -110,6 +112,8 @@ this component's NATS credentials. Call with (dict "root" $ "component" "coordin
 {{- $secret := include "dpcoord.natsCredentialsSecret" $root -}}
 - name: DPCOORD_NATS_URL
   value: {{ include "dpcoord.natsUrl" $root | quote }}
+- name: DPCOORD_NATS_INBOX_PREFIX
+  value: {{ printf "_INBOX_%s" $component | quote }}
 {{- if eq $method "userPassword" }}
 - name: DPCOORD_NATS_USER
   valueFrom:

@@ -30,7 +30,7 @@ def pool_of(*loads: int, capacity: int = 4) -> EnginePool:
 
 def route(pool: EnginePool, policy: RoutingPolicy, key: list[int] | None = None) -> EngineRecord | None:
     """Choose and assign, as the coordinator does."""
-    record = policy.choose(key)
+    record = policy.choose(pool.everyone, key)
     if record is not None:
         pool.assign(record, f"r{next(_ids)}")
     return record
@@ -45,12 +45,12 @@ def loads(pool: EnginePool) -> list[int]:
 
 def test_least_loaded_picks_the_emptiest() -> None:
     pool = pool_of(3, 1, 2)
-    assert LeastLoaded(pool).choose().engine_id == "e1"  # type: ignore[union-attr]
+    assert LeastLoaded().choose(pool.everyone).engine_id == "e1"  # type: ignore[union-attr]
 
 
 def test_least_loaded_rotates_ties() -> None:
     pool = pool_of(0, 0, 0, capacity=100)
-    policy = LeastLoaded(pool)
+    policy = LeastLoaded()
     picks = Counter()
     for _ in range(30):
         record = route(pool, policy)
@@ -62,19 +62,19 @@ def test_least_loaded_rotates_ties() -> None:
 
 def test_an_engine_answering_a_request_is_least_loaded_again() -> None:
     pool = pool_of(2, 2)
-    policy = LeastLoaded(pool)
+    policy = LeastLoaded()
     e1 = pool.get("e1")
     assert e1 is not None
     pool.release(e1.engine_id, next(iter(e1.requests)))
-    assert policy.choose() is e1
+    assert policy.choose(pool.everyone) is e1
     assert not pool.release(e1.engine_id, "never-routed-here")
 
 
 def test_full_engines_are_skipped_and_none_when_all_full() -> None:
-    assert LeastLoaded(pool_of(4, 4, 3)).choose().engine_id == "e2"  # type: ignore[union-attr]
+    assert LeastLoaded().choose(pool_of(4, 4, 3).everyone).engine_id == "e2"  # type: ignore[union-attr]
     for policy_type in (LeastLoaded, PowerOfTwoChoices, RoundRobin):
-        assert policy_type(pool_of(4, 4)).choose() is None  # type: ignore[abstract]
-        assert policy_type(pool_of()).choose() is None  # type: ignore[abstract]
+        assert policy_type().choose(pool_of(4, 4).everyone) is None
+        assert policy_type().choose(pool_of().everyone) is None
 
 
 def test_a_full_engine_gets_room_back_when_a_request_ends() -> None:
@@ -83,14 +83,14 @@ def test_a_full_engine_gets_room_back_when_a_request_ends() -> None:
     assert e0 is not None
     pool.release(e0.engine_id, next(iter(e0.requests)))
     for policy_type in (LeastLoaded, PowerOfTwoChoices, RoundRobin):
-        assert policy_type(pool).choose() is e0  # type: ignore[abstract]
+        assert policy_type().choose(pool.everyone) is e0
 
 
 def test_slack_keeps_one_engine_batching_within_the_bound() -> None:
     """Within one loop turn the engine receiving a batch keeps getting requests while its load
     is at most the least loaded engine's plus the slack; a new turn starts from the least loaded."""
     pool = pool_of(*[0] * 50, capacity=100)
-    policy = LeastLoaded(pool, load_slack=4)
+    policy = LeastLoaded(load_slack=4)
     first = [route(pool, policy) for _ in range(12)]
     assert [record.engine_id for record in first] == ["e0"] * 5 + ["e1"] * 5 + ["e2"] * 2  # type: ignore[union-attr]
     policy.turn_ended()
@@ -100,7 +100,7 @@ def test_slack_keeps_one_engine_batching_within_the_bound() -> None:
 def test_slack_bounds_every_choice_whatever_the_releases() -> None:
     """Requests end in any order; every choice still lands within the slack of the least loaded."""
     pool = pool_of(*[0] * 7, capacity=1000)
-    policy = LeastLoaded(pool, load_slack=3)
+    policy = LeastLoaded(load_slack=3)
     rng = random.Random(5)
     for step in range(3000):
         if rng.random() < 0.6:
@@ -118,7 +118,7 @@ def test_slack_bounds_every_choice_whatever_the_releases() -> None:
 
 def test_slack_zero_is_exact_least_loaded() -> None:
     pool = pool_of(*[0] * 5, capacity=100)
-    policy = LeastLoaded(pool, load_slack=0)
+    policy = LeastLoaded(load_slack=0)
     for _ in range(23):
         route(pool, policy)
         assert max(loads(pool)) - min(loads(pool)) <= 1
@@ -126,7 +126,7 @@ def test_slack_zero_is_exact_least_loaded() -> None:
 
 def test_a_batching_engine_that_left_is_not_chosen() -> None:
     pool = pool_of(0, 0, capacity=100)
-    policy = LeastLoaded(pool, load_slack=10)
+    policy = LeastLoaded(load_slack=10)
     first = route(pool, policy)
     assert first is not None
     pool.remove(first.engine_id, departed=True)
@@ -138,14 +138,14 @@ def test_a_batching_engine_that_left_is_not_chosen() -> None:
 
 def test_p2c_with_two_engines_takes_the_less_loaded() -> None:
     pool = pool_of(3, 1)
-    policy = PowerOfTwoChoices(pool)
-    assert all(policy.choose().engine_id == "e1" for _ in range(20))  # type: ignore[union-attr]
+    policy = PowerOfTwoChoices()
+    assert all(policy.choose(pool.everyone).engine_id == "e1" for _ in range(20))  # type: ignore[union-attr]
 
 
 def test_p2c_keeps_loads_close() -> None:
     random.seed(11)
     pool = pool_of(*[0] * 100, capacity=1000)
-    policy = PowerOfTwoChoices(pool)
+    policy = PowerOfTwoChoices()
     for _ in range(2000):
         route(pool, policy)
         policy.turn_ended()
@@ -155,8 +155,8 @@ def test_p2c_keeps_loads_close() -> None:
 def test_p2c_never_returns_a_full_engine() -> None:
     random.seed(3)
     pool = pool_of(*[4] * 30, 0, capacity=4)
-    policy = PowerOfTwoChoices(pool)
-    assert all(policy.choose().engine_id == "e30" for _ in range(20))  # type: ignore[union-attr]
+    policy = PowerOfTwoChoices()
+    assert all(policy.choose(pool.everyone).engine_id == "e30" for _ in range(20))  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- round robin
@@ -164,8 +164,8 @@ def test_p2c_never_returns_a_full_engine() -> None:
 
 def test_round_robin_cycles_and_skips_full() -> None:
     pool = pool_of(0, 4, 0)
-    policy = RoundRobin(pool)
-    assert [policy.choose().engine_id for _ in range(4)] == ["e0", "e2", "e0", "e2"]  # type: ignore[union-attr]
+    policy = RoundRobin()
+    assert [policy.choose(pool.everyone).engine_id for _ in range(4)] == ["e0", "e2", "e0", "e2"]  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- cost independent of the fleet's size
@@ -188,11 +188,11 @@ def test_a_choice_reads_a_bounded_number_of_engines(name: str) -> None:
     for index in range(10_000):
         record = pool.add(f"e{index}", 256)
         record.requests = CountingSet()
-    policy = make_policy(Settings(routing_policy=name), pool)  # type: ignore[arg-type]
+    policy = make_policy(Settings(routing_policy=name))  # type: ignore[arg-type]
     key = prefix_hashes(list(range(40 * TOKENS_PER_BLOCK)))
     CountingSet.reads = 0
     for index in range(2000):
-        record = policy.choose(key if index % 2 else None)
+        record = policy.choose(pool.everyone, key if index % 2 else None)
         assert record is not None
         pool.assign(record, f"r{index}")
         if index % 3 == 0:
@@ -205,7 +205,7 @@ def test_a_choice_reads_a_bounded_number_of_engines(name: str) -> None:
 
 
 def prefix_policy(pool: EnginePool, load_bound: int = 32, size: int = 1000, ttl_s: float = 60.0) -> PrefixAware:
-    return PrefixAware(LeastLoaded(pool), pool, PrefixTable(size, ttl_s), load_bound)
+    return PrefixAware(LeastLoaded(), PrefixTable(size, ttl_s), load_bound)
 
 
 def prompt(shared: int, own: int, seed: int) -> list[int]:
@@ -332,4 +332,37 @@ def test_prefix_hashes_follow_the_documented_recipe() -> None:
 
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="fastest"):
-        make_policy(Settings.model_construct(routing_policy="fastest"), pool_of())  # type: ignore[arg-type]
+        make_policy(Settings.model_construct(routing_policy="fastest"))
+
+
+@pytest.mark.parametrize("name", ["least_loaded", "p2c", "round_robin", "prefix"])
+def test_a_choice_stays_within_the_model_group(name: str) -> None:
+    """A request naming a model goes to an engine serving it, even when the engine batching
+    this turn serves another model, or a prefix was last given to another model's engine."""
+    pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=10.0)
+    for index in range(4):
+        pool.add(f"a{index}", 256, "alpha")
+        pool.add(f"b{index}", 256, "beta")
+    policy = make_policy(Settings(routing_policy=name, routing_load_slack=100))  # type: ignore[arg-type]
+    key = prefix_hashes(list(range(4 * TOKENS_PER_BLOCK)))
+    alpha, beta = pool.group("alpha"), pool.group("beta")
+    assert alpha is not None and beta is not None
+    for index in range(40):
+        group, model = (alpha, "alpha") if index % 2 else (beta, "beta")
+        record = policy.choose(group, key)
+        assert record is not None and record.model == model
+        pool.assign(record, f"r{index}")
+
+
+def test_chat_messages_hash_as_their_documented_text() -> None:
+    class Turn:
+        def __init__(self, role: str, content: str) -> None:
+            self.role, self.content = role, content
+
+    system = Turn("system", "You are a careful assistant. " * 4)
+    text = f"system\0{system.content}\0".encode()
+    first = hashlib.blake2b(b"c" + text[:64], digest_size=8).digest()
+    hashes = prefix_hashes(None, [system, Turn("user", "hi")])
+    assert hashes[0] == int.from_bytes(first, "little")
+    assert prefix_hashes(None, [system, Turn("user", "bye")])[:2] == hashes[:2]  # the shared system message
+    assert prefix_hashes(None, None) == [] and prefix_hashes(None, []) == []

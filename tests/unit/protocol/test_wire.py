@@ -37,7 +37,11 @@ def test_json_and_msgpack_decode_to_the_same_model() -> None:
 @pytest.mark.parametrize(
     ("payload", "fragment"),
     [
-        ({}, "missing required field `prompt`"),
+        ({}, "exactly one of `prompt` and `messages`"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "exactly one of `prompt` and `messages`"),
+        ({"messages": []}, "$.messages"),
+        ({"messages": [{"content": "x"}]}, "$.messages[0]"),
+        ({"prompt": "x", "model": ""}, "$.model"),
         ({"prompt": 3}, "$.prompt"),
         ({"prompt": "x", "stream": "yes"}, "$.stream"),
         ({"prompt": "x", "sampling_params": {"max_tokens": 0}}, "$.sampling_params.max_tokens"),

@@ -1,0 +1,73 @@
+"""What ``dpcoord submit`` writes to a terminal, and only to a terminal.
+
+Generated text can hold any character (the random default model writes noise): written raw, an
+ESC starts an escape sequence, a carriage return overwrites the line, a bidi override reorders
+what follows. On a terminal those characters are written as ``\\uXXXX`` escapes, the JSON
+spelling, so an escaped JSON line is still valid JSON; pipes and ``--raw`` get the text as it is.
+A non-streamed submission shows a spinner while it waits, on a terminal only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Self, TextIO
+
+_KEPT = frozenset("\n\t")
+_FRAMES = "|/-\\"
+_ERASE_LINE = "\r\x1b[K"
+
+
+def escape_nonprintable(text: str) -> str:
+    """``text`` with every character ``str.isprintable`` rejects, newline and tab apart, written
+    as ``\\uXXXX`` (two UTF-16 escapes beyond U+FFFF)."""
+    return "".join(char if char.isprintable() or char in _KEPT else _escape(char) for char in text)
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def shown_on(stream: TextIO, raw: bool) -> Callable[[str], str]:
+    """How text reaches ``stream``: escaped on a terminal unless ``raw``, as it is otherwise."""
+    return escape_nonprintable if stream.isatty() and not raw else str
+
+
+class Spinner:
+    """``| waiting 1.2 s`` redrawn on ``stream`` while the block runs, erased after it; nothing
+    at all when ``stream`` is not a terminal."""
+
+    def __init__(self, stream: TextIO, label: str, interval_s: float = 0.1) -> None:
+        self._stream = stream
+        self._label = label
+        self._interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        if self._stream.isatty():
+            self._task = asyncio.create_task(self._spin())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self._stream.write(_ERASE_LINE)
+        self._stream.flush()
+
+    async def _spin(self) -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for frame in itertools.cycle(_FRAMES):
+            self._stream.write(f"{_ERASE_LINE}{frame} {self._label} {loop.time() - started:.1f} s")
+            self._stream.flush()
+            await asyncio.sleep(self._interval_s)

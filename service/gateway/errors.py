@@ -1,0 +1,89 @@
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, and the HTTP
+status each wire error code maps to.
+
+| wire code | HTTP | type |
+|---|---|---|
+| 400 | 400 | invalid_request_error |
+| 403 | 403 | permission_error |
+| 404 | 404 | not_found_error (code ``model_not_found`` for an unknown model) |
+| 409 | 409 | conflict_error |
+| 413 | 413 | invalid_request_error (code ``payload_too_large``) |
+| 429 | 429 | rate_limit_error, with ``Retry-After`` |
+| 500 | 500 | internal_error |
+| 503 | 503 | service_unavailable |
+| 504 | 504 | timeout_error |
+
+A client library timeout (no reply at all) is 504 too; a refused API key is 401.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from service.gateway.schemas import ErrorDetail, ErrorResponse, json_encoder
+from service.protocol.errors import ErrorCode
+
+# Seconds a client told 429 should wait before trying again.
+RETRY_AFTER_S = 1
+
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+_FIELD_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+class GatewayError(Exception):
+    """An error answered to the HTTP client; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "internal_error")
+
+    def body(self) -> bytes:
+        return json_encoder.encode(ErrorResponse(ErrorDetail(self.message, self.type, self.param, self.code)))
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)} if self.status == ErrorCode.OVERLOADED else {}
+
+
+def from_wire(code: int, message: str) -> GatewayError:
+    """The HTTP error for a wire error reply; unknown codes are 500."""
+    status = code if code in _TYPES else ErrorCode.INTERNAL
+    error_code = None
+    if status == ErrorCode.NOT_FOUND and message.startswith("model "):
+        return GatewayError(status, message, "model", "model_not_found")
+    if status == ErrorCode.TOO_LARGE:
+        error_code = "payload_too_large"
+    return GatewayError(status, message, None, error_code)
+
+
+def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> GatewayError:
+    """A 400 naming the field msgspec complained about."""
+    text = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return GatewayError(400, f"the body is not valid JSON: {text}")
+    unknown = _UNKNOWN_FIELD.search(text)
+    if unknown is not None:
+        return GatewayError(400, f"unrecognized request argument supplied: {unknown.group(1)}", unknown.group(1))
+    field = _FIELD_PATH.search(text) or _MISSING_FIELD.search(text)
+    return GatewayError(400, text, field.group(1) if field else None)

@@ -1,0 +1,170 @@
+"""OpenAI HTTP API bodies, as msgspec Structs: what the gateway accepts and what it answers.
+
+Requests follow OpenAI's ``/v1/completions`` and ``/v1/chat/completions``. Fields the engines
+honour are read; fields they cannot honour are declared too, so that a non-default value gets a
+400 naming the parameter (service/gateway/translate.py) instead of being ignored; fields that
+change nothing here (``user``, ``metadata``, ``store``, ``service_tier``) are accepted. Any other
+field is a 400 naming it, as OpenAI answers an unrecognised argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class ContentPart(Struct):
+    """One part of a message's content; only ``text`` parts can be served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension, as vLLM has it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted and without effect here.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Declared so that a value the engines cannot honour is refused by name.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]  # or a list of strings, token ids, or lists of token ids: see translate.prompts
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatMessageOut(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDeltaChoice(Struct):
+    index: int
+    delta: ChatMessageOut
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatDeltaChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "dpcoord"
+    object: Literal["model"] = "model"
+
+
+class ModelCards(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct):
+    error: ErrorDetail
+
+
+json_encoder = msgspec.json.Encoder()
+completion_decoder = msgspec.json.Decoder(CompletionRequest)
+chat_decoder = msgspec.json.Decoder(ChatCompletionRequest)
