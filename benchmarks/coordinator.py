@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.load import Target, Window, pipelined, sequential, streaming
-from benchmarks.profile import fold, record
 from benchmarks.progress import Progress
+from benchmarks.py_spy_profile import fold, record
 from benchmarks.stack import BenchStack, StackConfig
 from service.ops import event_loop
 from service.protocol.codec import encode_msgpack

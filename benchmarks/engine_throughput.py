@@ -1,12 +1,16 @@
 """Generated tokens per second of the torch engine with 1, 8, 32 and 128 concurrent requests,
 against transformers' ``generate`` one request at a time on the same weights, measured in the
-same run.
+same run; with ``--full``, also the figures of a GPU session.
 
     python benchmarks/engine_throughput.py [--threads 1] [--max-tokens 64] [--device cuda]
+    python benchmarks/engine_throughput.py --device cuda --shape llama-1b --full \\
+        --concurrency 1 256 --prompt-len 128 --max-tokens 128
 
 The engine is the torch backend itself (add, then step until every request finished), with
-its default settings and the default random model; the time includes prefill. Both sides
-decode greedily and always produce ``--max-tokens`` tokens (the default model has no EOS).
+its default settings; the time includes prefill. ``--shape`` picks the model: the engine's
+default random model, or a random checkpoint of a real model's shape written on the fly
+(``benchmarks/model_shapes.py``: ``llama-1b``, ``llama-8b``, and ``tiny`` to try the script on a
+CPU). Both sides decode greedily and always produce ``--max-tokens`` tokens (no EOS).
 
 Ratios are what to compare: absolute figures move with the machine and its load. Each
 figure is the best of ``--repeats`` rounds, and the rounds interleave baseline and engine, so
@@ -14,23 +18,45 @@ a burst of load from elsewhere on the machine hits both sides alike. Besides wal
 tokens/s it prints tokens per CPU-second of this process: on a shared machine that figure
 does not count time spent waiting for a core (with one thread it is the steadier one; with
 more, idle threads spinning in OpenMP count too).
+
+``--full`` adds, for the largest concurrency: the decode step's median time and the engine's
+CPU per step; the memory-bandwidth floor of a step (the weights' bytes over a measured on-device
+copy rate, and over the vendor's figure where the GPU is known); transformers ``generate`` as
+one static batch of that size; and the shared-prefix workload (``--prefix-requests`` requests
+sharing a ``--prefix-tokens`` system prompt, each with ``--own-tokens`` of its own) with prefix
+caching on and off: time to first token and tokens/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
-import time
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.backend import GenerationRequest
+from benchmarks.engine_workloads import (
+    EngineRun,
+    copy_bandwidth,
+    generate_one_at_a_time,
+    generate_static_batch,
+    greedy_requests,
+    nominal_bandwidth,
+    run_engine,
+    shared_prefix_prompts,
+    text_prompts,
+)
+from benchmarks.model_shapes import SHAPES, checkpoint, weight_bytes
 from engines.torch_backend.backend import TorchBackend
+from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.options import TorchOptions
+from engines.torch_backend.setup import resolve_device, resolve_dtype
 from engines.torch_backend.weights import random_weights
-from service.ops.settings import Settings
 
 
 @dataclass
@@ -40,56 +66,41 @@ class Rate:
     wall: float = 0.0
     cpu: float = 0.0
 
-    def keep_best(self, tokens: int, started: tuple[float, float]) -> None:
-        wall, cpu = started
-        self.wall = max(self.wall, tokens / (time.perf_counter() - wall))
-        self.cpu = max(self.cpu, tokens / (time.process_time() - cpu))
+    def keep_best(self, tokens: int, wall: float, cpu: float) -> None:
+        self.wall = max(self.wall, tokens / wall)
+        self.cpu = max(self.cpu, tokens / cpu)
 
 
-def clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
+def build_backend(args: argparse.Namespace, model_dir: Path | None, max_batch: int, prefix_caching: bool | None = None) -> TorchBackend:
+    return TorchBackend(TorchOptions(
+        device=args.device, dtype=args.dtype, cpu_threads=args.threads, max_batch=max_batch,
+        max_context=args.max_context if model_dir else None,
+        prefix_caching=not args.no_prefix_caching if prefix_caching is None else prefix_caching,
+        cuda_graphs=not args.no_cuda_graphs, torch_compile=not args.no_torch_compile,
+    ), str(model_dir) if model_dir else None)
 
 
-def prompts(count: int, length: int) -> list[str]:
-    base = "the engine batches requests, the baseline runs them one by one "
-    return [(f"request {i}: " + base * 4)[:length] for i in range(count)]
-
-
-async def run_engine(backend: TorchBackend, concurrency: int, prompt_len: int, max_tokens: int) -> int:
-    for i, prompt in enumerate(prompts(concurrency, prompt_len)):
-        backend.add(GenerationRequest(f"c{concurrency}-{i}", prompt, max_tokens=max_tokens, temperature=0.0))
-    generated = 0
-    while backend.has_work():
-        generated += sum(len(output.new_tokens) for output in await backend.step())
-    if generated != concurrency * max_tokens:
-        raise RuntimeError(f"the engine generated {generated} tokens, expected {concurrency * max_tokens}")
-    return generated
-
-
-def reference_model(backend: TorchBackend, seed: int) -> Any:
-    """transformers' LlamaForCausalLM with the engine's weights, device and dtype."""
+def reference_model(config: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device) -> Any:
+    """transformers' LlamaForCausalLM with the engine's weights, device and dtype; built before
+    the engine, so that the engine sizes its KV cache from the memory left."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(**backend.config.to_hf()))
-    model.load_state_dict(random_weights(backend.config, seed))
-    return model.to(device=backend.device, dtype=backend.dtype).eval()
+    model: Any
+    if model_dir is not None:
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**config.to_hf()))
+        model.load_state_dict(random_weights(config, TorchOptions().model_seed))
+    return model.to(device=device, dtype=dtype).eval()
 
 
-def run_baseline(backend: TorchBackend, model: Any, requests: int, prompt_len: int, max_tokens: int) -> int:
-    """The same prompts through ``generate``, one request at a time."""
-    generated = 0
-    with torch.inference_mode():
-        for prompt in prompts(requests, prompt_len):
-            ids = torch.tensor([backend.tokenizer.encode(prompt)], device=backend.device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-            generated += out.shape[1] - ids.shape[1]
-    if backend.device.type == "cuda":
-        torch.cuda.synchronize()
-    return generated
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-async def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
@@ -97,33 +108,111 @@ async def main() -> None:
     parser.add_argument("--baseline-requests", type=int, default=8, help="requests run through transformers, one at a time")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, the engine's cpu_threads setting (default: torch's choice)")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--shape", default="default", choices=sorted(SHAPES), help="the model: see benchmarks/model_shapes.py")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "dpcoord-bench-models",
+                        help="where random checkpoints are written (and reused)")
+    parser.add_argument("--max-context", type=int, default=2048, help="the engine's max_context for a --shape checkpoint")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the best round")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    settings = Settings(device=args.device, max_batch=max(args.concurrency), cpu_threads=args.threads)
-    backend = TorchBackend(settings)
-    reference = reference_model(backend, settings.model_seed)
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's cuda_graphs setting off")
+    parser.add_argument("--no-torch-compile", action="store_true", help="the engine's torch_compile setting off")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="the engine's prefix_caching setting off (rounds repeat their prompts: later rounds hit the cache)")
+    parser.add_argument("--full", action="store_true", help="also step times, the bandwidth floor, a static batch and the shared prefix")
+    parser.add_argument("--prefix-requests", type=int, default=256)
+    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument("--own-tokens", type=int, default=32)
+    return parser.parse_args()
 
+
+async def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    device = resolve_device(args.device)
+    shape = SHAPES[args.shape]
+    config = shape or ModelConfig()
+    dtype = resolve_dtype(args.dtype, config, device)
+    model_dir = None if shape is None else checkpoint(args.shape, args.checkpoint_dir, dtype, device)
+    await throughput_table(args, config, model_dir, dtype, device)
+    free_memory()
+    if args.full:
+        await shared_prefix_rows(args, config, model_dir)
+
+
+async def throughput_table(args: argparse.Namespace, config: ModelConfig, model_dir: Path | None, dtype: torch.dtype,
+                           device: torch.device) -> None:
+    reference = reference_model(config, model_dir, dtype, device)
+    backend = build_backend(args, model_dir, max(args.concurrency))
     params = sum(p.numel() for p in backend.model.parameters()) / 1e6
-    print(f"default model: {params:.1f} M parameters, {backend.dtype} on {backend.device}, {torch.get_num_threads()} threads; "
-          f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy; "
-          f"best of {args.repeats} rounds")
-    await run_engine(backend, 4, args.prompt_len, 8)  # warm-up
-    run_baseline(backend, reference, 1, args.prompt_len, 8)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"{args.shape} model: {params:.1f} M parameters, {backend.dtype} on {backend.device} ({where}); "
+          f"{backend.kernels.describe()}; decode {'replays CUDA graphs' if backend.graphs else 'runs eagerly'}; "
+          f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy; best of {args.repeats} rounds")
+
+    await run_engine(backend, greedy_requests("warm", text_prompts(4, args.prompt_len), 8))
+    generate_one_at_a_time(reference, backend, text_prompts(1, args.prompt_len), 8)
     baseline = Rate()
     engine = {concurrency: Rate() for concurrency in args.concurrency}
+    runs: dict[int, EngineRun] = {}
     for _ in range(args.repeats):
-        started = clocks()
-        baseline.keep_best(run_baseline(backend, reference, args.baseline_requests, args.prompt_len, args.max_tokens), started)
+        baseline.keep_best(*generate_one_at_a_time(reference, backend, text_prompts(args.baseline_requests, args.prompt_len), args.max_tokens))
         for concurrency, rate in engine.items():
-            started = clocks()
-            rate.keep_best(await run_engine(backend, concurrency, args.prompt_len, args.max_tokens), started)
+            run = await run_engine(backend, greedy_requests(f"c{concurrency}", text_prompts(concurrency, args.prompt_len), args.max_tokens))
+            rate.keep_best(run.generated, run.wall, run.cpu)
+            if concurrency not in runs or run.rate > runs[concurrency].rate:
+                runs[concurrency] = run
 
     print(f"{'':44} {'tokens/s':>10} {'ratio':>7}   {'tokens/CPU-s':>12} {'ratio':>7}")
     print(f"{'baseline: transformers generate, one at a time':44} {baseline.wall:10.0f} {'':>7}   {baseline.cpu:12.0f}")
     for concurrency, rate in engine.items():
         print(f"{f'engine, {concurrency} concurrent requests':44} {rate.wall:10.0f} {rate.wall / baseline.wall:6.1f}x"
               f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x")
+    if not args.full:
+        await backend.close()
+        return
+
+    print()
+    print(f"{'engine, concurrent requests (best round)':44} {'step p50 ms':>12} {'CPU ms/step':>12} {'TTFT p50 ms':>12}")
+    for concurrency, run in runs.items():
+        print(f"{f'  {concurrency}':44} {run.decode_step_ms:12.3f} {run.cpu_ms_per_step:12.3f} {run.ttft_ms:12.1f}")
+    weights = weight_bytes(backend.model)
+    measured = copy_bandwidth(backend.device)
+    print(f"bandwidth floor of a decode step: {weights / 1e9:.2f} GB of weights / {measured / 1e12:.2f} TB/s measured copy rate "
+          f"= {1000 * weights / measured:.3f} ms")
+    nominal = nominal_bandwidth(backend.device)
+    if nominal is not None:
+        print(f"  at the {nominal[0]}'s stated {nominal[1] / 1e12:.2f} TB/s: {1000 * weights / nominal[1]:.3f} ms")
+    largest = max(runs)
+    tokens, wall, _ = generate_static_batch(reference, backend, text_prompts(largest, args.prompt_len), args.max_tokens)
+    print(f"transformers generate, static batch of {largest}: {tokens / wall:.0f} tokens/s; "
+          f"the engine at {largest} concurrent: {runs[largest].rate:.0f} tokens/s ({runs[largest].rate * wall / tokens:.2f}x)")
+    await backend.close()
+
+
+async def shared_prefix_rows(args: argparse.Namespace, config: ModelConfig, model_dir: Path | None) -> None:
+    """The shared-prefix workload, each setting on a fresh engine: a warm-up with another system
+    prompt, then the measured run, whose system prompt is computed once (cache on) or by every request."""
+    results: dict[bool, tuple[EngineRun, float]] = {}
+    for caching in (True, False):
+        engine = build_backend(args, model_dir, args.prefix_requests, prefix_caching=caching)
+        warm = shared_prefix_prompts(min(8, args.prefix_requests), args.prefix_tokens, args.own_tokens, config.vocab_size, seed=1)
+        await run_engine(engine, greedy_requests("prefix-warm", warm, 8))
+        before = engine.prefix_cache_stats()
+        prompts = shared_prefix_prompts(args.prefix_requests, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=2)
+        run = await run_engine(engine, greedy_requests(f"prefix-{caching}", prompts, args.max_tokens))
+        after = engine.prefix_cache_stats()
+        queried = after.queried_tokens - before.queried_tokens
+        results[caching] = run, (after.hit_tokens - before.hit_tokens) / queried if queried else 0.0
+        await engine.close()
+        del engine
+        free_memory()
+    (on, on_hits), (off, off_hits) = results[True], results[False]
+    print(f"shared prefix: {args.prefix_requests} requests, a {args.prefix_tokens}-token system prompt + {args.own_tokens} "
+          f"tokens of their own, {args.max_tokens} generated")
+    print(f"{'':44} {'TTFT p50 ms':>12} {'tokens/s':>10} {'hit rate':>9}")
+    for label, run, hits in (("prefix caching on", on, on_hits), ("prefix caching off", off, off_hits)):
+        print(f"{f'  {label}':44} {run.ttft_ms:12.1f} {run.rate:10.0f} {hits:9.3f}")
+    print(f"{'  on / off':44} {on.ttft_ms / off.ttft_ms:11.2f}x {on.rate / off.rate:9.2f}x")
 
 
 if __name__ == "__main__":

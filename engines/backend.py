@@ -59,6 +59,21 @@ class TokenOutput:
     finish_reason: FinishReason | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """The KV-cache pages and how often admitted requests found their prefix already there."""
+
+    queried_tokens: int  # tokens of the requests admitted (recomputes after preemption included)
+    hit_tokens: int  # of them, read from cached pages instead of being computed
+    cached_pages: int  # pages holding a known prefix, in use or not
+    evicted_pages: int  # cached pages handed out again under memory pressure
+    total_pages: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 class Backend(abc.ABC):
     name: str
     default_model_name: str  # the served model name unless --served-model-name gives one
@@ -89,6 +104,10 @@ class Backend(abc.ABC):
 
     async def resume(self) -> None:
         """Take back what ``suspend`` released."""
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The KV cache's prefix-cache counters; None for a backend without one."""
+        return None
 
     def start_profiler(self) -> str:
         """Start profiling; returns a detail for the ack (a trace path, say)."""

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engines.backend import PrefixCacheStats
 from engines.runtime import EngineRuntime
 from service.ops.metrics import nats_families
 
@@ -35,4 +36,29 @@ class EngineCollector(Collector):
         malformed.add_metric([], runtime.counters["malformed"])
         yield malformed
 
+        yield from prefix_cache_families(runtime.backend.prefix_cache_stats())
         yield from nats_families(runtime.nc)
+
+
+def prefix_cache_families(stats: PrefixCacheStats | None) -> Iterator[Metric]:
+    """The KV cache's prefix-cache counters; nothing for a backend without a KV cache."""
+    if stats is None:
+        return
+    queried = CounterMetricFamily("dpcoord_engine_prefix_cache_queried_tokens", "Prompt tokens of the requests admitted to the KV cache")
+    queried.add_metric([], stats.queried_tokens)
+    yield queried
+    hits = CounterMetricFamily("dpcoord_engine_prefix_cache_hit_tokens", "Of them, tokens read from cached pages instead of computed")
+    hits.add_metric([], stats.hit_tokens)
+    yield hits
+    rate = GaugeMetricFamily("dpcoord_engine_prefix_cache_hit_rate", "Hit tokens / queried tokens since the engine started")
+    rate.add_metric([], stats.hit_rate)
+    yield rate
+    cached = GaugeMetricFamily("dpcoord_engine_prefix_cache_pages", "KV-cache pages holding a known prompt prefix, in use or not")
+    cached.add_metric([], stats.cached_pages)
+    yield cached
+    evicted = CounterMetricFamily("dpcoord_engine_prefix_cache_evicted_pages", "Cached pages reused for other tokens under memory pressure")
+    evicted.add_metric([], stats.evicted_pages)
+    yield evicted
+    total = GaugeMetricFamily("dpcoord_engine_kv_cache_pages", "KV-cache pages in all")
+    total.add_metric([], stats.total_pages)
+    yield total

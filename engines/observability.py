@@ -11,7 +11,7 @@ from engines.metrics import EngineCollector
 from engines.runtime import EngineRuntime
 from service.ops.http_endpoints import Check
 from service.ops.observability import Observability, ServiceSpec
-from service.ops.services_api import ENGINE_SERVICE, EngineStatus
+from service.ops.services_api import ENGINE_SERVICE, EngineStatus, PrefixCacheStatus
 
 
 def engine_health(runtime: EngineRuntime) -> Check:
@@ -30,6 +30,7 @@ def engine_readiness(runtime: EngineRuntime) -> Check:
 
 
 def engine_status(runtime: EngineRuntime) -> EngineStatus:
+    stats = runtime.backend.prefix_cache_stats()
     return EngineStatus(
         engine_id=runtime.engine_id,
         subject_prefix=runtime.subjects.prefix,
@@ -39,6 +40,9 @@ def engine_status(runtime: EngineRuntime) -> EngineStatus:
         active_requests=runtime.load,
         epoch=runtime.epoch,
         counters=dict(runtime.counters),
+        prefix_cache=None if stats is None else PrefixCacheStatus(
+            stats.queried_tokens, stats.hit_tokens, stats.hit_rate, stats.cached_pages, stats.evicted_pages, stats.total_pages,
+        ),
     )
 
 

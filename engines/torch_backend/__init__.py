@@ -1,7 +1,11 @@
 """The torch backend: Llama-family models with continuous batching over a paged KV cache.
 
-Modules, one job each: ``config`` (architecture from config.json), ``weights`` (seeded or
-safetensors weights into the model), ``model`` (the network), ``rope``, ``tokenizer``
-(tokenizers and incremental detokenisation), ``scheduler`` (batching and cache pages, no
-torch), ``memory`` (cache sizing), ``batch`` (step inputs), ``sampling``, ``backend`` (the glue).
+Modules, one job each: ``options`` (what the backend is told), ``config`` (architecture from
+config.json), ``weights`` (seeded or safetensors weights into the model), ``model`` (the
+network), ``kernels`` (its swappable pieces: eager, or fused on CUDA), ``paged_attention``
+(the Triton decode kernel), ``rope``, ``tokenizer`` (tokenizers and incremental
+detokenisation), ``sequence``, ``block_manager`` (cache pages and the prefix cache, no torch),
+``scheduler`` (batching, no torch), ``memory`` (cache sizing and allocation), ``batch`` (step
+inputs), ``cuda_graphs`` (decode graphs per batch bucket), ``sampling``, ``request_state``
+(stop rules), ``profiler``, ``setup`` (device, dtype and kernel choice), ``backend`` (the glue).
 """

@@ -1,119 +1,167 @@
 """The torch backend: a Llama-family model served with continuous batching.
 
-Glue in the nano-vllm shape: each step schedules (pure bookkeeping, under a lock shared with
-``add`` and ``abort``), runs one forward pass and one batched sampling pass in a worker thread
-(the event loop never waits on torch), then records each sampled token: incremental text,
-stop strings, EOS, ``max_tokens`` and the context limit. One host sync per step: the sampled
-ids.
+Glue in the nano-vllm shape. A step is launch → collect → emit, in a worker thread (the event
+loop never waits on torch):
+
+- **launch** schedules (pure bookkeeping, under a lock shared with ``add`` and ``abort``),
+  then runs one forward pass, eagerly or as a CUDA graph replay (decode-only steps on CUDA),
+  and one batched sampling pass; on CUDA the sampled ids start their copy to the host.
+- **collect** reads the sampled ids (the step's one host sync), appends each token and ends
+  the requests the token alone ends (EOS, ``max_tokens``, the context limit).
+- **emit** detokenises and checks stop strings.
+
+With overlapped steps (on by default on CUDA), step n + 1 is launched between collecting and
+emitting step n, so the GPU computes while Python detokenises and the runtime encodes the
+replies. A stop string then ends its request one step late: the next step's token for it is
+dropped, as is the token of a request aborted while its step ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import logging
-import os
 import random
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engines.backend import Backend, GenerationRequest, TokenOutput
+from engines.backend import Backend, GenerationRequest, PrefixCacheStats, TokenOutput
 from engines.chat_template import ChatTemplate, plain_prompt
 from engines.torch_backend.batch import build_batch
+from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig
-from engines.torch_backend.memory import page_bytes, plan_cache
+from engines.torch_backend.cuda_graphs import DecodeGraphs
+from engines.torch_backend.kernels import Kernels
+from engines.torch_backend.memory import (
+    activation_peak,
+    allocate_cache,
+    cache_shape,
+    page_bytes,
+    plan_cache,
+)
 from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.options import TorchOptions
+from engines.torch_backend.profiler import StepProfiler
+from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
-from engines.torch_backend.scheduler import BlockAllocator, ScheduledBatch, Scheduler, Sequence, SequenceStatus
-from engines.torch_backend.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from engines.torch_backend.weights import build_model, checkpoint_weights, random_weights
-from service.ops.settings import Settings
+from engines.torch_backend.scheduler import Scheduler
+from engines.torch_backend.sequence import Sequence, SequenceStatus
+from engines.torch_backend.setup import (
+    cuda_kernels_or_eager,
+    resolve_device,
+    resolve_dtype,
+)
+from engines.torch_backend.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+from engines.torch_backend.weights import (
+    build_model,
+    checkpoint_weights,
+    random_weights,
+)
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import ChatMessage, FinishReason
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+@dataclass(slots=True)
+class _Launched:
+    """A step on its way: the sampled ids are on the host once ``ready`` (CUDA) has fired."""
+
+    states: list[RequestState]
+    tokens: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {name!r} asked for, but torch sees no CUDA device")
-    return device
-
-
-def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``--dtype`` wins, then the checkpoint's dtype, then bf16 on CUDA and float32 on CPU."""
-    if name != "auto":
-        return _DTYPES[name]
-    if config.dtype is not None:
-        return _DTYPES[config.dtype]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-@dataclass(eq=False, slots=True)
-class _Request:
-    request: GenerationRequest
-    sequence: Sequence
-    key: int
-    detokenizer: IncrementalDetokenizer
-    stop_window: str = ""  # the last characters of the text, enough to see a stop string complete
+@dataclass(slots=True)
+class _Sampled:
+    state: RequestState
+    token: int
+    finish: FinishReason | None
 
 
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, settings: Settings, model_path: str | None = None) -> None:
-        self.device = resolve_device(settings.device)
-        if self.device.type == "cpu" and settings.cpu_threads is not None:
-            torch.set_num_threads(settings.cpu_threads)
+    def __init__(self, options: TorchOptions, model_path: str | None = None) -> None:
+        self.options = options
+        self.device = resolve_device(options.device)
+        if self.device.type == "cpu" and options.cpu_threads is not None:
+            torch.set_num_threads(options.cpu_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # kernels launch on the current device; steps set it per thread
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
-        self.dtype = resolve_dtype(settings.dtype, self.config, self.device)
-        weights = checkpoint_weights(model_dir) if model_dir else iter(random_weights(self.config, settings.model_seed).items())
+        self.dtype = resolve_dtype(options.dtype, self.config, self.device)
+        weights = checkpoint_weights(model_dir) if model_dir else iter(random_weights(self.config, options.model_seed).items())
         self.model: LlamaModel = build_model(self.config, weights, self.dtype, self.device)
         self.tokenizer: Tokenizer = load_tokenizer(model_dir)
-        self.model_name = str(model_dir) if model_dir else f"random default model (seed {settings.model_seed})"
+        self.model_name = str(model_dir) if model_dir else f"random default model (seed {options.model_seed})"
         self.default_model_name = (model_dir.resolve().name or str(model_dir)) if model_dir else "dpcoord-random"
         self.chat_template = ChatTemplate.from_dir(model_dir) if model_dir else None
 
-        max_context = settings.max_context or self.config.max_position_embeddings
+        max_context = options.max_context or self.config.max_position_embeddings
         if max_context > self.config.max_position_embeddings:
             raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}")
-        block_size = settings.kv_block_size
+        block_size = options.kv_block_size
+        self._rotary = rotary_table(self.config.rope, self.config.head_dim, max_context, self.dtype, self.device)
+        if self.device.type == "cuda":
+            self.model.kernels = cuda_kernels_or_eager(self.model, self._rotary, options.torch_compile)
+        peak = activation_peak(self.model, self._rotary, min(options.max_prefill_tokens, max_context - 1), block_size) \
+            if self.device.type == "cuda" else 0
         page = page_bytes(self.config, block_size, self.dtype)
         pages_per_sequence = -(-max_context // block_size)
-        self._rotary = rotary_table(self.config.rope, self.config.head_dim, max_context, self.dtype, self.device)
-        peak = self._warm_up(settings.max_prefill_tokens, max_context, block_size) if self.device.type == "cuda" else 0
-        plan = plan_cache(self.device, page, settings.max_batch * pages_per_sequence,
-                          settings.kv_memory_fraction, settings.kv_cache_gb, peak)
+        plan = plan_cache(self.device, page, options.max_batch * pages_per_sequence, options.kv_memory_fraction,
+                          options.kv_cache_gb, peak)
         self.max_context = min(max_context, plan.num_blocks * block_size)
         if self.max_context < max_context:
             log.warning("the KV cache holds %d tokens: requests are limited to that context, not %d", self.max_context, max_context)
-        self._cache_shape = (self.config.num_layers, plan.num_blocks, block_size, 2, self.config.num_kv_heads, self.config.head_dim)
-        self._kv_cache: torch.Tensor | None = self._allocate_cache()
-        self.scheduler = Scheduler(BlockAllocator(plan.num_blocks, block_size), settings.max_batch, settings.max_prefill_tokens)
+        self._cache_shape = cache_shape(self.config, plan.num_blocks, block_size)
+        self._kv_cache: torch.Tensor | None = allocate_cache(self._cache_shape, self.dtype, self.device)
+        self._use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.kernels.paged_decode is not None
+        self._graphs: DecodeGraphs | None = self._capture_graphs()
+        self.scheduler = Scheduler(BlockManager(plan.num_blocks, block_size, options.prefix_caching),
+                                   options.max_batch, options.max_prefill_tokens)
+        self._overlap = options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda"
 
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._launched: _Launched | None = None
         self._lock = threading.Lock()  # scheduler and request table: step thread vs add/abort on the loop
         self._step_lock = asyncio.Lock()  # step, suspend and resume never overlap
         self._random = random.Random()
-        self._profiler: torch.profiler.profile | None = None
-        self._profile_dir = Path(settings.profile_dir or tempfile.gettempdir())
+        self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
         log.info(
-            "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s",
+            "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
+            "decode %s; prefix caching %s; steps %s",
             self.model_name, sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device,
-            torch.get_num_threads(), self.max_context, plan.describe(page),
+            torch.get_num_threads(), self.max_context, plan.describe(page), self.kernels.describe(),
+            "replays CUDA graphs" if self._graphs else "runs eagerly", "on" if options.prefix_caching else "off",
+            "overlapped" if self._overlap else "one at a time",
         )
+
+    @property
+    def kernels(self) -> Kernels:
+        return self.model.kernels
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self._graphs
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if not self._use_graphs or self._kv_cache is None:
+            return None
+        pages = -(-self.max_context // self.options.kv_block_size)
+        with self._on_device():
+            return DecodeGraphs(self.model, self._rotary, self._kv_cache, self.options.max_batch, pages, self.options.kv_block_size)
 
     # ------------------------------------------------------------ requests
 
@@ -138,8 +186,8 @@ class TorchBackend(Backend):
                 f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context} tokens (at most {self.max_context - 1})",
             )
         key = request_key(request.seed) if request.seed is not None else self._random.getrandbits(32)
-        state = _Request(request, Sequence.from_prompt(request.request_id, prompt), key,
-                         IncrementalDetokenizer(self.tokenizer, prompt))
+        state = RequestState(request, Sequence.from_prompt(request.request_id, prompt), key,
+                             IncrementalDetokenizer(self.tokenizer, prompt))
         with self._lock:
             if request.request_id in self._requests:
                 raise WireError(ErrorCode.CONFLICT, f"request {request.request_id} is already running")
@@ -156,32 +204,65 @@ class TorchBackend(Backend):
             return True
 
     def has_work(self) -> bool:
-        return self._kv_cache is not None and self.scheduler.has_work()
+        return self._kv_cache is not None and (self._launched is not None or self.scheduler.has_work())
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.scheduler.blocks.stats()
+
+    # ------------------------------------------------------------ steps
 
     async def step(self) -> list[TokenOutput]:
         async with self._step_lock:
             return await asyncio.to_thread(self._step)
 
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """A worker thread's current CUDA device is the first until set: make it the engine's."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _step(self) -> list[TokenOutput]:
-        cache = self._kv_cache
-        if cache is None:  # suspended: has_work() says so; a step that slips in does nothing
+        with self._on_device():
+            return self._step_on_device()
+
+    def _step_on_device(self) -> list[TokenOutput]:
+        if self._kv_cache is None:  # suspended: has_work() says so; a step that slips in does nothing
             return []
+        launched, self._launched = self._launched or self._launch(), None
+        if launched is None:
+            return []
+        sampled = self._collect(launched)
+        if self._overlap:
+            self._launched = self._launch()
+        return self._emit(sampled)
+
+    def _launch(self) -> _Launched | None:
+        cache = self._kv_cache
+        assert cache is not None, "steps run only with a cache"
+        graphs = self._graphs
         with torch.inference_mode():
             with self._lock:
                 scheduled = self.scheduler.schedule()
                 if not scheduled:
-                    return []
+                    return None
                 states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
-                batch = build_batch(scheduled, self.scheduler.allocator.block_size, self.config.group_size, self.dtype, self.device)
                 params = self._sampling_params(states)
-            logits = self.model(batch, self._rotary, cache)
-            tokens = sample(logits, params).tolist()  # the step's one host sync
-        with self._lock:
-            # A request aborted while the model ran is gone: its token is dropped.
-            return [self._record(state, token) for state, token in zip(states, tokens, strict=True)
-                    if state.sequence.status is SequenceStatus.RUNNING]
+                replay = graphs.inputs(scheduled.decode) if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode)) else None
+                batch = None if replay else build_batch(scheduled, self.scheduler.blocks.block_size, self.config.group_size,
+                                                        self.dtype, self.device, self.kernels.paged_decode is not None)
+            if graphs is not None and replay is not None:
+                logits = graphs.replay(replay)
+            else:
+                assert batch is not None, "an eager step has its batch"
+                logits = self.model(batch, self._rotary, cache)
+            tokens = sample(logits, params)
+        if self.device.type != "cuda":
+            return _Launched(states, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Launched(states, host, ready)
 
-    def _sampling_params(self, states: list[_Request]) -> SamplingParams | None:
+    def _sampling_params(self, states: list[RequestState]) -> SamplingParams | None:
         """None when every row is greedy: argmax needs no parameters."""
         requests = [state.request for state in states]
         if all(request.temperature == 0 for request in requests):
@@ -192,59 +273,62 @@ class TorchBackend(Backend):
             [state.sequence.num_generated for state in states], self.device,
         )
 
-    def _record(self, state: _Request, token: int) -> TokenOutput:
-        sequence, request = state.sequence, state.request
-        sequence.append(token)
-        text = state.detokenizer.push(token)
-        finish: FinishReason | None = None
-        if token in self.config.eos_token_ids:
-            finish = "stop"
-        elif request.stop and text:
-            window = state.stop_window + text
-            if any(stop in window for stop in request.stop):
+    def _collect(self, launched: _Launched) -> list[_Sampled]:
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        tokens = launched.tokens.tolist()  # the step's one host sync
+        sampled: list[_Sampled] = []
+        eos, max_context = self.config.eos_token_ids, self.max_context
+        with self._lock:
+            for state, token in zip(launched.states, tokens, strict=True):
+                # A request aborted (or stopped by a stop string) while its step ran is gone: its token is dropped.
+                if state.sequence.status is not SequenceStatus.RUNNING:
+                    continue
+                self.scheduler.append(state.sequence, token)
+                finish = state.token_finish(token, eos, max_context)
+                if finish is not None:
+                    self._finish(state)
+                sampled.append(_Sampled(state, token, finish))
+        return sampled
+
+    def _emit(self, sampled: list[_Sampled]) -> list[TokenOutput]:
+        outputs = []
+        for item in sampled:
+            state, finish = item.state, item.finish
+            text, stopped = state.text(item.token)
+            if stopped and finish != "stop":
+                if finish is None:
+                    with self._lock:
+                        self._finish(state)
                 finish = "stop"
-            keep = max(len(stop) for stop in request.stop) - 1
-            state.stop_window = window[-keep:] if keep else ""
-        if finish is None and (sequence.num_generated >= request.max_tokens or len(sequence.token_ids) >= self.max_context):
-            finish = "length"
-        if finish is not None:
-            text += state.detokenizer.flush()
-            self.scheduler.remove(sequence)
-            del self._requests[request.request_id]
-        return TokenOutput(request.request_id, [token], text, finish)
+            if finish is not None:
+                text += state.detokenizer.flush()
+            outputs.append(TokenOutput(state.request.request_id, [item.token], text, finish))
+        return outputs
+
+    def _finish(self, state: RequestState) -> None:
+        """Under the lock: the request leaves the scheduler (its pages are free) and the table."""
+        if state.sequence.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.remove(state.sequence)
+        del self._requests[state.request.request_id]
+
+    def _drop_launched(self) -> None:
+        """Forget a step in flight: its tokens are never appended, so they are sampled again later."""
+        launched, self._launched = self._launched, None
+        if launched is not None and launched.ready is not None:
+            launched.ready.synchronize()
 
     # ------------------------------------------------------------ memory
-
-    def _allocate_cache(self) -> torch.Tensor:
-        # Zeroed: padded page-table entries read page 0, and a masked NaN would still poison the output.
-        return torch.zeros(self._cache_shape, dtype=self.dtype, device=self.device)
-
-    def _warm_up(self, max_prefill_tokens: int, max_context: int, block_size: int) -> int:
-        """Run the largest prefill once on a scratch cache; return the activation peak in bytes."""
-        tokens = min(max_prefill_tokens, max_context - 1)
-        pages = -(-tokens // block_size)
-        scratch = torch.zeros((self.config.num_layers, pages, block_size, 2, self.config.num_kv_heads, self.config.head_dim),
-                              dtype=self.dtype, device=self.device)
-        sequence = Sequence.from_prompt("warm-up", [0] * tokens)
-        sequence.block_table = list(range(pages))
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            batch = build_batch(ScheduledBatch([], [sequence]), block_size, self.config.group_size, self.dtype, self.device)
-            self.model(batch, self._rotary, scratch)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        del scratch
-        torch.cuda.empty_cache()
-        return peak
 
     async def suspend(self) -> None:
         """Free the KV cache; running requests go back to the queue and are recomputed on resume."""
         async with self._step_lock:
+            self._drop_launched()
             with self._lock:
-                self.scheduler.preempt_all()
+                self.scheduler.drop_cache()
                 self._kv_cache = None
+                self._graphs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             log.info("torch backend suspended: KV cache released, %d requests kept for recompute", len(self._requests))
@@ -252,50 +336,26 @@ class TorchBackend(Backend):
     async def resume(self) -> None:
         async with self._step_lock:
             if self._kv_cache is None:
-                self._kv_cache = await asyncio.to_thread(self._allocate_cache)
+                self._kv_cache = await asyncio.to_thread(allocate_cache, self._cache_shape, self.dtype, self.device)
+                self._graphs = await asyncio.to_thread(self._capture_graphs)
                 log.info("torch backend resumed: KV cache reallocated")
 
     # ------------------------------------------------------------ profiler
 
     def start_profiler(self) -> str:
-        if self.device.type == "cuda":
-            torch.cuda.profiler.start()
-            return f"cudaProfilerStart on {self.device}"
-        if self._profiler is not None:
-            raise RuntimeError("the torch profiler is already running")
-        from torch._C._profiler import _ExperimentalConfig
-
-        # All threads: the steps run in a worker thread, not the one that starts the profiler.
-        try:
-            all_threads = _ExperimentalConfig(profile_all_threads=True)
-        except TypeError:
-            raise RuntimeError(f"the CPU profiler needs torch >= 2.7 to see the step thread; this is {torch.__version__}") from None
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=all_threads)
-        profiler.start()
-        self._profiler = profiler
-        return f"torch.profiler started; the trace goes to {self._profile_dir} on stop"
+        return self.profiler.start()
 
     def stop_profiler(self) -> str:
-        if self.device.type == "cuda":
-            torch.cuda.profiler.stop()
-            return f"cudaProfilerStop on {self.device}"
-        if self._profiler is None:
-            raise RuntimeError("the torch profiler is not running")
-        profiler, self._profiler = self._profiler, None
-        profiler.stop()
-        self._profile_dir.mkdir(parents=True, exist_ok=True)
-        path = self._profile_dir / f"dpcoord-torch-trace-{os.getpid()}-{time.time_ns()}.json"
-        profiler.export_chrome_trace(str(path))
-        return str(path)
+        return self.profiler.stop()
 
     async def close(self) -> None:
         async with self._step_lock:
-            if self._profiler is not None:
-                self._profiler.stop()
-                self._profiler = None
+            self.profiler.close()
+            self._drop_launched()
             with self._lock:
                 self._requests.clear()
-                self.scheduler.preempt_all()
+                self.scheduler.drop_cache()
                 self._kv_cache = None
+                self._graphs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -2,7 +2,8 @@
 
 Host-side bookkeeping (which token goes to which cache slot, which pages a sequence reads)
 is gathered into Python lists and sent to the device in one small transfer per tensor;
-masks are built on the device.
+masks are built on the device. Decode groups for the paged kernel carry lengths instead
+of a mask.
 """
 
 from __future__ import annotations
@@ -10,11 +11,16 @@ from __future__ import annotations
 import torch
 
 from engines.torch_backend.model import AttentionGroup, ForwardBatch
-from engines.torch_backend.scheduler import ScheduledBatch, Sequence
+from engines.torch_backend.scheduler import ScheduledBatch
+from engines.torch_backend.sequence import Sequence
 
 
 def _long(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _int32(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
 def _block_tables(sequences: list[Sequence]) -> tuple[list[list[int]], int]:
@@ -28,7 +34,10 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-def build_batch(scheduled: ScheduledBatch, block_size: int, group_size: int, dtype: torch.dtype, device: torch.device) -> ForwardBatch:
+def build_batch(
+    scheduled: ScheduledBatch, block_size: int, group_size: int, dtype: torch.dtype, device: torch.device,
+    paged_decode: bool = False,
+) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -44,7 +53,9 @@ def build_batch(scheduled: ScheduledBatch, block_size: int, group_size: int, dty
         positions=_long(positions, device),
         slot_mapping=_long(slots, device),
         last_token_index=_long(last, device),
-        decode=_decode_group(scheduled.decode, block_size, dtype, device) if scheduled.decode else None,
+        decode=None if not scheduled.decode else (
+            _paged_decode_group(scheduled.decode, device) if paged_decode else _decode_group(scheduled.decode, block_size, dtype, device)
+        ),
         prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device) if scheduled.prefill else None,
     )
 
@@ -55,6 +66,12 @@ def _decode_group(sequences: list[Sequence], block_size: int, dtype: torch.dtype
     keys = torch.arange(width * block_size, device=device)
     mask = _additive((keys[None, :] < context[:, None]).view(len(sequences), 1, 1, -1), dtype)
     return AttentionGroup(_long(tables, device), mask, query_len=1)
+
+
+def _paged_decode_group(sequences: list[Sequence], device: torch.device) -> AttentionGroup:
+    tables, _ = _block_tables(sequences)
+    lengths = _int32([len(sequence.token_ids) for sequence in sequences], device)
+    return AttentionGroup(_int32(tables, device), None, query_len=1, context_lens=lengths)
 
 
 def _prefill_group(

@@ -1,4 +1,4 @@
-"""Sizing the KV cache from the memory actually free.
+"""Sizing and allocating the KV cache from the memory actually free.
 
 On CUDA the budget is what ``torch.cuda.mem_get_info`` reports free, less the share of the
 device kept back (``1 - kv_memory_fraction``) and less the activation peak measured by a
@@ -6,6 +6,9 @@ warm-up pass; on CPU it is ``kv_memory_fraction`` of the memory the OS reports a
 ``kv_cache_gb`` replaces the measured budget. The cache never takes more pages than
 ``max_batch`` sequences of ``max_context`` tokens can use. When the budget holds no page at
 all, loading fails with the figures, not at the first request.
+
+The cache tensor is ``[layers, pages + 1, block_size, 2, kv_heads, head_dim]``: the extra last
+page is scratch, never handed out, for the padding rows of a CUDA graph replay to write to.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.torch_backend.batch import build_batch
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.scheduler import ScheduledBatch
+from engines.torch_backend.sequence import Sequence
 
 GIB = 1 << 30
 
@@ -79,3 +86,35 @@ def plan_cache(
             "free memory, raise --kv-memory-fraction or set --kv-cache-gb, or use a smaller --dtype"
         )
     return CachePlan(num_blocks, budget, source)
+
+
+def cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The cache tensor's shape for ``num_blocks`` usable pages, plus the scratch page."""
+    return (config.num_layers, num_blocks + 1, block_size, 2, config.num_kv_heads, config.head_dim)
+
+
+def allocate_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # Zeroed: padded page-table entries read some page, and a masked NaN would still poison the output.
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def activation_peak(model: LlamaModel, rotary: torch.Tensor, tokens: int, block_size: int) -> int:
+    """CUDA: run the largest prefill once on a scratch cache; return its activation peak in bytes.
+    It also compiles whatever the model's kernels compile for prefill shapes."""
+    device, dtype = rotary.device, rotary.dtype
+    config = model.config
+    pages = -(-tokens // block_size)
+    scratch = allocate_cache(cache_shape(config, pages - 1, block_size), dtype, device)
+    sequence = Sequence.from_prompt("warm-up", [0] * tokens)
+    sequence.block_table = list(range(pages))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        batch = build_batch(ScheduledBatch([], [sequence]), block_size, config.group_size, dtype, device)
+        model(batch, rotary, scratch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del scratch
+    torch.cuda.empty_cache()
+    return peak

@@ -9,6 +9,11 @@ group, prefills (queries padded to the longest) in another. Projections are fuse
 Hugging Face parameter names onto them. Query heads are folded onto their key/value head
 (``[B, kv_heads, group * Q, head_dim]``), which is grouped-query attention without copying
 keys and values per query head.
+
+Decode attention has two forms: by default each sequence's pages are gathered into a
+contiguous buffer and attended with an additive mask; with ``kernels.paged_decode`` (CUDA)
+a kernel reads the pages in place, bounded by each sequence's length. The element-wise
+pieces come from :mod:`engines.torch_backend.kernels` as well: eager, or fused on CUDA.
 """
 
 from __future__ import annotations
@@ -20,20 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.kernels import EAGER, Kernels
 
 
 @dataclass(slots=True)
 class AttentionGroup:
-    """Sequences attended together. ``block_tables`` ``[B, blocks]`` index cache pages;
-    ``mask`` ``[B, 1, group * Q, blocks * block_size]`` (additive: 0 or -inf, the model's
-    dtype) says which cached slots each query sees.
+    """Sequences attended together. ``block_tables`` ``[B, blocks]`` index cache pages.
+    Gathered attention: ``mask`` ``[B, 1, group * Q, blocks * block_size]`` (additive: 0 or
+    -inf, the model's dtype) says which cached slots each query sees. Paged decode:
+    ``context_lens`` ``[B]`` (int32, as are the block tables) says how many slots each reads.
     ``pad_index`` ``[tokens]`` places the group's flat query rows into ``[B * Q]`` padded rows;
     it is None for decode, where ``Q`` is 1 and rows map one to one."""
 
     block_tables: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     query_len: int
     pad_index: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -49,16 +57,12 @@ class ForwardBatch:
 
 
 class RMSNorm(nn.Module):
+    """The norm's weight; ``kernels.rms_norm`` applies it."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # In float32 then back, as transformers does, so bf16 models round the same way.
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
 def _project_add(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -79,21 +83,23 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down = nn.Linear(config.intermediate_size, hidden, bias=config.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        attention = self._attention(self.input_norm(hidden), rotary, kv_cache, batch)
-        hidden = _project_add(hidden, attention, self.o)
-        gate, up = F.linear(self.post_norm(hidden), self.gate_up.weight, self.gate_up.bias).chunk(2, dim=-1)
-        return _project_add(hidden, F.silu(gate) * up, self.down)
+    def forward(
+        self, hidden: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, kernels: Kernels
+    ) -> torch.Tensor:
+        normed = kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps)
+        hidden = _project_add(hidden, self._attention(normed, rotary, kv_cache, batch, kernels), self.o)
+        normed = kernels.rms_norm(hidden, self.post_norm.weight, self.post_norm.eps)
+        gate_up = F.linear(normed, self.gate_up.weight, self.gate_up.bias)
+        return _project_add(hidden, kernels.silu_mul(gate_up), self.down)
 
-    def _attention(self, x: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _attention(
+        self, x: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, kernels: Kernels
+    ) -> torch.Tensor:
         config = self.config
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         tokens = x.shape[0]
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(tokens, heads + 2 * kv_heads, head_dim)
-        qk = qkv[:, : heads + kv_heads]
-        half = head_dim // 2
-        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-        qk.copy_(torch.addcmul(qk * rotary[:, 0:1], swapped, rotary[:, 1:2]))
+        kernels.rotate_(qkv[:, : heads + kv_heads], rotary)
 
         # kv_cache: [blocks, block_size, 2, kv_heads, head_dim]; slot s is row s of the flat view.
         new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, head_dim)
@@ -103,15 +109,18 @@ class DecoderLayer(nn.Module):
         query = qkv[:, :heads]
         out = []
         if batch.decode is not None:
-            out.append(self._attend_decode(query[: batch.decode.block_tables.shape[0]], kv_cache, batch.decode))
+            out.append(self._attend_decode(query[: batch.decode.block_tables.shape[0]], kv_cache, batch.decode, kernels))
         if batch.prefill is not None:
             decoded = 0 if batch.decode is None else batch.decode.block_tables.shape[0]
             out.append(self._attend_prefill(query[decoded:], kv_cache, batch.prefill))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _attend_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    def _attend_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, kernels: Kernels) -> torch.Tensor:
         config = self.config
         sequences = query.shape[0]
+        if group.context_lens is not None:
+            assert kernels.paged_decode is not None, "a paged decode group needs the paged kernel"
+            return kernels.paged_decode(query, kv_cache, group.block_tables, group.context_lens).view(sequences, -1)
         folded = query.reshape(sequences, config.num_kv_heads, config.group_size, config.head_dim)
         out = _attend(folded, kv_cache, group)  # [B, kv_heads, group, head_dim]
         return out.reshape(sequences, config.num_heads * config.head_dim)
@@ -155,6 +164,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.kernels = EAGER
 
     def forward(self, batch: ForwardBatch, rotary_table: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32) for the next token of each scheduled sequence.
@@ -163,7 +173,8 @@ class LlamaModel(nn.Module):
         assert kv_cache.shape[0] == len(self.layers), "one cache page table per layer"
         hidden = self.embed(batch.input_ids)
         rotary = rotary_table[batch.positions]  # [T, 2, head_dim]: cos, signed sin
+        kernels = self.kernels
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
-            hidden = layer(hidden, rotary, layer_cache, batch)
-        last = self.norm(hidden[batch.last_token_index])
+            hidden = layer(hidden, rotary, layer_cache, batch, kernels)
+        last = kernels.rms_norm(hidden[batch.last_token_index], self.norm.weight, self.norm.eps)
         return self.lm_head(last).float()

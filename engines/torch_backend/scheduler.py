@@ -1,100 +1,23 @@
-"""Continuous-batching scheduler and paged KV-cache bookkeeping, free of torch.
-
-The KV cache is ``num_blocks`` pages of ``block_size`` token slots. A sequence owns a block
-table (the pages holding its tokens in order); token ``i`` lives in slot
-``block_table[i // block_size] * block_size + i % block_size``.
+"""Continuous-batching scheduler, free of torch.
 
 Each step, :meth:`Scheduler.schedule` first gives every running sequence room for the token
 it feeds next (one decode token each), preempting the most recently admitted sequences when
 pages run out; then it admits waiting sequences in arrival order while the batch, the
-prefill-token budget and the free pages allow. A preempted sequence goes back to the front of
-the queue with no cached tokens: it is recomputed (prefilled with prompt plus generated
-tokens) when pages are free again. Nothing here knows about tensors, so every rule is tested
-on its own (tests/torch/test_torch_scheduler.py).
+prefill-token budget and the free pages allow. An admitted sequence starts after the prefix
+the block manager (:mod:`engines.torch_backend.block_manager`) found cached, so the budget
+counts only the tokens it still feeds. A preempted sequence goes back to the front of the
+queue with no pages: it is recomputed (prompt plus generated tokens, less whatever prefix is
+still cached) when pages are free again. Nothing here knows about tensors, so every rule is
+tested on its own (tests/torch/test_torch_scheduler.py, tests/torch/test_torch_prefix_cache.py).
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """The tokens of one request and where their keys and values live.
-
-    ``num_cached`` tokens have keys and values in the cache; a step feeds the rest
-    (``token_ids[num_cached:]``) and samples the token that follows them.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_cached: int = 0
-    block_table: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-
-    @classmethod
-    def from_prompt(cls, request_id: str, prompt: list[int]) -> Sequence:
-        return cls(request_id, list(prompt), len(prompt))
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_new(self) -> int:
-        """Tokens the next step feeds."""
-        return len(self.token_ids) - self.num_cached
-
-    def append(self, token: int) -> None:
-        """Record a sampled token: every token fed before it is now cached."""
-        self.num_cached = len(self.token_ids)
-        self.token_ids.append(token)
-
-    def slot(self, position: int, block_size: int) -> int:
-        return self.block_table[position // block_size] * block_size + position % block_size
-
-
-class BlockAllocator:
-    """Hands out cache pages; a page is owned by at most one sequence."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one slot, got {num_blocks} x {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def can_hold(self, sequence: Sequence, num_tokens: int) -> bool:
-        """Whether ``sequence`` can grow to ``num_tokens`` cached tokens with the pages free now."""
-        return self.blocks_for(num_tokens) - len(sequence.block_table) <= self.num_free
-
-    def grow(self, sequence: Sequence, num_tokens: int) -> None:
-        """Give ``sequence`` pages for ``num_tokens`` tokens; callers check :meth:`can_hold` first."""
-        missing = self.blocks_for(num_tokens) - len(sequence.block_table)
-        if missing > self.num_free:
-            raise RuntimeError(f"request_id={sequence.request_id}: {missing} pages needed, {self.num_free} free")
-        sequence.block_table.extend(self._free.popleft() for _ in range(missing))
-
-    def release(self, sequence: Sequence) -> None:
-        self._free.extend(sequence.block_table)
-        sequence.block_table = []
-        sequence.num_cached = 0
+from engines.torch_backend.block_manager import BlockManager
+from engines.torch_backend.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -113,10 +36,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_batch: int, max_prefill_tokens: int) -> None:
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int) -> None:
         if max_batch < 1 or max_prefill_tokens < 1:
             raise ValueError(f"max_batch ({max_batch}) and max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
-        self.allocator = allocator
+        self.blocks = blocks
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
@@ -124,13 +47,18 @@ class Scheduler:
         self.num_preempted = 0
 
     def add(self, sequence: Sequence) -> None:
-        if self.allocator.blocks_for(len(sequence.token_ids)) > self.allocator.num_blocks:
+        if self.blocks.blocks_for(len(sequence.token_ids)) > self.blocks.num_blocks:
             raise ValueError(f"request_id={sequence.request_id}: {len(sequence.token_ids)} tokens never fit the cache")
         sequence.status = SequenceStatus.WAITING
         self.waiting.append(sequence)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def append(self, sequence: Sequence, token: int) -> None:
+        """Record a sampled token; the pages it filled join the prefix cache."""
+        sequence.append(token)
+        self.blocks.commit(sequence)
 
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
@@ -141,12 +69,17 @@ class Scheduler:
         else:
             return
         sequence.status = SequenceStatus.FINISHED
-        self.allocator.release(sequence)
+        self.blocks.release(sequence)
 
     def preempt_all(self) -> None:
-        """Drop every cached token (suspend); running sequences wait to be recomputed, in order."""
+        """Running sequences give their pages back and wait to be recomputed, in order."""
         while self.running:
             self._preempt(self.running.pop())
+
+    def drop_cache(self) -> None:
+        """The cache's contents are gone (suspend): preempt everything and forget every prefix."""
+        self.preempt_all()
+        self.blocks.clear()
 
     def schedule(self) -> ScheduledBatch:
         decode = self._schedule_decode()
@@ -158,12 +91,12 @@ class Scheduler:
         while index < len(self.running):
             sequence = self.running[index]
             needed = len(sequence.token_ids)
-            while not self.allocator.can_hold(sequence, needed) and self.running[-1] is not sequence:
+            while not self.blocks.can_hold(sequence, needed) and self.running[-1] is not sequence:
                 self._preempt(self.running.pop())
-            if not self.allocator.can_hold(sequence, needed):
+            if not self.blocks.can_hold(sequence, needed):
                 self._preempt(self.running.pop())
                 break
-            self.allocator.grow(sequence, needed)
+            self.blocks.grow(sequence, needed)
             scheduled.append(sequence)
             index += 1
         return scheduled
@@ -173,13 +106,13 @@ class Scheduler:
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_batch:
             sequence = self.waiting[0]
-            needed = len(sequence.token_ids)
-            if admitted and sequence.num_new > budget:
+            hits = self.blocks.match(sequence)
+            if admitted and len(sequence.token_ids) - len(hits) * self.blocks.block_size > budget:
                 break
-            if not self.allocator.can_hold(sequence, needed):
+            if not self.blocks.can_admit(sequence, hits):
                 break
             self.waiting.popleft()
-            self.allocator.grow(sequence, needed)
+            self.blocks.admit(sequence, hits)
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             admitted.append(sequence)
@@ -187,7 +120,7 @@ class Scheduler:
         return admitted
 
     def _preempt(self, sequence: Sequence) -> None:
-        self.allocator.release(sequence)
+        self.blocks.release(sequence)
         sequence.status = SequenceStatus.WAITING
         self.waiting.appendleft(sequence)
         self.num_preempted += 1

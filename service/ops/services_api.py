@@ -53,6 +53,17 @@ class CoordinatorStatus(msgspec.Struct):
     counters: dict[str, int]
 
 
+class PrefixCacheStatus(msgspec.Struct):
+    """An engine's KV cache: how often admitted prompts found their prefix already cached."""
+
+    queried_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_pages: int
+    evicted_pages: int
+    total_pages: int
+
+
 class EngineStatus(msgspec.Struct):
     engine_id: str
     subject_prefix: str
@@ -62,6 +73,7 @@ class EngineStatus(msgspec.Struct):
     active_requests: int
     epoch: int | None
     counters: dict[str, int]
+    prefix_cache: PrefixCacheStatus | None = None  # None: a backend without a KV cache (echo)
 
 
 async def add_status_service(

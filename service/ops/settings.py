@@ -133,6 +133,11 @@ class Settings(BaseSettings):
         0.9, gt=0, le=1, description="Share of free memory the KV cache may take (CUDA: of the device, less the rest's share; CPU: of available RAM)"
     )
     profile_dir: TorchSetting[str | None] = Field(None, description="Where CPU torch.profiler traces are written; unset: the system temp directory")
+    prefix_caching: TorchSetting[bool] = Field(True, description="Reuse the KV-cache pages of a prompt prefix another request already computed")
+    cuda_graphs: TorchSetting[bool] = Field(True, description="CUDA: decode steps replay CUDA graphs captured per batch size; false: eager decode")
+    torch_compile: TorchSetting[bool] = Field(
+        True, description="CUDA: fuse element-wise pieces (RMSNorm, rotary, SwiGLU) with torch.compile; false: eager"
+    )
 
     # Health and metrics over HTTP (Kubernetes probes, Prometheus)
     http_host: ServiceSetting[str] = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")

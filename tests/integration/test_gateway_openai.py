@@ -119,10 +119,10 @@ async def test_async_chat_with_n(start_engines: EngineFactory, aclient: openai.A
 async def test_the_torch_engine_through_the_sdk(settings: Settings, coordinator: Coordinator, aclient: openai.AsyncOpenAI) -> None:
     """The torch engine's random default model (tiny, on CPU) behind the gateway: a completion and a chat stream."""
     pytest.importorskip("torch")
-    from engines.torch_backend.backend import TorchBackend
+    from engines.factory import make_backend
 
     engine_settings = settings.model_copy(update={"backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005})
-    async with EngineRuntime(engine_settings, TorchBackend(engine_settings)) as engine:
+    async with EngineRuntime(engine_settings, make_backend(engine_settings)) as engine:
         await engine.registered.wait()
         assert [model.id for model in (await aclient.models.list()).data] == ["dpcoord-random"]
         completion = await aclient.completions.create(model="dpcoord-random", prompt="Hello", max_tokens=6, temperature=0)

@@ -9,12 +9,14 @@ from typing import Any
 import torch
 
 from engines.torch_backend.batch import build_batch
+from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig, RopeConfig
 from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.rope import rotary_table
-from engines.torch_backend.scheduler import BlockAllocator, Scheduler, Sequence
+from engines.torch_backend.scheduler import Scheduler
+from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.weights import build_model, random_weights
-from service.ops.settings import Settings
 
 TINY = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -46,13 +48,9 @@ def engine_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Llama
     return build_model(config, iter(weights.items()), torch.float32, torch.device("cpu"))
 
 
-def torch_settings(**overrides: Any) -> Settings:
-    """Engine settings for tests: a small KV cache and context, so each backend starts fast."""
-    values: dict[str, Any] = {"device": "cpu", "max_context": 256, "kv_cache_gb": 0.01, "max_batch": 16}
-    unknown = set(overrides) - set(Settings.model_fields)
-    assert not unknown, f"not settings: {unknown}"  # Settings ignores unknown keys; a typo would pass silently
-    values.update(overrides)
-    return Settings(**values)
+def engine_options(**overrides: Any) -> TorchOptions:
+    """Backend options for tests: a small KV cache and context, so each backend starts fast."""
+    return dataclasses.replace(TorchOptions(device="cpu", max_context=256, kv_cache_gb=0.01, max_batch=16), **overrides)
 
 
 class Harness:
@@ -63,7 +61,7 @@ class Harness:
         config = model.config
         self.model = model
         self.block_size = block_size
-        self.scheduler = Scheduler(BlockAllocator(num_blocks, block_size), max_batch, max_prefill_tokens=4096)
+        self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching=False), max_batch, max_prefill_tokens=4096)
         self.cache = torch.zeros(config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, config.head_dim)
         self.rotary = rotary_table(config.rope, config.head_dim, config.max_position_embeddings, torch.float32, torch.device("cpu"))
 
@@ -103,4 +101,4 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-__all__ = ["LLAMA3_ROPE", "TINY", "Harness", "engine_model", "hf_greedy", "hf_model", "random_weights", "tiny", "torch_settings"]
+__all__ = ["LLAMA3_ROPE", "TINY", "Harness", "engine_model", "engine_options", "hf_greedy", "hf_model", "random_weights", "tiny"]

@@ -120,14 +120,14 @@ def test_the_torch_backend_tokenises_the_rendered_chat_as_transformers(tmp_path:
 
     from engines.torch_backend.backend import TorchBackend
     from engines.torch_backend.weights import random_weights
-    from tests.torch.reference import tiny, torch_settings
+    from tests.torch.reference import engine_options, tiny
 
     config = tiny(vocab_size=300)
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
     save_file(random_weights(config, seed=0), str(tmp_path / "model.safetensors"))
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tmp_path)
-    backend = TorchBackend(torch_settings(), str(tmp_path))
+    backend = TorchBackend(engine_options(), str(tmp_path))
     expected = tokenizer.apply_chat_template(
         message_dicts(CONVERSATION), tokenize=True, add_generation_prompt=True, return_dict=False
     )

@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from engines.backend import GenerationRequest, TokenOutput
-from engines.torch_backend.backend import TorchBackend, resolve_dtype
+from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.memory import KVCacheSizeError, page_bytes
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
+from engines.torch_backend.setup import resolve_dtype
 from service.protocol.errors import WireError
-from tests.torch.reference import random_weights, tiny, torch_settings
+from tests.torch.reference import engine_options, random_weights, tiny
 
 
 @pytest.fixture(scope="module")
 def backend() -> TorchBackend:
-    return TorchBackend(torch_settings(model_seed=1))
+    return TorchBackend(engine_options(model_seed=1))
 
 
 def run(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[TokenOutput]]:
@@ -112,11 +113,11 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path) -> None:
     config = tiny()
     weights = random_weights(config, seed=2)
     _checkpoint(tmp_path, config.to_hf(), weights)
-    free = TorchBackend(torch_settings(), str(tmp_path))
+    free = TorchBackend(engine_options(), str(tmp_path))
     generated = tokens(run(free, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"])
     eos = generated[4]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, eos]}))
-    backend = TorchBackend(torch_settings(), str(tmp_path))
+    backend = TorchBackend(engine_options(), str(tmp_path))
     assert backend.config.eos_token_ids == (999, eos)
     outputs = run(backend, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"]
     assert tokens(outputs) == generated[: generated.index(eos) + 1]
@@ -127,9 +128,9 @@ def test_eos_null_means_no_eos(tmp_path: Path) -> None:
     config = tiny()
     _checkpoint(tmp_path, config.to_hf() | {"eos_token_id": 5}, random_weights(config, seed=2))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
-    assert TorchBackend(torch_settings(), str(tmp_path)).config.eos_token_ids == ()
+    assert TorchBackend(engine_options(), str(tmp_path)).config.eos_token_ids == ()
     (tmp_path / "generation_config.json").write_text(json.dumps({}))
-    assert TorchBackend(torch_settings(), str(tmp_path)).config.eos_token_ids == (5,)
+    assert TorchBackend(engine_options(), str(tmp_path)).config.eos_token_ids == (5,)
 
 
 def test_refusals(backend: TorchBackend) -> None:
@@ -146,11 +147,10 @@ def test_refusals(backend: TorchBackend) -> None:
 
 
 def test_a_full_cache_queues_requests_and_serves_them_all() -> None:
-    settings = torch_settings(kv_block_size=4, max_context=64)
     pages = 6  # 24 token slots: two 10-token requests at most
-    settings = settings.model_copy(update={"kv_cache_gb": pages * page_bytes(ModelConfig(), 4, torch.float32) / (1 << 30)})
-    backend = TorchBackend(settings)
-    assert backend.scheduler.allocator.num_blocks == pages
+    budget = pages * page_bytes(ModelConfig(), 4, torch.float32) / (1 << 30)
+    backend = TorchBackend(engine_options(kv_block_size=4, max_context=64, kv_cache_gb=budget))
+    assert backend.scheduler.blocks.num_blocks == pages
     requests = [GenerationRequest(f"q{i}", "abcdefgh", max_tokens=12, temperature=0.0) for i in range(5)]
     outputs = run(backend, *requests)
     assert sorted(outputs) == [f"q{i}" for i in range(5)]
@@ -160,7 +160,7 @@ def test_a_full_cache_queues_requests_and_serves_them_all() -> None:
 
 
 def test_abort_frees_the_cache_at_once(backend: TorchBackend) -> None:
-    allocator = backend.scheduler.allocator
+    allocator = backend.scheduler.blocks
     free = allocator.num_free
     backend.add(sampled("a", prompt="y" * 100, max_tokens=50))
     backend._step()
@@ -189,7 +189,7 @@ async def test_suspend_releases_the_cache_and_requests_survive(backend: TorchBac
 
 
 def test_cpu_profiler_writes_a_trace_whose_path_is_returned(backend: TorchBackend, tmp_path: Path) -> None:
-    backend._profile_dir = tmp_path
+    backend.profiler.trace_dir = tmp_path
     assert str(tmp_path) in backend.start_profiler()
     with pytest.raises(RuntimeError, match="already running"):
         backend.start_profiler()
@@ -203,7 +203,7 @@ def test_cpu_profiler_writes_a_trace_whose_path_is_returned(backend: TorchBacken
 
 def test_an_empty_kv_cache_is_a_clear_error_at_load() -> None:
     with pytest.raises(KVCacheSizeError, match="comes out empty"):
-        TorchBackend(torch_settings(kv_cache_gb=1e-9))
+        TorchBackend(engine_options(kv_cache_gb=1e-9))
 
 
 def test_dtype_rules() -> None:
@@ -217,7 +217,7 @@ def test_dtype_rules() -> None:
 def test_checkpoint_dtype_is_used(tmp_path: Path) -> None:
     config = tiny()
     _checkpoint(tmp_path, config.to_hf() | {"torch_dtype": "bfloat16", "dtype": None}, random_weights(config, seed=2))
-    backend = TorchBackend(torch_settings(), str(tmp_path))
+    backend = TorchBackend(engine_options(), str(tmp_path))
     assert backend.dtype == torch.bfloat16
     assert next(backend.model.parameters()).dtype == torch.bfloat16
     outputs = run(backend, GenerationRequest("r", [1, 2, 3], max_tokens=4, temperature=0.0))["r"]

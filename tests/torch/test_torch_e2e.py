@@ -9,14 +9,18 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
+from engines.factory import torch_options
+from engines.observability import engine_observability
 from engines.runtime import EngineRuntime
 from engines.torch_backend.backend import TorchBackend
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
+from service.ops.http_endpoints import METRICS_PATH
 from service.ops.settings import Settings
 from service.protocol.messages import Final, Partial
 from service.protocol.subjects import Header
 from tests.helpers import request_json
+from tests.integration.test_observability import http_get, port_of, samples, value
 
 
 @pytest.fixture
@@ -24,7 +28,7 @@ async def torch_engine(settings: Settings, coordinator: Coordinator, tmp_path: P
     engine_settings = settings.model_copy(update={
         "backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005, "profile_dir": str(tmp_path),
     })
-    engine = EngineRuntime(engine_settings, TorchBackend(engine_settings))
+    engine = EngineRuntime(engine_settings, TorchBackend(torch_options(engine_settings)))
     await engine.start()
     await coordinator.wait_for_engines(1)
     await engine.registered.wait()
@@ -89,3 +93,24 @@ async def test_profiler_ack_carries_the_trace_path(torch_engine: EngineRuntime, 
     assert ack.engines is not None
     trace = Path(ack.engines[torch_engine.engine_id])
     assert trace.parent == tmp_path and trace.stat().st_size > 0
+
+
+async def test_prefix_cache_hits_show_in_metrics_and_status(torch_engine: EngineRuntime, client: DpcoordClient, nc: NATS) -> None:
+    system = "You are a terse assistant; answer in one word. "  # 47 byte tokens: two full 16-token pages
+    assert len(system) == 47
+    await client.submit(system + "Sky?", max_tokens=2, timeout=30)
+    await client.submit(system + "Air?", max_tokens=2, timeout=30)  # the third page differs at token 47
+    observability = engine_observability(torch_engine, "127.0.0.1", 0)
+    await observability.start(torch_engine.nc)
+    try:
+        scrape = samples((await http_get(port_of(observability), METRICS_PATH))[1])
+        status = await request_json(nc, torch_engine.subjects.status("engine", torch_engine.engine_id), {})
+    finally:
+        await observability.stop()
+    assert value(scrape, "dpcoord_engine_prefix_cache_hit_tokens_total") == 32
+    assert value(scrape, "dpcoord_engine_prefix_cache_queried_tokens_total") == 2 * 51
+    assert value(scrape, "dpcoord_engine_prefix_cache_hit_rate") == pytest.approx(32 / 102)
+    assert value(scrape, "dpcoord_engine_prefix_cache_pages") >= 2
+    assert value(scrape, "dpcoord_engine_kv_cache_pages") > 2
+    cache = status["prefix_cache"]
+    assert (cache["hit_tokens"], cache["queried_tokens"]) == (32, 102) and cache["cached_pages"] >= 2

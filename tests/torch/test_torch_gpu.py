@@ -10,8 +10,8 @@ import torch
 from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
-from service.ops.settings import Settings
-from tests.torch.reference import hf_model, random_weights, torch_settings
+from engines.torch_backend.options import TorchOptions
+from tests.torch.reference import engine_options, hf_model, random_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,10 +19,10 @@ pytestmark = [
 ]
 
 
-def cuda_settings(**overrides: object) -> Settings:
+def cuda_settings(**overrides: object) -> TorchOptions:
     values: dict[str, object] = {"device": "cuda", "kv_cache_gb": 0.25}
     values.update(overrides)
-    return torch_settings(**values)
+    return engine_options(**values)
 
 
 def generate(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[int]]:

@@ -17,11 +17,11 @@ from tests.torch.reference import (
     LLAMA3_ROPE,
     Harness,
     engine_model,
+    engine_options,
     hf_greedy,
     hf_model,
     random_weights,
     tiny,
-    torch_settings,
 )
 
 PROMPTS = [[5, 9, 200, 17, 3, 88, 41], [1], list(range(30, 75)), [250, 251, 252, 7, 7, 7, 7, 7, 9, 10, 11]]
@@ -60,7 +60,7 @@ def test_logits_match_transformers(name: str) -> None:
 
 def test_greedy_generation_matches_transformers_generate() -> None:
     config = ModelConfig()
-    backend = TorchBackend(torch_settings(model_seed=3))
+    backend = TorchBackend(engine_options(model_seed=3))
     reference = hf_model(config, random_weights(config, seed=3))
     for i, prompt in enumerate(PROMPTS):
         backend.add(GenerationRequest(f"r{i}", prompt, max_tokens=24, temperature=0.0))
@@ -70,7 +70,7 @@ def test_greedy_generation_matches_transformers_generate() -> None:
 
 
 def test_a_batch_gives_each_prompt_its_alone_tokens() -> None:
-    backend = TorchBackend(torch_settings(model_seed=11))
+    backend = TorchBackend(engine_options(model_seed=11))
     prompts = {f"p{i}": [(13 * i + k * k) % 256 for k in range(3 + 5 * i)] for i in range(12)}
     alone = {}
     for rid, prompt in prompts.items():
@@ -107,7 +107,7 @@ def test_loads_a_save_pretrained_directory_with_its_tokenizer(tmp_path: Path) ->
     tokenizer.train_from_iterator(["héllo wörld, the engine streams tokens"] * 20, trainer)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
 
-    backend = TorchBackend(torch_settings(), str(tmp_path))
+    backend = TorchBackend(engine_options(), str(tmp_path))
     assert backend.dtype == torch.float32 and backend.config.vocab_size == 300
     prompt_text = "héllo wörld"
     prompt_ids = tokenizer.encode(prompt_text).ids
@@ -130,7 +130,7 @@ def test_transformers_4_config_layout_loads(tmp_path: Path) -> None:
     v4["torch_dtype"] = "float32"
     assert ModelConfig.from_hf(v4) == ModelConfig.from_hf(v5 | {"dtype": "float32"})
     _write_checkpoint(tmp_path, v4, weights)
-    backend = TorchBackend(torch_settings(), str(tmp_path))
+    backend = TorchBackend(engine_options(), str(tmp_path))
     backend.add(GenerationRequest("r", PROMPTS[0], max_tokens=10, temperature=0.0))
     assert _run(backend)["r"] == hf_greedy(hf_model(config, weights), PROMPTS[0], 10)
 
@@ -143,7 +143,7 @@ def test_an_unimplemented_rope_type_is_refused_at_load(tmp_path: Path, rope_scal
     _write_checkpoint(tmp_path, config, random_weights(tiny(), seed=0))
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     with pytest.raises(ValueError, match=f"rope type '{kind}' is not implemented"):
-        TorchBackend(torch_settings(), str(tmp_path))
+        TorchBackend(engine_options(), str(tmp_path))
 
 
 def _write_checkpoint(path: Path, config: dict[str, object], weights: dict[str, torch.Tensor]) -> None:

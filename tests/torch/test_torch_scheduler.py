@@ -9,11 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.torch_backend.scheduler import BlockAllocator, Scheduler, Sequence, SequenceStatus
+from engines.torch_backend.block_manager import BlockManager
+from engines.torch_backend.scheduler import Scheduler
+from engines.torch_backend.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks: int = 8, block_size: int = 4, max_batch: int = 4, max_prefill_tokens: int = 64) -> Scheduler:
-    return Scheduler(BlockAllocator(num_blocks, block_size), max_batch, max_prefill_tokens)
+def make(num_blocks: int = 8, block_size: int = 4, max_batch: int = 4, max_prefill_tokens: int = 64,
+         prefix_caching: bool = False) -> Scheduler:
+    """Prefix caching off unless asked: these sequences share their leading tokens."""
+    return Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_batch, max_prefill_tokens)
 
 
 def seq(rid: str, length: int) -> Sequence:
@@ -90,7 +94,7 @@ def test_requests_wait_when_the_cache_is_full() -> None:
     assert scheduler.schedule().prefill == [a]  # b needs 2 pages, 1 is free
     assert list(scheduler.waiting) == [b] and b.block_table == []
     scheduler.remove(a)  # finishing frees the pages at once
-    assert scheduler.allocator.num_free == 4
+    assert scheduler.blocks.num_free == 4
     assert scheduler.schedule().prefill == [b]
 
 
@@ -118,7 +122,7 @@ def test_preempt_all_keeps_order_and_frees_every_page() -> None:
     advance(scheduler.schedule().sequences)
     scheduler.add(late := seq("late", 2))
     scheduler.preempt_all()
-    assert scheduler.allocator.num_free == 16 and scheduler.running == []
+    assert scheduler.blocks.num_free == 16 and scheduler.running == []
     assert list(scheduler.waiting) == [*sequences, late]
     assert all(sequence.num_new == 4 for sequence in sequences)
 
@@ -132,7 +136,7 @@ def test_abort_of_waiting_and_running_requests() -> None:
     scheduler.remove(waiting)
     scheduler.remove(running)
     scheduler.remove(running)  # twice is harmless
-    assert not scheduler.has_work() and scheduler.allocator.num_free == 8
+    assert not scheduler.has_work() and scheduler.blocks.num_free == 8
     assert running.status is SequenceStatus.FINISHED
 
 
@@ -161,5 +165,5 @@ def test_pages_are_never_shared_or_lost(lengths: list[int], steps: list[str]) ->
             scheduler.remove(scheduler.running[0] if action == "finish" else scheduler.running[-1])
         owned = [block for sequence in scheduler.running for block in sequence.block_table]
         assert len(owned) == len(set(owned))
-        assert len(owned) + scheduler.allocator.num_free == 10
+        assert len(owned) + scheduler.blocks.num_free == 10
         assert all(sequence.block_table == [] for sequence in scheduler.waiting)

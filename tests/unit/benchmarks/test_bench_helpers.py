@@ -15,7 +15,7 @@ from benchmarks.fleet import FleetResult, RunningFleet, Workload, judge
 from benchmarks.fleet import build_parser as fleet_parser
 from benchmarks.fleet import summarise as summarise_fleets
 from benchmarks.proc_cpu import busy_cpu_seconds, cpu_seconds
-from benchmarks.profile import fold
+from benchmarks.py_spy_profile import fold
 from service.cli.main import main as cli_main
 from service.protocol.messages import SubmitEnvelope
 from service.protocol.subjects import Subjects

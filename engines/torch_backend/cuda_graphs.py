@@ -1,0 +1,132 @@
+"""CUDA graphs of the decode step, captured once per padded batch size.
+
+A decode step of a small model is a few hundred short kernels; launched one by one from
+Python, the GPU spends most of the step waiting for the next launch. A CUDA graph records
+the whole forward pass once and replays it with one launch. A graph's shapes and addresses
+are fixed, so:
+
+- it is captured per batch bucket (:func:`decode_buckets`: 1, 2, 4, 8, then every 16 up to
+  ``max_batch``); a step runs the smallest bucket that holds its sequences;
+- its inputs live in static buffers (token ids, positions, cache slots, block tables,
+  sequence lengths) that each step overwrites before the replay. Rows past the step's
+  sequences are padding: they read and write only the scratch page (the cache's last page,
+  which the block manager never hands out);
+- attention must not depend on the context length's shape: it is the paged decode kernel,
+  whose loop bounds are read from the lengths buffer on the device;
+- the graphs hold the KV cache's address: they are captured again after the cache is
+  reallocated (resume).
+
+Only decode-only steps replay a graph; steps with a prefill run eagerly. The logits stay on
+the device: the step samples from them, and reading the sampled ids is its only host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.torch_backend.model import AttentionGroup, ForwardBatch, LlamaModel
+from engines.torch_backend.sequence import Sequence
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a graph is captured for, ascending, the last one ``max_batch``."""
+    sizes = [size for size in (1, 2, 4, 8) if size < max_batch]
+    sizes += range(16, max_batch, 16)
+    return [*sizes, max_batch]
+
+
+@dataclass(slots=True)
+class GraphInputs:
+    """One step's inputs on the host, padded to the bucket ``size``."""
+
+    size: int
+    count: int
+    longs: torch.Tensor  # [3, size]: token ids, positions, cache slots
+    lengths: torch.Tensor  # [size] int32
+    tables: torch.Tensor  # [size, width] int32
+
+    @classmethod
+    def of(cls, sequences: list[Sequence], size: int, block_size: int, scratch_page: int) -> GraphInputs:
+        """The decode inputs of ``sequences`` (read under the scheduler's lock), padded to ``size``
+        rows that feed token 0 at position 0 into the scratch page and read only that slot."""
+        count = len(sequences)
+        padding = size - count
+        positions = [len(sequence.token_ids) - 1 for sequence in sequences]
+        token_ids = [sequence.token_ids[-1] for sequence in sequences] + [0] * padding
+        slots = [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)]
+        lengths = [position + 1 for position in positions] + [1] * padding
+        width = max(len(sequence.block_table) for sequence in sequences)
+        tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
+        tables += [[scratch_page] * width] * padding
+        longs = [token_ids, positions + [0] * padding, slots + [scratch_page * block_size] * padding]
+        return cls(size, count, torch.tensor(longs, dtype=torch.long), torch.tensor(lengths, dtype=torch.int32),
+                   torch.tensor(tables, dtype=torch.int32))
+
+
+class StaticDecodeBatch:
+    """The buffers a decode graph reads: ``largest`` rows, block tables ``max_pages`` wide.
+    Each step overwrites the rows of its bucket; table columns past a row's pages keep stale
+    values that the kernel never reads (it stops at the row's length)."""
+
+    def __init__(self, largest: int, max_pages: int, block_size: int, scratch_page: int, device: torch.device) -> None:
+        self.longs = torch.zeros((3, largest), dtype=torch.long, device=device)
+        self.longs[2].fill_(scratch_page * block_size)
+        self.lengths = torch.ones(largest, dtype=torch.int32, device=device)
+        self.tables = torch.full((largest, max_pages), scratch_page, dtype=torch.int32, device=device)
+        self.last = torch.arange(largest, device=device)
+
+    def batch(self, size: int) -> ForwardBatch:
+        group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
+        return ForwardBatch(self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None)
+
+    def load(self, inputs: GraphInputs) -> None:
+        size = inputs.size
+        self.longs[:, :size].copy_(inputs.longs, non_blocking=True)
+        self.lengths[:size].copy_(inputs.lengths, non_blocking=True)
+        self.tables[:size, : inputs.tables.shape[1]].copy_(inputs.tables, non_blocking=True)
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaModel, rotary: torch.Tensor, kv_cache: torch.Tensor, max_batch: int,
+                 max_pages: int, block_size: int) -> None:
+        if model.kernels.paged_decode is None:
+            raise ValueError("decode graphs need the paged decode kernel: gathered attention has per-step shapes")
+        self.buckets = decode_buckets(max_batch)
+        self.block_size = block_size
+        self.scratch_page = kv_cache.shape[1] - 1
+        self._model, self._rotary, self._kv_cache = model, rotary, kv_cache
+        self._static = StaticDecodeBatch(self.buckets[-1], max_pages, block_size, self.scratch_page, kv_cache.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._capture()
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Largest bucket first, all in one memory pool: a smaller graph reuses the larger's memory."""
+        pool = None
+        for size in reversed(self.buckets):
+            batch = self._static.batch(size)
+            self._model(batch, self._rotary, self._kv_cache)  # compiles and autotunes outside the capture
+            torch.cuda.synchronize(self._kv_cache.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[size] = self._model(batch, self._rotary, self._kv_cache)
+            pool = graph.pool() if pool is None else pool
+            self._graphs[size] = graph
+        torch.cuda.synchronize(self._kv_cache.device)
+
+    def fits(self, count: int) -> bool:
+        return 0 < count <= self.buckets[-1]
+
+    def inputs(self, sequences: list[Sequence]) -> GraphInputs:
+        """The step's inputs, read from the sequences (call under the scheduler's lock)."""
+        size = next(bucket for bucket in self.buckets if bucket >= len(sequences))
+        return GraphInputs.of(sequences, size, self.block_size, self.scratch_page)
+
+    def replay(self, inputs: GraphInputs) -> torch.Tensor:
+        """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe."""
+        self._static.load(inputs)
+        self._graphs[inputs.size].replay()
+        return self._logits[inputs.size][: inputs.count]

@@ -1,0 +1,44 @@
+"""One request inside the torch backend: its sequence, sampling key, detokeniser and stop rules.
+
+A sampled token ends a request in two stages. What the token alone decides (an EOS id,
+``max_tokens``, a full context) is known as soon as the ids are read back, and the request
+leaves the scheduler before the next step is scheduled. What needs its text (a stop string)
+is known once the token has been detokenised, which may happen while the next step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.backend import GenerationRequest
+from engines.torch_backend.sequence import Sequence
+from engines.torch_backend.tokenizer import IncrementalDetokenizer
+from service.protocol.messages import FinishReason
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    request: GenerationRequest
+    sequence: Sequence
+    key: int  # the sampling stream's key
+    detokenizer: IncrementalDetokenizer
+    stop_window: str = ""  # the last characters of the text, enough to see a stop string complete
+
+    def token_finish(self, token: int, eos_token_ids: tuple[int, ...], max_context: int) -> FinishReason | None:
+        """Whether the token just appended ends the request, by the token alone."""
+        if token in eos_token_ids:
+            return "stop"
+        if self.sequence.num_generated >= self.request.max_tokens or len(self.sequence.token_ids) >= max_context:
+            return "length"
+        return None
+
+    def text(self, token: int) -> tuple[str, bool]:
+        """The text the token completes, and whether that text completes a stop string."""
+        text = self.detokenizer.push(token)
+        stops = self.request.stop
+        if not stops or not text:
+            return text, False
+        window = self.stop_window + text
+        keep = max(len(stop) for stop in stops) - 1
+        self.stop_window = window[-keep:] if keep else ""
+        return text, any(stop in window for stop in stops)

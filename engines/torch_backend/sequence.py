@@ -1,0 +1,58 @@
+"""One request's tokens and the cache pages that hold their keys and values, free of torch.
+
+The KV cache is pages of ``block_size`` token slots. A sequence owns a block table (the pages
+holding its tokens in order); token ``i`` lives in slot
+``block_table[i // block_size] * block_size + i % block_size``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """The tokens of one request and where their keys and values live.
+
+    ``num_cached`` tokens have keys and values in the cache; a step feeds the rest
+    (``token_ids[num_cached:]``) and samples the token that follows them. ``page_hashes``
+    are the chained content hashes of the sequence's leading full pages, computed as needed
+    by the block manager; ``num_committed`` of its pages are known to the prefix cache.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_committed: int = 0
+
+    @classmethod
+    def from_prompt(cls, request_id: str, prompt: list[int]) -> Sequence:
+        return cls(request_id, list(prompt), len(prompt))
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_new(self) -> int:
+        """Tokens the next step feeds."""
+        return len(self.token_ids) - self.num_cached
+
+    def append(self, token: int) -> None:
+        """Record a sampled token: every token fed before it is now cached."""
+        self.num_cached = len(self.token_ids)
+        self.token_ids.append(token)
+
+    def slot(self, position: int, block_size: int) -> int:
+        return self.block_table[position // block_size] * block_size + position % block_size
