@@ -62,6 +62,7 @@ from service.protocol.prefix import prefix_hashes
 from service.protocol.subjects import Header, Subjects
 
 COORDINATOR_ID = "fleetbench"
+UNKNOWN = -1  # engines lost, when a saturated coordinator did not answer its status after any window
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,7 @@ class FleetResult:
     lost: int
     duplicated: int
     errors: int
-    engines_lost: int  # most engines missing from the coordinator's pool after a window (removed for silence)
+    engines_lost: int  # most engines missing from the coordinator's pool after a window (removed for silence); UNKNOWN if it never answered
     log_lines: int
     cpu_ratio: float = float("nan")  # median over rounds of CPU per request / the smallest fleet's in that round
     rate_ratio: float = float("nan")  # same, of the achieved rate
@@ -182,7 +183,8 @@ class FleetBench:
         fleet = RunningFleet(policy, engines, subjects, coordinator, host, log_path)
         fleet.registration_s = await _registered(host)
         fleet.registration_cpu_s = cpu_seconds(coordinator.pid) - cpu_before
-        known = len((await self._status(fleet))["engines"])
+        status = await self._status(fleet)
+        known = len(status["engines"]) if status is not None else 0
         if known != engines:
             raise RuntimeError(f"the coordinator knows {known} engines, not {engines}")
         return fleet
@@ -212,8 +214,12 @@ class FleetBench:
                 await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
         raise RuntimeError(f"the coordinator did not come up in 30 s; see {log_path}")
 
-    async def _status(self, fleet: RunningFleet) -> dict[str, Any]:
-        msg = await self.nc.request(fleet.subjects.status("coordinator", COORDINATOR_ID), b"", timeout=10.0)
+    async def _status(self, fleet: RunningFleet) -> dict[str, Any] | None:
+        """The coordinator's status; None when a saturated coordinator did not answer in 10 s."""
+        try:
+            msg = await self.nc.request(fleet.subjects.status("coordinator", COORDINATOR_ID), b"", timeout=10.0)
+        except NatsTimeoutError:
+            return None
         return json.loads(msg.data)
 
     @staticmethod
@@ -247,7 +253,8 @@ class FleetBench:
             fleet.idle_core_pct = (cpu_seconds(fleet.coordinator.pid) - start) / self.args.idle * 100
 
     async def load_window(self, fleet: RunningFleet, rate: float) -> None:
-        before = (await self._status(fleet))["counters"]
+        before_status = await self._status(fleet)
+        before = before_status["counters"] if before_status is not None else {}
         watch = {"coordinator": fleet.coordinator.pid, "engines": fleet.host.pid, "client": os.getpid()}
         if self.nats_pid is not None:
             watch["nats_server"] = self.nats_pid
@@ -256,7 +263,7 @@ class FleetBench:
             self.args.warmup, self.args.duration, watch,
         )
         status = await self._status(fleet)
-        after = status["counters"]
+        after = status["counters"] if status is not None and before else {}
         messages = after.get("routed_messages", 0) - before.get("routed_messages", 0)
         routed = after.get("routed_requests", 0) - before.get("routed_requests", 0)
         latencies = sorted(load.latencies_us)
@@ -269,7 +276,7 @@ class FleetBench:
             "requests_per_routed_message": routed / messages if messages else float("nan"),
             "others_cores": max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s),
             "sent": load.sent, "lost": load.lost, "duplicated": load.duplicated, "errors": load.errors,
-            "engines_lost": fleet.engines - len(status["engines"]),
+            "engines_lost": fleet.engines - len(status["engines"]) if status is not None else UNKNOWN,
         })
 
 
@@ -362,7 +369,7 @@ def print_report(results: list[FleetResult], verdicts: list[dict[str, Any]], hea
             f"{r.policy:<12} {r.engines:>7}  {r.achieved_per_s:>10,.0f}  {r.p50_ms:>7.2f}  {r.p99_ms:>7.2f}  "
             f"{r.cpu_us_per_request:>12.1f}  {r.coordinator_core_pct:>11.0f}  {r.requests_per_routed_message:>7.1f}  "
             f"{r.registration_s:>5.2f}  {r.registration_cpu_s:>9.2f}  {r.idle_core_pct:>10.1f}  {r.lost:>4}  {r.duplicated:>3}  "
-            f"{r.errors:>6}  {r.engines_lost:>12}  {r.log_lines:>9}  {r.others_cores:>14.2f}\n"
+            f"{r.errors:>6}  {r.engines_lost if r.engines_lost != UNKNOWN else '?':>12}  {r.log_lines:>9}  {r.others_cores:>14.2f}\n"
         )
     out.write("\ntargets (within this run)\n")
     for v in verdicts:
