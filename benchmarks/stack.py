@@ -70,7 +70,7 @@ class BenchStack:
                 child.kill()
                 await child.wait()
         if self.server is not None:
-            self.server.stop()
+            self.server.close()
 
     async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         child = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)

@@ -4,7 +4,9 @@ It registers with the coordinator, heartbeats its load, runs routed requests thr
 backend step by step, and sends one batched ``engine_reply_partial`` and one batched
 ``engine_reply`` per step. Replies are encoded for the client here, from the return path each
 request carries, so the coordinator only forwards bytes. Control signals are applied and
-confirmed; pause is a barrier: its confirmation waits for the step in progress.
+confirmed; pause is a barrier: its confirmation waits for the step in progress. Coordinator
+replicas broadcast independently, so a control signal carries the revision of the shared
+control state it wrote, and one older than the last applied is confirmed without effect.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from service.protocol.messages import (
     EngineAck,
     EngineDisconnect,
     EngineRegister,
+    EngineSignal,
     Heartbeat,
     RegisterAck,
     ResendAnswer,
@@ -41,11 +44,12 @@ from service.protocol.messages import (
     RoutedRequest,
     SubmitRequest,
 )
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import CONTROL_HEADERS, Header, Subjects
 
 log = logging.getLogger(__name__)
 
 _register_ack_decoder = msgpack_decoder(RegisterAck)
+_signal_decoder = msgpack_decoder(EngineSignal)
 _submit_decoder = PayloadDecoder(SubmitRequest)
 
 
@@ -58,6 +62,7 @@ class EngineRuntime:
         self.subjects = Subjects(settings.subject_prefix)
         self.paused = False
         self.epoch: int | None = None
+        self.control_revision = 0  # of the shared control state, as last applied
         self.counters: Counter[str] = Counter()
         self.registered = asyncio.Event()
         self._malformed_log = RateLimitedLog(log)
@@ -143,6 +148,7 @@ class EngineRuntime:
                 delay = min(delay * 2, 2.0)
         self.paused = ack.state != "running"
         self.epoch = ack.epoch
+        self.control_revision = ack.revision
         self.registered.set()
         self._wake.set()
         log.info(
@@ -286,6 +292,9 @@ class EngineRuntime:
             self.counters["malformed"] += 1
             self._malformed_log.warning("engine_id=%s: unknown broadcast %s", self.engine_id, header)
             return
+        if header in CONTROL_HEADERS and (superseded := self._superseded(msg.data)) is not None:
+            await self._answer(msg.reply, EngineAck(self.engine_id, header, True, superseded))
+            return
         try:
             await self._dispatch(spec, msg.reply, msg.data)
         except WireError as exc:
@@ -294,6 +303,25 @@ class EngineRuntime:
         except Exception as exc:
             log.exception("engine_id=%s: %s failed", self.engine_id, header)
             await self._answer(msg.reply, EngineAck(self.engine_id, header, False, f"{type(exc).__name__}: {exc}"))
+
+    def _superseded(self, body: bytes) -> str | None:
+        """Broadcasts are handled one at a time, in arrival order, but replicas send them
+        independently: a control signal whose revision is not newer than the last applied is
+        confirmed without effect (the detail says why); a newer one brings its record's epoch.
+        None: apply it (also when it carries no revision, or does not decode: the handler
+        reports that)."""
+        try:
+            signal = _signal_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if signal.revision is None:
+            return None
+        if signal.revision <= self.control_revision:
+            self.counters["superseded_signals"] += 1
+            return f"superseded by revision {self.control_revision}"
+        self.control_revision = signal.revision
+        self.epoch = signal.epoch
+        return None
 
     async def confirm(self, incoming: Incoming, detail: str = "") -> None:
         await self._answer(incoming.reply, EngineAck(self.engine_id, incoming.header, True, detail))

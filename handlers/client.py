@@ -75,6 +75,7 @@ async def handle_list_models(coordinator: ClientContext, incoming: Incoming, pay
 async def handle_shutdown(coordinator: ClientContext, incoming: Incoming, payload: Empty) -> None:
     """Sent by an admin client, with an empty body.
 
-    Answers an ``Ack`` with the state, then the coordinator stops; every open request gets an
+    Stops every coordinator replica of the prefix: answers an ``Ack`` with the state and
+    ``replicas``, how many there were, then each replica stops; every open request gets an
     error reply on the way out."""
     await coordinator.shut_down(incoming)

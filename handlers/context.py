@@ -22,7 +22,7 @@ from service.protocol.messages import (
     SubmitEnvelope,
     SubmitRequest,
 )
-from service.protocol.state import CoordinatorState
+from service.protocol.state import CoordinatorState, Written
 from service.protocol.subjects import Header
 
 
@@ -48,22 +48,25 @@ class ClientContext(Replier, Protocol):
         """The models this replica's engines serve, with their engines, capacity and load."""
 
     async def shut_down(self, incoming: Incoming) -> None:
-        """Acknowledge ``incoming``, then stop; open requests get an error reply on the way out."""
+        """Stop every coordinator replica of the prefix, this one too: acknowledge ``incoming``
+        with how many there were, then stop; open requests get an error reply on the way out."""
 
 
 class ControlContext(Replier, Protocol):
     @property
     def state(self) -> CoordinatorState: ...
 
-    async def apply_control(self, signal: Header, payload: ControlSignal) -> tuple[bool, CoordinatorState]:
-        """Validate ``signal`` against the transition table and record it: (changed, new state).
+    async def apply_control(self, signal: Header, payload: ControlSignal) -> Written:
+        """Validate ``signal`` against the transition table on the control state every replica
+        shares and write it there: the record and revision, and whether this call changed it.
         Raises WireError 409 when the table forbids it."""
 
     async def control_engines(
-        self, incoming: Incoming, signal: Header, payload: ControlSignal, state: CoordinatorState
+        self, incoming: Incoming, signal: Header, payload: ControlSignal, written: Written | None
     ) -> None:
         """Broadcast ``signal`` to every engine, settle what it changes, and answer ``incoming``
-        with ``state`` once every engine confirmed (or with the engines that did not)."""
+        with what was ``written`` (None for profiler signals) once every engine confirmed (or
+        with the engines that did not)."""
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background, so a handler never blocks on engine acknowledgements."""

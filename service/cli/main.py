@@ -192,6 +192,7 @@ async def _run_coordinator(settings: Settings) -> int:
     from handlers import HANDLERS
     from service.coordinator.coordinator import Coordinator
     from service.coordinator.observability import coordinator_observability
+    from service.coordinator.shared_state import ReplicaConflict
 
     coordinator = Coordinator(settings, HANDLERS)
     observability = coordinator_observability(
@@ -209,8 +210,12 @@ async def _run_coordinator(settings: Settings) -> int:
         await observability.stop()
         await coordinator.stop()
 
-    await _serve(start, coordinator.run_until_stopped, coordinator.request_stop, stop)
-    return 0
+    try:
+        await _serve(start, coordinator.run_until_stopped, coordinator.request_stop, stop)
+    except ReplicaConflict as exc:
+        print(f"dpcoord: {exc}", file=sys.stderr)
+        return 1
+    return 0 if coordinator.failure is None else 1
 
 
 async def _run_engine(settings: Settings, model: str | None) -> int:

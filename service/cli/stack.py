@@ -1,6 +1,6 @@
-"""``dpcoord up``: an embedded nats-server (unless a NATS URL is given), one coordinator, N
-engines and the OpenAI-compatible HTTP gateway (unless ``--no-gateway``) as child processes,
-stopped together on Ctrl-C or SIGTERM."""
+"""``dpcoord up``: an embedded nats-server with JetStream in a temporary store (unless a NATS
+URL is given), one coordinator, N engines and the OpenAI-compatible HTTP gateway (unless
+``--no-gateway``) as child processes, stopped together on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -261,5 +261,5 @@ async def run_stack(settings: Settings, engines: int, model: str | None, gateway
                 child.kill()
                 await child.wait()
         if server is not None:
-            server.stop()
+            server.close()
     return exit_code

@@ -1,22 +1,34 @@
-"""Control: the transition table applied to this replica's state, broadcast to every engine,
-acknowledged once every engine confirmed.
+"""Control: the transition table applied to the control state that every replica of the prefix
+shares, broadcast to every engine, acknowledged once every engine confirmed.
 
 Contract:
-- A signal the transition table forbids in the current state is refused with 409 and changes
-  nothing; a repeat that changes nothing is acknowledged at once.
-- Otherwise the new state (and epoch) is recorded before the broadcast, so a submission that
-  arrives meanwhile already sees it; the ``Ack`` goes out once every engine confirmed, else
-  an error names the engines that did not (504) or failed (500), and the change stands.
-- After ``unpause`` queued requests are routed; after ``stop`` every engine is forgotten and the
-  coordinator runs again for new ones.
+- A signal is validated against the transition table on the shared record as read from the
+  bucket, and written with compare-and-set (:mod:`service.coordinator.shared_state`): a
+  signal the table forbids is refused with 409 by every replica alike and changes nothing;
+  a repeat that changes nothing is acknowledged at once.
+- Otherwise the record is written before the broadcast, so a submission that arrives
+  meanwhile already sees it; the broadcast carries the record's revision, so engines end in
+  the state of the newest signal whichever replica's broadcast reaches them last. The
+  ``Ack`` goes out once every engine confirmed, else an error names the engines that did
+  not (504) or failed (500), and the change stands.
+- Every replica follows the record (``current``), whichever replica wrote it: queued
+  requests are routed when it reaches ``running``; when a stop is over every engine is
+  forgotten and the replica runs again for new ones; a raised shutdown count stops it.
+- A stop whose replica died before finishing it is finished by the surviving replica with
+  the lowest id. Without JetStream a replica that hears another one on the prefix stops,
+  unless its id is the lower.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
+import msgspec
 from msgspec import Struct
 
 from service.bus.direct import DirectClient
@@ -25,12 +37,14 @@ from service.coordinator.admission import Admission
 from service.coordinator.broadcast import BroadcastResult, broadcast
 from service.coordinator.control_state import ControlState
 from service.coordinator.fleet import Fleet
+from service.coordinator.peers import CoordinatorPeers
+from service.coordinator.shared_state import SharedControlState
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import Ack, ControlSignal, error_reply
-from service.protocol.state import CoordinatorState, decide
-from service.protocol.subjects import PROFILER_HEADERS, Header, Subjects
+from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
+from service.protocol.state import ControlRecord, CoordinatorState, Written
+from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -40,53 +54,83 @@ Reply = Callable[[Incoming, Struct], Awaitable[None]]
 class Control:
     def __init__(
         self,
+        coordinator_id: str,
         settings: Settings,
         nc: DirectClient,
         subjects: Subjects,
         current: ControlState,
         fleet: Fleet,
         admission: Admission,
+        peers: CoordinatorPeers,
         counters: Counter[str],
         reply: Reply,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        request_stop: Callable[[], None],
     ) -> None:
+        self._id = coordinator_id
         self._settings = settings
         self._nc = nc
         self._subjects = subjects
         self.current = current
         self._fleet = fleet
         self._admission = admission
+        self._peers = peers
         self._counters = counters
         self._reply = reply
+        self._spawn = spawn
+        self._request_stop = request_stop
+        self.shared = SharedControlState(subjects.prefix, coordinator_id, settings.control_timeout_s, self._follow)
+        self.failure: str | None = None  # why this replica stopped itself, if it did
+        self._finishing_stop = False
+        self._stopping_since = 0.0
 
-    async def apply(self, signal: Header, payload: ControlSignal) -> tuple[bool, CoordinatorState]:
-        """Record ``signal``'s transition: (whether it changed anything, the new state)."""
-        decision = decide(self.current.state, signal)
-        if not decision.changes:
-            return False, decision.new_state
-        self.current.state = decision.new_state
-        if signal is Header.SET_GENERATION_EPOCH:
-            self.current.epoch = payload.epoch
-        log.info("control %s: state %s", signal, decision.new_state)
-        return True, decision.new_state
+    # ------------------------------------------------------------ lifecycle
 
-    async def broadcast(self, signal: Header, payload: ControlSignal) -> BroadcastResult:
+    async def open(self) -> None:
+        """Read the shared record before the coordinator serves (raises ReplicaConflict)."""
+        await self.shared.open(self._nc)
+        self.current.state, self.current.epoch = self.shared.record.state, self.shared.record.epoch
+
+    async def close(self) -> None:
+        await self.shared.close()
+
+    def reconnected(self) -> None:
+        self.shared.reconnected()
+
+    # ------------------------------------------------------------ signals
+
+    async def apply(self, signal: Header, payload: ControlSignal) -> Written:
+        """Write ``signal``'s transition to the shared record; 409 when the table forbids it."""
+        written = await self.shared.apply_signal(signal, payload.epoch)
+        if written.changed:
+            log.info("control %s: state %s, revision %d", signal, written.record.state, written.revision)
+        return written
+
+    async def broadcast(self, signal: Header, payload: EngineSignal) -> BroadcastResult:
         expected = {record.engine_id for record in self._fleet.pool}
         return await broadcast(
             self._nc, self._subjects.broadcast(signal), encode_msgpack(payload), expected, self._settings.control_timeout_s
         )
 
-    async def control_engines(self, incoming: Incoming, signal: Header, payload: ControlSignal, state: CoordinatorState) -> None:
-        result = await self.broadcast(signal, payload)
-        if signal is Header.STOP:
-            await self._fleet.remove_all("stopped")
-            self.current.state = CoordinatorState.RUNNING
-        elif signal is Header.UNPAUSE:
-            await self._admission.release_queue()
-        if signal in PROFILER_HEADERS:
+    async def control_engines(
+        self, incoming: Incoming, signal: Header, payload: ControlSignal, written: Written | None
+    ) -> None:
+        """``written`` is what a control signal wrote; None for profiler signals, which change no state."""
+        if written is None:
+            result = await self.broadcast(signal, EngineSignal(payload.epoch))
             details = {engine_id: ack.detail for engine_id, ack in result.acks.items()}
-            ack = Ack(signal, state=state, engines=details)
-        else:
-            ack = Ack(signal, state=state, epoch=payload.epoch)
+            await self._answer(incoming, signal, result, Ack(signal, state=self.current.state, engines=details))
+            return
+        revision = written.revision if self.shared.shared else None
+        result = await self.broadcast(signal, EngineSignal(written.record.epoch, revision))
+        if signal is Header.STOP:
+            try:
+                await self.finish_stop()
+            except WireError as err:
+                await self._reply(incoming, error_reply(err))
+                return
+        epoch = written.record.epoch if signal is Header.SET_GENERATION_EPOCH else None
+        ack = Ack(signal, state=written.record.state, epoch=epoch, revision=written.revision)
         await self._answer(incoming, signal, result, ack)
 
     async def _answer(self, incoming: Incoming, signal: Header, result: BroadcastResult, ack: Ack) -> None:
@@ -102,3 +146,82 @@ class Control:
         self._counters[f"error_{err.code}"] += 1
         log.warning("%s", err.message)
         await self._reply(incoming, error_reply(err))
+
+    async def finish_stop(self) -> None:
+        """Every engine confirmed ``stop`` (or had its chance): back to running, ready for new engines."""
+
+        def stopped(current: ControlRecord) -> ControlRecord | None:
+            if current.state is not CoordinatorState.STOPPING:
+                return None
+            return msgspec.structs.replace(current, state=CoordinatorState.RUNNING, signal="stop_done", coordinator_id=self._id)
+
+        await self.shared.change(stopped)
+        await self._fleet.remove_all("stopped")
+
+    async def shut_down_all(self) -> tuple[Written, int]:
+        """Raise the shutdown count, which stops every replica of the prefix (this one too);
+        returns what was written and how many replicas were alive, this one included."""
+
+        def shutdown(current: ControlRecord) -> ControlRecord:
+            return msgspec.structs.replace(
+                current, shutdown=current.shutdown + 1, signal=Header.SHUTDOWN.value, coordinator_id=self._id
+            )
+
+        replicas = 1 + len(self._peers.live())
+        return await self.shared.change(shutdown), replicas
+
+    # ------------------------------------------------------------ following the shared record
+
+    def _follow(self, previous: ControlRecord, current: ControlRecord) -> None:
+        self.current.state, self.current.epoch = current.state, current.epoch
+        if current.state is CoordinatorState.STOPPING and previous.state is not CoordinatorState.STOPPING:
+            self._stopping_since = time.monotonic()
+        if current.shutdown > previous.shutdown:
+            log.info("shutdown signalled through coordinator %s", current.coordinator_id)
+            self._request_stop()
+            return
+        stop_over = previous.state is CoordinatorState.STOPPING and current.state is not CoordinatorState.STOPPING
+        if stop_over or current.state is CoordinatorState.RUNNING:
+            self._spawn(self._settle(stop_over))
+
+    async def _settle(self, stop_over: bool) -> None:
+        if stop_over:
+            await self._fleet.remove_all("stopped")
+        await self._admission.release_queue()
+
+    async def watch_replicas(self) -> None:
+        """Finish a stop whose replica died, and keep replicas without shared state apart."""
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_timeout_s / 4)
+            if not self._nc.is_connected or not self._peers.warmed_up:
+                continue
+            record = self.shared.record
+            if (
+                record.state is CoordinatorState.STOPPING and not self._finishing_stop
+                and time.monotonic() - self._stopping_since > 2 * self._settings.control_timeout_s
+                and self._peers.should_adopt(record.coordinator_id)
+            ):
+                self._finishing_stop = True
+                self._spawn(self._adopt_stop(self.shared.revision))
+            others = self._peers.live()
+            if not self.shared.shared and others and self._id > min(others):
+                # Replicas that started together both found nobody there: the one with the higher id leaves.
+                self.failure = (
+                    f"coordinator {min(others)} also serves prefix {self._subjects.prefix} and NATS has no JetStream "
+                    f"to share control state with it, so this one ({self._id}) stops; run one coordinator, or enable "
+                    "JetStream"
+                )
+                log.error("%s", self.failure)
+                self._request_stop()
+                return
+
+    async def _adopt_stop(self, revision: int) -> None:
+        """Stop the engines again for the replica that wrote ``stopping`` and died, then finish."""
+        try:
+            log.warning("finishing the stop coordinator %s began", self.shared.record.coordinator_id)
+            await self.broadcast(Header.STOP, EngineSignal(self.current.epoch, revision))
+            await self.finish_stop()
+        except WireError as err:
+            log.warning("could not finish the stop: %s", err.message)
+        finally:
+            self._finishing_stop = False

@@ -1,7 +1,8 @@
-"""The control state and generation epoch as this replica knows them.
+"""The control state and generation epoch as this replica knows them: its copy of the record
+all replicas share (:mod:`service.coordinator.shared_state`).
 
-Read on the hot path (admission, engine registration); written only by
-:class:`service.coordinator.control.Control`.
+Read on the hot path (admission, engine registration), which never touches JetStream;
+written only by :class:`service.coordinator.control.Control` as the shared record changes.
 """
 
 from __future__ import annotations

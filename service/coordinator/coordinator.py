@@ -41,6 +41,7 @@ from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import ClientKey, RequestTable
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
+from service.coordinator.shared_state import SharedControlState
 from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
 from service.ops.settings import Settings
@@ -58,7 +59,7 @@ from service.protocol.messages import (
     SubmitRequest,
     error_reply,
 )
-from service.protocol.state import CoordinatorState
+from service.protocol.state import CoordinatorState, Written
 from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ class Coordinator:
             self.counters, self.spawn,
         )
         self._control = Control(
-            settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.counters, self.reply
+            self.id, settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.peers,
+            self.counters, self.reply, self.spawn, self.request_stop,
         )
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[object]] = set()
@@ -112,6 +114,16 @@ class Coordinator:
     @property
     def epoch(self) -> int | None:
         return self.control_state.epoch
+
+    @property
+    def shared(self) -> SharedControlState:
+        """The control state shared with every replica of the prefix."""
+        return self._control.shared
+
+    @property
+    def failure(self) -> str | None:
+        """Why this replica stopped itself, if it did (another one serves the prefix without JetStream)."""
+        return self._control.failure
 
     @property
     def latency(self) -> RequestLatency:
@@ -135,6 +147,11 @@ class Coordinator:
             self.settings, name=f"dpcoord-coordinator-{self.id}",
             on_disconnect=self._deliveries.hold, on_reconnect=self._on_bus_back, nc=self.nc,
         )
+        try:
+            await self._control.open()
+        except BaseException:
+            await close_nats(self.nc)
+            raise
         if self.nc.max_payload < self._max_body:
             self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
@@ -148,6 +165,7 @@ class Coordinator:
             self._subscriptions.append(subscription)
         await flush_subscriptions(self.nc)
         self.spawn(self._fleet.watch_heartbeats())
+        self.spawn(self._control.watch_replicas())
         self.spawn(self._heartbeat())
         self.spawn(self._outbox.run())
         asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
@@ -166,6 +184,7 @@ class Coordinator:
         self._stopped = True
         self._stop_requested.set()
         self.control_state.state = CoordinatorState.STOPPING
+        await self._control.close()
         for sub in self._subscriptions:
             await sub.unsubscribe()
         for entry in self.requests:
@@ -253,20 +272,23 @@ class Coordinator:
         return self.engines.served()
 
     async def shut_down(self, incoming: Incoming) -> None:
-        await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state))
+        written, replicas = await self._control.shut_down_all()
+        await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state, revision=written.revision, replicas=replicas))
         await self.nc.flush()
         self.request_stop()
 
-    async def apply_control(self, signal: Header, payload: ControlSignal) -> tuple[bool, CoordinatorState]:
+    async def apply_control(self, signal: Header, payload: ControlSignal) -> Written:
         return await self._control.apply(signal, payload)
 
-    async def control_engines(self, incoming: Incoming, signal: Header, payload: ControlSignal, state: CoordinatorState) -> None:
-        await self._control.control_engines(incoming, signal, payload, state)
+    async def control_engines(
+        self, incoming: Incoming, signal: Header, payload: ControlSignal, written: Written | None
+    ) -> None:
+        await self._control.control_engines(incoming, signal, payload, written)
 
     async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
         await self._fleet.register(engine_id, capacity, model)
         if incoming.reply:
-            ack = RegisterAck(self.id, self.state, self.epoch)
+            ack = RegisterAck(self.id, self.state, self.epoch, self.shared.revision)
             await self.nc.publish(incoming.reply, encode_msgpack(ack))
         await self._admission.release_queue()
 
@@ -308,6 +330,7 @@ class Coordinator:
         self.spawn(settle())
 
     def _on_bus_back(self) -> None:
+        self._control.reconnected()
         self._fleet.forgive_silence()
         asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)
 

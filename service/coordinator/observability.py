@@ -39,6 +39,8 @@ def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
         requests_in_flight=len(coordinator.requests),
         engines=[EngineLoad(record.engine_id, record.load, record.capacity, record.model) for record in coordinator.engines],
         counters=dict(coordinator.counters),
+        peers=sorted(coordinator.peers.live()),
+        revision=coordinator.shared.revision,
     )
 
 

@@ -20,7 +20,9 @@ class CoordinatorPeers:
         if coordinator_id != self._own_id:
             self._last_seen[coordinator_id] = time.monotonic()
 
-    def _live(self, now: float) -> list[str]:
+    def live(self) -> list[str]:
+        """The other replicas heard within the heartbeat timeout."""
+        now = time.monotonic()
         self._last_seen = {peer: seen for peer, seen in self._last_seen.items() if now - seen < self._timeout_s}
         return list(self._last_seen)
 
@@ -30,5 +32,5 @@ class CoordinatorPeers:
         return time.monotonic() - self._started_at >= self._timeout_s
 
     def should_adopt(self, owner_id: str) -> bool:
-        live = self._live(time.monotonic())
+        live = self.live()
         return owner_id not in live and min([self._own_id, *live]) == self._own_id

@@ -44,6 +44,8 @@ class EngineLoad(msgspec.Struct):
 
 
 class CoordinatorStatus(msgspec.Struct):
+    """``peers``: the other replicas this one hears; ``revision``: of the shared control state."""
+
     coordinator_id: str
     subject_prefix: str
     state: str
@@ -51,6 +53,8 @@ class CoordinatorStatus(msgspec.Struct):
     requests_in_flight: int
     engines: list[EngineLoad]
     counters: dict[str, int]
+    peers: list[str] = msgspec.field(default_factory=list)
+    revision: int = 0
 
 
 class PrefixCacheStatus(msgspec.Struct):

@@ -148,11 +148,17 @@ class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
 
 
 class Ack(Struct, tag="ack", tag_field="type", omit_defaults=True):
+    """``revision`` is the control-state revision a control signal wrote or found (see
+    :class:`service.protocol.state.ControlRecord`); ``replicas`` is how many coordinator
+    replicas a shutdown stops."""
+
     signal: str
     state: str | None = None
     request_id: str | None = None
     epoch: int | None = None
     engines: dict[str, str] | None = None
+    revision: int | None = None
+    replicas: int | None = None
 
 
 class ConnectAck(Struct, tag="connect_ack", tag_field="type"):
@@ -195,9 +201,13 @@ class EngineRegister(Struct):
 
 
 class RegisterAck(Struct):
+    """``revision``: the control-state revision ``state`` and ``epoch`` were read at, so the
+    engine can tell a broadcast that overtook it from one that is news."""
+
     coordinator_id: str
     state: str
     epoch: int | None
+    revision: int = 0
 
 
 class Heartbeat(Struct):
@@ -279,6 +289,19 @@ class RoutedReply(Struct, array_like=True, gc=False):
 class EngineReplyBatch(Struct):
     engine_id: str
     replies: list[RoutedReply]
+
+
+class EngineSignal(Struct):
+    """A control or profiler signal as broadcast to engines (``<prefix>.engines.<signal>``).
+
+    ``revision`` is the control-state revision the signal wrote. Replicas broadcast their
+    signals independently, so two may reach an engine in the opposite order; an engine
+    applies a state change only when its revision is newer than the last it applied, which
+    leaves every engine in the state of the highest revision. None (profiler signals, or
+    a coordinator without shared state) is applied unconditionally."""
+
+    epoch: int | None = None
+    revision: int | None = None
 
 
 class EngineAck(Struct):

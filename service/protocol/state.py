@@ -1,4 +1,5 @@
-"""Coordinator states and the declarative table of control-signal transitions.
+"""Coordinator states, the declarative table of control-signal transitions, and the control
+record that coordinator replicas share.
 
 Each signal names the states it may leave, the state it moves to, and the states in which
 a repeat is acknowledged without change. Every (state, signal) pair outside the table is
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from msgspec import Struct
 
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.subjects import Header
@@ -58,3 +61,30 @@ def decide(state: CoordinatorState, signal: Header) -> Decision:
     if state not in transition.allowed_from:
         raise WireError(ErrorCode.CONFLICT, f"{signal} is not allowed in state {state}")
     return Decision(changes=True, new_state=transition.new_state or state)
+
+
+class ControlRecord(Struct, kw_only=True):
+    """The control state of one subject prefix, shared by every coordinator replica: the value
+    of key ``<prefix>`` in the JetStream key-value bucket ``<prefix>_control`` (dots of the
+    prefix become ``_``), written with compare-and-set on the key's revision. Encoded in JSON,
+    so ``nats kv get`` shows it.
+
+    ``shutdown`` counts shutdown signals: a replica exits when it rises above the value it read
+    at start. ``signal`` and ``coordinator_id`` say what wrote the record and which replica.
+    """
+
+    state: CoordinatorState = CoordinatorState.RUNNING
+    epoch: int | None = None
+    shutdown: int = 0
+    signal: str = ""
+    coordinator_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What a change left in the shared record: the record, its revision, and whether this
+    change wrote it (False: the signal changed nothing, as an idempotent repeat)."""
+
+    record: ControlRecord
+    revision: int
+    changed: bool

@@ -105,8 +105,14 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     rules = permissions(rendered_auth({}).auth_conf)
     assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS)
     assert set(rules["engine"]["publish"]["allow"]) == subjects(FROM_ENGINES)
-    assert set(rules["coordinator"]["publish"]["deny"]) == subjects(SIGNALS | FROM_CLIENTS)
-    assert rules["coordinator"]["publish"]["allow"] == [">"]  # replies go wherever clients ask
+    coordinator = rules["coordinator"]["publish"]
+    assert "deny" not in coordinator  # an allow list: everything else is refused
+    assert {subject for subject in coordinator["allow"] if subject.startswith("dpcoord.")} == {
+        "dpcoord.engine.*.*", "dpcoord.engines.*", "dpcoord.coordinator_heartbeat"
+    }
+    assert "_INBOX.>" in coordinator["allow"]  # replies to clients
+    jetstream = [subject for subject in coordinator["allow"] if subject.startswith("$")]
+    assert jetstream and all("dpcoord_control" in subject for subject in jetstream)  # its own bucket only
     assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]
     # Each pod replies on its role's inbox prefix (the chart sets it per pod), which no client may read.
     for role in ("coordinator", "engine"):
@@ -197,11 +203,24 @@ async def test_only_admin_pauses_and_lists_services(secured: Any, connect: Any) 
     url, auth, coordinator, engine = secured
     admin = await connect(url, "admin", auth.passwords["admin"])
     ack = await request_json(admin.nc, "dpcoord.pause", {})
-    assert ack == {"type": "ack", "signal": "pause", "state": "paused"}
+    assert ack == {"type": "ack", "signal": "pause", "state": "paused", "revision": 2}
     assert coordinator.state is CoordinatorState.PAUSED
     assert (await request_json(admin.nc, "dpcoord.unpause", {}))["state"] == "running"
     services = await collect_replies(admin.nc, "$SRV.PING", {coordinator.id, engine.engine_id})
     assert {reply["name"] for reply in services.values()} == {"dpcoord-coordinator", "dpcoord-engine"}
+
+
+async def test_only_coordinators_reach_the_control_state(secured: Any, connect: Any) -> None:
+    url, auth, coordinator, _ = secured
+    assert coordinator.shared.shared  # the chart's NATS has JetStream and the coordinator its bucket
+    for user in ("client", "engine", "admin"):
+        connection = await connect(url, user, auth.passwords[user])
+        for forbidden in ("$KV.dpcoord_control.dpcoord", "$JS.API.STREAM.PURGE.KV_dpcoord_control"):
+            assert f'permissions violation for publish to "{forbidden.lower()}"' in await connection.refused(forbidden)
+    coordinator_user = await connect(url, "coordinator", auth.passwords["coordinator"])
+    for forbidden in ("$KV.other_control.other", "$JS.API.STREAM.DELETE.KV_dpcoord_control"):
+        assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(forbidden)
+    assert coordinator.state is CoordinatorState.RUNNING and coordinator.shared.revision == 1
 
 
 async def test_engines_and_coordinators_stay_in_their_lanes(secured: Any, connect: Any) -> None:

@@ -1,5 +1,6 @@
 """The fault suite: load, an engine SIGKILLed, the NATS server restarted and garbage on every
-subject, then a count of terminal replies. Run alone with `pytest -m faults -s`.
+subject, then a count of terminal replies; once more with three coordinator replicas. Run alone
+with `pytest -m faults -s`.
 
 Core NATS delivers at most once, so a client that must lose nothing resubmits what may have
 been lost, under the same (client_id, client_request_id): after a reconnect, and on NATS's
@@ -37,6 +38,7 @@ from service.ops.settings import Settings
 from service.protocol.subjects import Header
 from tests.conftest import make_settings
 from tests.helpers import REPO_ROOT, decode_reply
+from tests.replicas import ReplicaSet
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 REQUESTS = 2000
@@ -261,3 +263,81 @@ async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: 
             await engine.stop()
     assert outcomes["lost"] == 0 and outcomes["duplicated"] == 0 and run_twice == 0
     assert outcomes["final"] + errors == REQUESTS
+
+
+async def test_three_replicas_lose_nothing_through_an_engine_kill_and_a_nats_restart(
+    private_nats: EmbeddedNatsServer,
+) -> None:
+    """Three coordinator replicas and three engines as processes, the client library under load,
+    an engine SIGKILLed and the NATS server restarted. Then the replicas still share one control
+    state: the bucket survived the restart (its store is on disk) and every replica follows it."""
+    settings = fault_settings(private_nats, heartbeat_timeout_s=3.0)
+    requests, in_flight = REQUESTS // 2, IN_FLIGHT // 2
+    observer = await nats.connect(settings.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    replicas = ReplicaSet(settings, observer)
+    engines = [engine_process(settings) for _ in range(3)]
+    try:
+        await replicas.start("r0", "r1", "r2")
+        await replicas.wait_for(lambda statuses: all(len(s["engines"]) == 3 for s in statuses.values()), 30)
+        outcomes: Counter[str] = Counter()
+        async with await DpcoordClient.connect(settings) as client:
+            slots = asyncio.Semaphore(in_flight)
+            kill_now, restart_now = asyncio.Event(), asyncio.Event()
+
+            async def one(index: int) -> None:
+                async with slots:
+                    if index == requests // 4:
+                        kill_now.set()
+                    if index == requests // 2:
+                        restart_now.set()
+                    prompt = f"replicated request {index}"
+                    try:
+                        if index % 2:
+                            final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
+                            outcomes["final" if final.generated_text else "empty"] += 1
+                            return
+                        finals = [reply async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
+                                  if reply.__class__.__name__ == "Final"]
+                        outcomes["final" if len(finals) == 1 else "duplicated"] += 1
+                    except ClientError as exc:
+                        outcomes[f"error_{exc.code}"] += 1
+                    except TimeoutError:
+                        outcomes["lost"] += 1
+
+            async def chaos() -> None:
+                await kill_now.wait()
+                engines[0].send_signal(signal.SIGKILL)
+                await restart_now.wait()
+                await restart_nats(private_nats)
+
+            await asyncio.gather(chaos(), *(one(i) for i in range(requests)))
+            _, revision_before = await replicas.record()
+            # Control after the restart: taken by any replica, followed by all.
+            assert (await client.pause(timeout=20)).state == "paused"
+            await replicas.all_report(10, state="paused")
+            assert (await client.unpause(timeout=20)).state == "running"
+            await replicas.all_report(10, state="running")
+            _, revision_after = await replicas.record()
+            counters: Counter[str] = Counter()
+            for status in (await replicas.statuses()).values():
+                counters.update(status["counters"])
+        errors = {key: count for key, count in outcomes.items() if key.startswith("error")}
+        print_counts("three replicas, client library, engine SIGKILL + NATS restart", {
+            "replicas": 3, "submitted": requests, "final": outcomes["final"], "error": sum(errors.values()),
+            "lost": outcomes["lost"], "duplicated": outcomes["duplicated"]})
+        print_counts("replica counters, summed", dict(sorted(counters.items())))
+        assert outcomes["lost"] == 0 and outcomes["duplicated"] == 0 and outcomes["empty"] == 0
+        assert outcomes["final"] + sum(errors.values()) == requests
+        assert set(errors) <= {"error_503"}  # streamed requests on the killed engine
+        assert revision_after == revision_before + 2  # the bucket kept its history across the restart
+    finally:
+        await replicas.close()
+        await observer.close()
+        for engine in engines:
+            if engine.poll() is None:
+                engine.send_signal(signal.SIGTERM)
+        for engine in engines:
+            try:
+                engine.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                engine.kill()

@@ -69,7 +69,7 @@ async def test_generation_epoch_is_recorded_in_final_replies(
 ) -> None:
     await start_engines(1)
     ack = await request_json(nc, subject(coordinator, "set_generation_epoch"), {"epoch": 7})
-    assert ack == {"type": "ack", "signal": "set_generation_epoch", "state": "running", "epoch": 7}
+    assert ack == {"type": "ack", "signal": "set_generation_epoch", "state": "running", "epoch": 7, "revision": 2}
     final = await request_json(nc, subject(coordinator, "submit_request"), {"prompt": "e", "sampling_params": {"max_tokens": 3}})
     assert final["epochs"] == [{"epoch": 7, "start": 0, "end": 3}]
     missing = await request_json(nc, subject(coordinator, "set_generation_epoch"), {})
@@ -108,7 +108,7 @@ async def test_profiler_signals_are_acked_by_every_engine(
 async def test_control_in_msgpack_is_answered_in_msgpack(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
     await start_engines(1)
     msg = await nc.request(subject(coordinator, "pause"), msgpack.packb({}), timeout=5)
-    assert msgpack.unpackb(msg.data) == {"type": "ack", "signal": "pause", "state": "paused"}
+    assert msgpack.unpackb(msg.data) == {"type": "ack", "signal": "pause", "state": "paused", "revision": 2}
 
 
 async def test_stop_fails_in_flight_requests_and_engines_exit(

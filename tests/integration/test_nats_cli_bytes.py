@@ -93,6 +93,6 @@ async def test_nats_request_control_with_empty_body(nats_url: str, coordinator: 
     try:
         await client.send(b"SUB _INBOX.cli3 3")
         await client.send(b"PUB %s _INBOX.cli3 0" % coordinator.subjects.coordinator("pause").encode(), b"")
-        assert json.loads(await client.next_payload()) == {"type": "ack", "signal": "pause", "state": "paused"}
+        assert json.loads(await client.next_payload()) == {"type": "ack", "signal": "pause", "state": "paused", "revision": 2}
     finally:
         client.close()

@@ -278,6 +278,42 @@ async def test_coordinator_cannot_forge_client_admin_or_engine_messages(fleet: F
     await assert_still_running(fleet)
 
 
+# ------------------------------------------------------------ the shared control state
+
+BUCKET_SUBJECTS = ["$KV.dpcoord_control.dpcoord", "$JS.API.STREAM.PURGE.KV_dpcoord_control"]  # write, wipe
+
+
+@pytest.mark.parametrize("role", ["client", "engine", "admin"])
+@pytest.mark.parametrize("subject", BUCKET_SUBJECTS)
+async def test_only_coordinators_reach_the_control_state(fleet: Fleet, role: str, subject: str) -> None:
+    assert fleet.coordinator.shared.shared  # the example config gives the coordinator its bucket
+    revision = fleet.coordinator.shared.revision
+    async with connected(role_settings(fleet.url, role)) as (nc, violations):
+        await nc.publish(subject, b'{"state": "paused"}', reply=nc.new_inbox())
+        await violations.wait_for("publish", subject)
+    await assert_still_running(fleet)
+    assert fleet.coordinator.shared.revision == revision
+
+
+async def test_a_client_cannot_write_the_bucket_through_jetstream(fleet: Fleet) -> None:
+    """What `nats kv put dpcoord_control dpcoord ...` does, as the client user: refused."""
+    async with connected(role_settings(fleet.url, "client")) as (nc, _):
+        with pytest.raises(nats.errors.Error):
+            kv = await nc.jetstream(timeout=1.0).key_value("dpcoord_control")
+            await kv.put("dpcoord", b'{"state": "paused"}')
+    await assert_still_running(fleet)
+
+
+@pytest.mark.parametrize("subject", [
+    "$KV.other_control.other", "$JS.API.STREAM.INFO.KV_other_control", "$JS.API.STREAM.DELETE.KV_dpcoord_control",
+    "$JS.API.STREAM.PURGE.KV_dpcoord_control",
+])
+async def test_coordinator_reaches_its_bucket_only(fleet: Fleet, subject: str) -> None:
+    async with connected(role_settings(fleet.url, "coordinator")) as (nc, violations):
+        await nc.publish(subject, b"{}")
+        await violations.wait_for("publish", subject)
+
+
 # ------------------------------------------------------------ confused deputy
 
 
@@ -346,6 +382,7 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
         ("dpcoord.engine.e1.submit_request", False),
         ("$SYS.REQ.SERVER.PING", False),
         ("$JS.API.STREAM.DELETE.x", False),
+        ("$KV.dpcoord_control.dpcoord", False),  # the shared control state
         ("a.*.b", False),
         ("a.>", False),
         ("a..b", False),
@@ -400,7 +437,9 @@ async def test_creds_file_authentication(tmp_path: Path) -> None:
     }
     # May shake hands and nothing else: its submissions are refused.
     watcher_permissions = {"pub": {"allow": ["dpcoord.connect"]}, "sub": {"allow": ["_INBOX_watcher.>"]}}
-    with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config()))) as server:
+    # JetStream in operator mode needs a system account; this test is about authentication, so
+    # its one coordinator runs without shared state.
+    with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config())), jetstream=False) as server:
         fleet_settings = make_settings(server.url, subject_prefix=PREFIX, nats_creds_file=str(operator.user("fleet")))
         client_settings = make_settings(
             server.url, subject_prefix=PREFIX, nats_inbox_prefix="_INBOX_client",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -70,7 +71,9 @@ async def test_table_live(
     state: CoordinatorState, signal: Header, coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     [engine] = await start_engines(1)
-    coordinator.control_state.state = state  # put the coordinator straight into the state under test
+    # Put the fleet straight into the state under test, as another replica's signal would.
+    await coordinator.shared.change(lambda current: msgspec.structs.replace(current, state=state))
+    assert coordinator.state is state
     reply = await request_json(nc, coordinator.subjects.coordinator(signal), {"epoch": 3})
     expected = EXPECTED[(state, signal)]
     if expected == REFUSED:

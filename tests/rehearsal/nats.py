@@ -103,8 +103,9 @@ def bundled_nats(rendered: Rendered, folder: Path) -> Iterator[Nats]:
         credentials = {user: secret_data(secret)[f"{user}-password"] for user in USERS}
     with ExitStack() as stack:
         servers = [
-            EmbeddedNatsServer(
-                extra_args=("-c", str(_bundled_config(rendered, folder / f"nats-{index}", index, cluster_ports)))
+            EmbeddedNatsServer(  # JetStream as the rendered config says, not the embedded default
+                extra_args=("-c", str(_bundled_config(rendered, folder / f"nats-{index}", index, cluster_ports))),
+                jetstream=False,
             )
             for index in range(size)
         ]

@@ -16,8 +16,7 @@ from typing import Any
 import nats
 import pytest
 
-from service.client import ClientError, DpcoordClient
-from service.protocol.errors import ErrorCode
+from service.client import DpcoordClient
 from service.protocol.state import CoordinatorState
 from tests.rehearsal.pods import PodProcess
 from tests.rehearsal.running import Deployment
@@ -54,34 +53,19 @@ async def test_a_client_with_the_charts_client_credentials_gets_a_final(deployme
     assert final.engine_id in {process.pod.name for process in deployment.processes}, final
 
 
-# Issue 10: each coordinator replica keeps its own control state, and the queue group hands a
-# signal to one of them, so an unpause that reaches the replica that did not pause is refused
-# (409). Alternating this often meets it with all but certainty (one in 2**CYCLES runs passes).
+# The coordinator replicas share one control state (JetStream, on in the chart), so a signal
+# holds for all of them whichever replica the queue group hands it to. Were it not shared, an
+# unpause would meet a replica that missed the pause in all but one in 2**CYCLES runs (409).
 CYCLES = 16
 
 
-@pytest.mark.xfail(strict=True, raises=ClientError, reason="issue 10: coordinator replicas do not share control state")
 async def test_the_admin_pauses_and_unpauses(deployment: Deployment) -> None:
     async with await DpcoordClient.connect(deployment.person("admin"), timeout=10) as admin:
-        try:
-            for _ in range(CYCLES):
-                paused = await admin.pause(timeout=10)
-                assert paused.state == CoordinatorState.PAUSED.value, paused
-                unpaused = await admin.unpause(timeout=10)
-                assert unpaused.state == CoordinatorState.RUNNING.value, unpaused
-        finally:
-            await _unpause_the_paused_replica(admin)
-
-
-async def _unpause_the_paused_replica(admin: DpcoordClient) -> None:
-    """Leave the fleet running for the tests that follow: an unpause reaches some replica that is paused."""
-    for _ in range(4 * CYCLES):
-        try:
-            await admin.unpause(timeout=10)
-            return
-        except ClientError as refused:
-            if refused.code != ErrorCode.CONFLICT:
-                raise
+        for _ in range(CYCLES):
+            paused = await admin.pause(timeout=10)
+            assert paused.state == CoordinatorState.PAUSED.value, paused
+            unpaused = await admin.unpause(timeout=10)
+            assert unpaused.state == CoordinatorState.RUNNING.value, unpaused
 
 
 async def test_the_services_api_lists_every_instance(deployment: Deployment) -> None:
