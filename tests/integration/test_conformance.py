@@ -120,7 +120,8 @@ async def test_control_signals_are_confirmed_by_every_engine(
     assert (await held)["generated_text"] == "l"
     confirmed = {(engine_id, signal) for engine_id, signal, _ in fleet.signals}
     assert confirmed == {(engine_id, signal) for engine_id in ENGINE_IDS for signal in ("pause", "set_generation_epoch", "unpause")}
-    assert all(payload == {"epoch": 5} for _, signal, payload in fleet.signals if signal == "set_generation_epoch")
+    # `{epoch?, revision?}`: the epoch as sent, and the control state's revision where replicas share one.
+    assert all(payload["epoch"] == 5 for _, signal, payload in fleet.signals if signal == "set_generation_epoch")
 
 
 async def test_stop_fails_in_flight_requests(coordinator: Coordinator, fleet: DocEngineFleet, nc: NATS) -> None:
