@@ -18,7 +18,8 @@ What an engine does, as the documentation says:
   (finals and errors) and ``<prefix>.engine_reply_partial`` (partials), each body the client's
   reply encoded in the route's encoding;
 - abort on ``<prefix>.engine.<engine_id>.abort_request``; resend on ``...resend_replies``;
-- confirm broadcasts on ``<prefix>.engines.<signal>`` with ``{engine_id, signal, ok, detail}``;
+- confirm broadcasts on ``<prefix>.engines.<signal>`` with ``{engine_id, signal, ok, detail}``,
+  applying a control signal only when its ``revision`` is newer than the last applied;
 - leave with ``{engine_id, reason}`` on ``<prefix>.disconnect``.
 
 Generation is the echo backend's rule: the n-th generated token is the prompt's token n mod its
@@ -61,6 +62,7 @@ class DocEngine:
     active: dict[str, Active] = field(default_factory=dict)
     paused: bool = False
     registered: bool = False
+    revision: int | None = None  # of the shared control state last applied
 
 
 def _encode(message: dict[str, Any], encoding: str) -> bytes:
@@ -124,6 +126,7 @@ class DocEngineFleet:
                 ack = msgpack.unpackb((await self.nc.request(f"{self.prefix}.register", message, timeout=timeout_s)).data)
             self.coordinator_ids.add(ack["coordinator_id"])
             engine.paused = ack["state"] != "running"
+            engine.revision = ack.get("revision")
             engine.registered = True
 
         await asyncio.gather(*(one(engine) for engine in self.engines.values()))
@@ -263,22 +266,31 @@ class DocEngineFleet:
 
     # ------------------------------------------------------------ broadcasts
 
+    async def _apply(self, engine: DocEngine, signal: str) -> str:
+        if signal in ("pause", "suspend"):
+            engine.paused = True
+        elif signal == "unpause":
+            engine.paused = False
+        elif signal == "stop":
+            engine.paused = True
+            failed = [self._error(active.route, 503, f"engine {engine.engine_id} stopped", active.partials_sent)
+                      for active in engine.active.values()]
+            engine.active.clear()
+            await self._send(engine, "engine_reply", failed)
+            return f"{len(failed)} requests failed"
+        return ""
+
     async def _on_broadcast(self, msg: Msg) -> None:
         signal = msg.subject.rpartition(".")[2]
         payload = msgpack.unpackb(msg.data) if msg.data else {}
+        revision = payload.get("revision")
         for engine in self.engines.values():
-            detail = ""
-            if signal in ("pause", "suspend"):
-                engine.paused = True
-            elif signal == "unpause":
-                engine.paused = False
-            elif signal == "stop":
-                engine.paused = True
-                failed = [self._error(active.route, 503, f"engine {engine.engine_id} stopped", active.partials_sent)
-                          for active in engine.active.values()]
-                engine.active.clear()
-                await self._send(engine, "engine_reply", failed)
-                detail = f"{len(failed)} requests failed"
+            if revision is not None and engine.revision is not None and revision <= engine.revision:
+                detail = f"superseded by revision {engine.revision}"  # a newer state was applied already
+            else:
+                if revision is not None:
+                    engine.revision = revision
+                detail = await self._apply(engine, signal)
             self.signals.append((engine.engine_id, signal, payload))
             if msg.reply:
                 ack = {"engine_id": engine.engine_id, "signal": signal, "ok": True, "detail": detail}
