@@ -193,6 +193,7 @@ class Coordinator:
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
             await close_nats(self.nc)
+        self._fleet.flush_log()
         log.info("coordinator %s stopped", self.id)
 
     async def __aenter__(self) -> Coordinator:

@@ -72,6 +72,10 @@ class Fleet:
         self._log.joined(engine_id, model, record.capacity, len(self.pool))
         return record
 
+    def flush_log(self) -> None:
+        """Log the joins and removals still being summed (the coordinator is stopping)."""
+        self._log.flush()
+
     async def register(self, engine_id: str, capacity: int, model: str | None) -> None:
         """An engine that registers again had restarted: its old work is lost."""
         if self.pool.get(engine_id) is not None:

@@ -57,6 +57,11 @@ class FleetLog:
         burst.in_flight += in_flight
         burst.reasons[reason] += 1
 
+    def flush(self) -> None:
+        """Log what is being summed now rather than when its second is over."""
+        self._flush_joins()
+        self._flush_removals()
+
     def _opens_window(self, burst: _Burst, flush: Callable[[], None]) -> bool:
         """True when this event starts a new interval (log it whole); else make sure the
         interval's sum is logged when it ends."""
@@ -71,6 +76,8 @@ class FleetLog:
 
     def _flush_joins(self) -> None:
         burst = self._joins
+        if not burst.count:
+            return
         self._log.info(
             "%d more engines joined in the last %g s, the last engine_id=%s (%d engines)",
             burst.count, burst.interval_s, burst.last_engine_id, self._fleet_size,
@@ -79,6 +86,8 @@ class FleetLog:
 
     def _flush_removals(self) -> None:
         burst = self._removals
+        if not burst.count:
+            return
         reasons = ", ".join(f"{count} {reason}" for reason, count in burst.reasons.most_common())
         self._log.warning(
             "%d more engines removed in the last %g s (%s), the last engine_id=%s; %d requests in flight; %d engines",

@@ -181,3 +181,15 @@ def test_each_model_has_its_own_group_kept_in_step_with_the_fleet() -> None:
     assert a1 in {alpha.next_in_turn(), alpha.next_in_turn()}
     pool.remove("b1", departed=True)
     assert pool.group("beta") is None and pool.models() == ["alpha"]
+
+
+async def test_a_stopping_coordinator_logs_what_it_was_summing(lines: Lines) -> None:
+    fleet_log = FleetLog(logging.getLogger("tests.fleet_log"), interval_s=0.2)
+    for index in range(3):
+        fleet_log.removed(f"e{index}", "shutdown", 0, 2 - index)
+    fleet_log.flush()
+    assert lines.lines[1:] == ["2 more engines removed in the last 0.2 s (2 shutdown), the last engine_id=e2; 0 requests in flight; 0 engines"]
+    past_the_interval = asyncio.Event()  # set after the flushed interval's own timer has fired
+    asyncio.get_running_loop().call_later(0.25, past_the_interval.set)
+    await asyncio.wait_for(past_the_interval.wait(), 5)
+    assert len(lines.lines) == 2  # that timer found nothing left to sum
