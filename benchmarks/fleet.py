@@ -263,7 +263,7 @@ class FleetBench:
             self.args.warmup, self.args.duration, watch,
         )
         status = await self._status(fleet)
-        after = status["counters"] if status is not None and before else {}
+        after = status["counters"] if status is not None and before_status is not None else {}
         messages = after.get("routed_messages", 0) - before.get("routed_messages", 0)
         routed = after.get("routed_requests", 0) - before.get("routed_requests", 0)
         latencies = sorted(load.latencies_us)
