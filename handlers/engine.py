@@ -1,5 +1,7 @@
 """Handlers for engine messages (register, heartbeat, engine_reply(_partial), disconnect) and
-for heartbeats between coordinator replicas. Every replica must see these (``fanout``)."""
+for heartbeats between coordinator replicas. Every replica must see these (``fanout``).
+Engine messages are handled on the reading task (``direct``): replies are the hot path, and a
+fleet of thousands registers and heartbeats thousands of times a second."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from service.protocol.messages import (
 from service.protocol.subjects import Header
 
 
-@message_handler(Header.REGISTER, fanout=True)
+@message_handler(Header.REGISTER, fanout=True, direct=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
     """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
 
@@ -25,7 +27,7 @@ async def handle_register(coordinator: EngineContext, incoming: Incoming, payloa
     await coordinator.register_engine(incoming, payload.engine_id, payload.capacity, payload.served_model_name)
 
 
-@message_handler(Header.HEARTBEAT, fanout=True)
+@message_handler(Header.HEARTBEAT, fanout=True, direct=True)
 async def handle_heartbeat(coordinator: EngineContext, incoming: Incoming, payload: Heartbeat) -> None:
     """Sent by every engine each ``heartbeat_interval_s``: its load and the request ids it holds.
 
@@ -51,7 +53,7 @@ async def handle_engine_reply_partial(coordinator: EngineContext, incoming: Inco
     await coordinator.relay_partials(payload.engine_id, payload.replies)
 
 
-@message_handler(Header.DISCONNECT, fanout=True)
+@message_handler(Header.DISCONNECT, fanout=True, direct=True)
 async def handle_disconnect(coordinator: EngineContext, incoming: Incoming, payload: EngineDisconnect) -> None:
     """Sent by an engine that leaves: its ``engine_id`` and a reason.
 

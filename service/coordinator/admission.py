@@ -7,7 +7,7 @@ Contract:
   deadline (504 when it passes) and ends with exactly one terminal reply (see the relay).
 - A named client's repeated ``(client_id, client_request_id)`` is answered, never run twice: a
   request in flight answers the new reply subject, a cached result is sent again.
-- A submission naming a ``model`` goes only to engines serving it (service/coordinator/models.py);
+- A submission naming a ``model`` goes only to engines serving it (the pool's group for it);
   one that names a model no engine serves is refused with 404.
 - Accepted requests are routed at once while the coordinator runs and an engine (serving their
   model) has room; otherwise they wait in the queue of their model, in order, until
@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -28,10 +28,10 @@ import msgspec
 from service.bus.registry import Incoming
 from service.coordinator.control_state import ControlState
 from service.coordinator.deliveries import ClientDeliveries
-from service.coordinator.models import HeldRequests, ModelRoutes
+from service.coordinator.models import HeldRequests
 from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
-from service.coordinator.pool import EnginePool, EngineRecord
+from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
 from service.coordinator.routing import RoutingPolicy
@@ -54,7 +54,6 @@ class Admission:
         subjects: Subjects,
         requests: RequestTable,
         pool: EnginePool,
-        models: ModelRoutes,
         peers: CoordinatorPeers,
         policy: RoutingPolicy,
         control: ControlState,
@@ -69,7 +68,6 @@ class Admission:
         self._subjects = subjects
         self._requests = requests
         self._pool = pool
-        self._models = models
         self._peers = peers
         self._policy = policy
         self._control = control
@@ -108,14 +106,15 @@ class Admission:
         if running and len(self._pool) == 0 and self._peers.warmed_up:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
         model = submit.model
-        engines = self._pool.ordered if model is None else self._engines_serving(model)
-        engine = self._policy.choose(engines) if running else None
+        group = self._pool.everyone if model is None else self._engines_serving(model)
+        key = self._policy.key_of(submit)
+        engine = self._policy.choose(group, key) if running and group is not None else None
         if engine is None and len(self._queue) >= self._settings.max_queued_requests:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self._settings.max_queued_requests} held)")
 
         request_id = f"{self._id}-{next(self._sequence)}"
         return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(return_path, encoding, body, client_key, model)
+        entry = InflightRequest(return_path, encoding, body, client_key, model, routing_key=key)
         entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
         self._requests.add(entry)
         self._counters["submitted"] += 1
@@ -124,17 +123,16 @@ class Admission:
         else:
             self._outbox.send(entry, engine)
 
-    def _engines_serving(self, model: str) -> Sequence[EngineRecord]:
-        """404 for a model no engine serves, unless this replica is still learning the fleet."""
-        engines = self._models.engines_for(model)
-        if engines is not None:
-            return engines
-        if not self._peers.warmed_up:
-            return ()
+    def _engines_serving(self, model: str) -> EngineGroup | None:
+        """404 for a model no engine serves, unless this replica is still learning the fleet
+        (then None: the request waits for heartbeats to introduce the fleet)."""
+        group = self._pool.group(model)
+        if group is not None or not self._peers.warmed_up:
+            return group
         raise self._unknown_model(model)
 
     def _unknown_model(self, model: str) -> WireError:
-        served = ", ".join(self._models.names()) or "none"
+        served = ", ".join(self._pool.models()) or "none"
         return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
 
     async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool) -> bool:
@@ -168,15 +166,15 @@ class Admission:
                 if entry.return_path.request_id not in self._requests:
                     self._queue.popleft(model)
                     continue
-                engines = self._pool.ordered if model is None else self._models.engines_for(model)
-                if not engines:
+                group = self._pool.group(model)
+                if group is None or len(group) == 0:
                     if not self._peers.warmed_up:
                         break  # heartbeats are about to introduce the fleet
                     self._queue.popleft(model)
                     err = WireError(ErrorCode.NO_ENGINE, "no engine available") if model is None else self._unknown_model(model)
                     await self._relay.fail(entry.return_path.request_id, err)
                     continue
-                engine = self._policy.choose(engines)
+                engine = self._policy.choose(group, entry.routing_key)
                 if engine is None:
                     break
                 self._queue.popleft(model)

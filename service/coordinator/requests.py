@@ -6,7 +6,7 @@ Popping an entry is the right to send its terminal reply: whoever pops it answer
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from service.coordinator.timers import CoarseTimer
@@ -31,6 +31,7 @@ class InflightRequest:
     partials_delivered: int = 0
     early_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
     admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
+    routing_key: Sequence[int] | None = None  # what the routing policy needs beyond loads (prefix hashes)
 
 
 class RequestTable:
