@@ -1,5 +1,7 @@
 """Handlers for engine messages (register, heartbeat, engine_reply(_partial), disconnect) and
 for heartbeats between coordinator replicas. Every replica must see these (``fanout``).
+Engine messages are handled on the reading task (``direct``): replies are the hot path, and a
+fleet of thousands registers and heartbeats thousands of times a second.
 
 Engines send on ``<prefix>.<header>.<engine_id>`` (``per_sender``): NATS permissions can let
 each engine publish only there, and the engine a message is from is the one its subject names.
@@ -31,7 +33,7 @@ def sender(incoming: Incoming, claimed: str) -> str:
     return claimed
 
 
-@message_handler(Header.REGISTER, fanout=True, per_sender=True)
+@message_handler(Header.REGISTER, fanout=True, direct=True, per_sender=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
     """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
 
@@ -42,7 +44,7 @@ async def handle_register(coordinator: EngineContext, incoming: Incoming, payloa
     await coordinator.register_engine(incoming, engine_id, payload.capacity, payload.served_model_name)
 
 
-@message_handler(Header.HEARTBEAT, fanout=True, per_sender=True)
+@message_handler(Header.HEARTBEAT, fanout=True, direct=True, per_sender=True)
 async def handle_heartbeat(coordinator: EngineContext, incoming: Incoming, payload: Heartbeat) -> None:
     """Sent by every engine each ``heartbeat_interval_s``: its load, the request ids it holds and
     the steps it has taken.
@@ -72,7 +74,7 @@ async def handle_engine_reply_partial(coordinator: EngineContext, incoming: Inco
     await coordinator.relay_partials(sender(incoming, payload.engine_id), payload.replies)
 
 
-@message_handler(Header.DISCONNECT, fanout=True, per_sender=True)
+@message_handler(Header.DISCONNECT, fanout=True, direct=True, per_sender=True)
 async def handle_disconnect(coordinator: EngineContext, incoming: Incoming, payload: EngineDisconnect) -> None:
     """Sent by an engine that leaves: its ``engine_id`` and a reason.
 

@@ -59,6 +59,7 @@ from service.protocol.messages import (
     SubmitEnvelope,
     SubmitRequest,
 )
+from service.protocol.prefix import prefix_hashes
 from service.protocol.subjects import Header, Subjects
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
@@ -180,14 +181,17 @@ class DpcoordClient:
         self, prompt: str | list[int] | None, messages: Sequence[ChatMessage] | None, model: str | None, stream: bool,
         client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any],
     ) -> bytes:
-        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt."""
+        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
+        carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
+        than one block)."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
         request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
         chat = list(messages) if messages is not None else None
         body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
-        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model))
+        hashes = prefix_hashes(prompt, chat) or None
+        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes))
 
     async def submit(
         self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,

@@ -25,6 +25,7 @@ BENCHMARK_MODULE = "benchmarks.coordinator"
 GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
 # Settings of the coordinator's group that the gateway reads too: its body limit and deadline.
 GATEWAY_SHARED_SETTINGS = ("max_payload_bytes", "request_timeout_s")
+FLEET_BENCHMARK_MODULE = "benchmarks.fleet"  # dpcoord bench --simulated-engines N,...
 
 CONTROL_COMMANDS: dict[str, Header] = {
     "pause": Header.PAUSE,
@@ -125,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--timeout", type=float, default=30.0)
     bench = commands.add_parser(
         "bench", add_help=False,
-        help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run",
+        help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run; "
+        "with --simulated-engines N,...: the fleet-size benchmark",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)")
     return parser
@@ -133,8 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_bench(argv: list[str]) -> int:
     """The benchmarks live in the source checkout, not in the images: load them only here.
-    ``--gateway`` runs the gateway benchmark instead of the coordinator's."""
-    module = GATEWAY_BENCHMARK_MODULE if "--gateway" in argv else BENCHMARK_MODULE
+    ``--gateway`` runs the gateway benchmark, ``--simulated-engines`` the fleet-size benchmark, and
+    anything else the coordinator benchmark."""
+    if "--gateway" in argv:
+        module = GATEWAY_BENCHMARK_MODULE
+    elif any(arg.split("=", 1)[0] == "--simulated-engines" for arg in argv):
+        module = FLEET_BENCHMARK_MODULE
+    else:
+        module = BENCHMARK_MODULE
     argv = [arg for arg in argv if arg != "--gateway"]
     try:
         benchmark = importlib.import_module(module)

@@ -12,7 +12,7 @@ Contract:
 - A named client's repeated ``(client_id, client_request_id)`` is answered, never run twice,
   when it comes from the same owner with the same body: a request in flight answers the new
   reply subject, a cached result is sent again.
-- A submission naming a ``model`` goes only to engines serving it (service/coordinator/models.py);
+- A submission naming a ``model`` goes only to engines serving it (the pool's group for it);
   one that names a model no engine serves is refused with 404.
 - Accepted requests are routed at once while the coordinator runs, an engine (serving their
   model) has room and none of their model waits; otherwise they wait in the queue of their model
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -34,10 +34,10 @@ import msgspec
 from service.bus.registry import Incoming
 from service.coordinator.control_state import ControlState
 from service.coordinator.deliveries import ClientDeliveries
-from service.coordinator.models import HeldRequests, ModelRoutes
+from service.coordinator.models import HeldRequests
 from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
-from service.coordinator.pool import EnginePool, EngineRecord
+from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.request_ids import RequestIds
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
@@ -61,7 +61,6 @@ class Admission:
         subjects: Subjects,
         requests: RequestTable,
         pool: EnginePool,
-        models: ModelRoutes,
         peers: CoordinatorPeers,
         policy: RoutingPolicy,
         control: ControlState,
@@ -76,7 +75,6 @@ class Admission:
         self._subjects = subjects
         self._requests = requests
         self._pool = pool
-        self._models = models
         self._peers = peers
         self._policy = policy
         self._control = control
@@ -120,8 +118,9 @@ class Admission:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
         model = submit.model
         queue = self._queue
-        engines = self._pool.ordered if model is None else self._engines_serving(model)
-        engine = self._policy.choose(engines) if running and not queue.waiting(model) else None
+        group = self._pool.everyone if model is None else self._engines_serving(model)
+        key = self._policy.key_of(submit)
+        engine = self._policy.choose(group, key) if running and group is not None and not queue.waiting(model) else None
         if engine is None:
             settings = self._settings
             if len(queue) >= settings.max_queued_requests:
@@ -131,7 +130,7 @@ class Admission:
 
         request_id = self._ids.new()
         return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
-        entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner)
+        entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
         entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
         self._requests.add(entry)
         self._counters["submitted"] += 1
@@ -166,17 +165,16 @@ class Admission:
             if isinstance(value, str) and (len(value) > limit or utf8_length(value) > limit):
                 raise WireError(ErrorCode.MALFORMED, f"{name} is longer than max_id_bytes ({limit})")
 
-    def _engines_serving(self, model: str) -> Sequence[EngineRecord]:
-        """404 for a model no engine serves, unless this replica is still learning the fleet."""
-        engines = self._models.engines_for(model)
-        if engines is not None:
-            return engines
-        if not self._peers.warmed_up:
-            return ()
+    def _engines_serving(self, model: str) -> EngineGroup | None:
+        """404 for a model no engine serves, unless this replica is still learning the fleet
+        (then None: the request waits for heartbeats to introduce the fleet)."""
+        group = self._pool.group(model)
+        if group is not None or not self._peers.warmed_up:
+            return group
         raise self._unknown_model(model)
 
     def _unknown_model(self, model: str) -> WireError:
-        served = ", ".join(self._models.names()) or "none"
+        served = ", ".join(self._pool.models()) or "none"
         return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
 
     async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool, owner: str, body: bytes) -> bool:
@@ -221,15 +219,15 @@ class Admission:
                 if entry is None:
                     self._queue.discard(model)
                     break
-                engines = self._pool.ordered if model is None else self._models.engines_for(model)
-                if not engines:
+                group = self._pool.group(model)
+                if group is None or len(group) == 0:
                     if not self._peers.warmed_up:
                         break  # heartbeats are about to introduce the fleet
                     queue.pop(entry)
                     err = WireError(ErrorCode.NO_ENGINE, "no engine available") if model is None else self._unknown_model(model)
                     await self._relay.fail(entry.return_path.request_id, err)
                     continue
-                engine = self._policy.choose(engines)
+                engine = self._policy.choose(group, entry.routing_key)
                 if engine is None:
                     break
                 queue.pop(entry)

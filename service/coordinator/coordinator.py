@@ -38,7 +38,6 @@ from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.fleet import Fleet
-from service.coordinator.models import ModelRoutes
 from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
@@ -83,7 +82,6 @@ class Coordinator:
         self.nc = DirectClient()
         self.requests = RequestTable()
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
-        self.models = ModelRoutes()
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
         self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes)
         self.control_state = ControlState()
@@ -94,15 +92,15 @@ class Coordinator:
             self.id, self.nc, self.subjects, self.requests, self.engines, self.peers, self.results, self._deliveries,
             self.counters, self.spawn, self.inboxes, settings.max_buffered_bytes,
         )
-        self._outbox = Outbox(self.nc, self.subjects, self.requests, self._relay)
+        policy = make_policy(settings)
+        self._outbox = Outbox(self.nc, self.subjects, self.requests, self.engines, self._relay, self.counters, policy.turn_ended)
         self._admission = Admission(
-            self.id, settings, self.subjects, self.requests, self.engines, self.models, self.peers,
-            make_policy(settings.routing_policy),
+            self.id, settings, self.subjects, self.requests, self.engines, self.peers, policy,
             self.control_state, self._outbox, self._relay, self._deliveries, self.counters, self.spawn,
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._fleet = Fleet(
-            settings, self.nc, self.subjects, self.engines, self.models, self.requests, self._admission, self._relay,
+            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay,
             self.control_state,
             self.counters, self.spawn,
         )
@@ -210,6 +208,7 @@ class Coordinator:
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
             await close_nats(self.nc)
+        self._fleet.flush_log()
         log.info("coordinator %s stopped", self.id)
 
     async def __aenter__(self) -> Coordinator:
@@ -324,7 +323,7 @@ class Coordinator:
             known.popitem(last=False)
 
     def served_models(self) -> list[ServedModel]:
-        return self.models.served()
+        return self.engines.served()
 
     async def shut_down(self, incoming: Incoming) -> None:
         if incoming.owner is None or incoming.owner not in self._known_clients:

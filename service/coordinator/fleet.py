@@ -36,7 +36,7 @@ from nats.errors import Error as NatsError
 from service.bus.direct import DirectClient
 from service.coordinator.admission import Admission
 from service.coordinator.control_state import ControlState
-from service.coordinator.models import ModelRoutes
+from service.coordinator.fleet_log import FleetLog
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import RequestTable
@@ -59,7 +59,6 @@ class Fleet:
         nc: DirectClient,
         subjects: Subjects,
         pool: EnginePool,
-        models: ModelRoutes,
         requests: RequestTable,
         admission: Admission,
         relay: ReplyRelay,
@@ -71,7 +70,6 @@ class Fleet:
         self._nc = nc
         self._subjects = subjects
         self.pool = pool
-        self._models = models
         self._requests = requests
         self._admission = admission
         self._relay = relay
@@ -81,13 +79,17 @@ class Fleet:
         self.changed = asyncio.Event()
         self._suspects: dict[str, float] = {}  # engine id -> when it was last heard
         self._refusals = RateLimitedLog(log)
+        self._log = FleetLog(log)
 
     def add(self, engine_id: str, capacity: int, model: str | None) -> EngineRecord:
         record = self.pool.add(engine_id, capacity, model)
-        self._models.add(record)
         self.changed.set()
-        log.info("engine_id=%s joined (model %s, capacity %d, %d engines)", engine_id, model, record.capacity, len(self.pool))
+        self._log.joined(engine_id, model, record.capacity, len(self.pool))
         return record
+
+    def flush_log(self) -> None:
+        """Log the joins and removals still being summed (the coordinator is stopping)."""
+        self._log.flush()
 
     async def register(self, engine_id: str, capacity: int, model: str | None) -> None:
         """An engine that registers again had restarted: its old work is lost. Raises WireError
@@ -106,9 +108,8 @@ class Fleet:
         record = self.pool.remove(engine_id, departed)
         if record is None:
             return
-        self._models.remove(record)
         self.changed.set()
-        log.warning("engine_id=%s removed (%s); %d requests in flight", engine_id, reason, record.load)
+        self._log.removed(engine_id, reason, record.load, len(self.pool))
         for request_id in record.requests:
             entry = self._requests.get(request_id)
             if entry is None:
@@ -133,7 +134,7 @@ class Fleet:
                 self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name)
                 await self._admission.release_queue()
             return
-        record.last_seen = now
+        self.pool.heard(record)
         if heartbeat.steps is not None and heartbeat.steps != record.steps:
             if record.steps is not None:
                 record.last_progress = now
@@ -210,9 +211,9 @@ class Fleet:
     def forgive_silence(self) -> None:
         """After this replica's own reconnect, engines get a full timeout to be heard again, and
         to show progress."""
+        self.pool.heard_all()
         now = time.monotonic()
         for record in self.pool:
-            record.last_seen = now
             record.last_progress = now
 
     async def reconcile(self, record: EngineRecord, active: set[str]) -> None:
@@ -242,7 +243,7 @@ class Fleet:
             entry = self._requests.get(request_id)
             if entry is None or entry.engine_id != record.engine_id:
                 continue
-            record.requests.discard(request_id)
+            self.pool.release(record.engine_id, request_id)
             if entry.streamed or entry.attempts > self._settings.max_retries:
                 await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
                 continue

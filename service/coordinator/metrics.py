@@ -16,6 +16,9 @@ Which coordinator counter feeds which metric:
 - ``error_<code>`` (messages refused before admission, any subject) → ``dpcoord_refused_messages_total{code}``
 - ``error_400`` → ``dpcoord_malformed_messages_total``
 - ``retried`` → ``dpcoord_requests_retried_total``; ``late_replies`` → ``dpcoord_late_replies_total``
+- ``routed_messages`` and ``routed_requests`` → ``dpcoord_routed_messages_total`` and
+  ``dpcoord_routed_requests_total`` (requests to engines, and the NATS messages that carried
+  them), and their ratio → ``dpcoord_requests_per_routed_message``
 - every counter, by its name → ``dpcoord_coordinator_events_total{event}``, so counters added
   to the coordinator are exported without a change here
 """
@@ -77,6 +80,22 @@ class CoordinatorCollector(Collector):
         late = CounterMetricFamily("dpcoord_late_replies", "Engine replies that arrived after their request ended")
         late.add_metric([], counters["late_replies"])
         yield late
+
+        routed_messages = CounterMetricFamily(
+            "dpcoord_routed_messages", "Messages that carried routed requests to engines (one per engine per loop turn)"
+        )
+        routed_messages.add_metric([], counters["routed_messages"])
+        yield routed_messages
+        routed_requests = CounterMetricFamily("dpcoord_routed_requests", "Requests routed to engines, retries included")
+        routed_requests.add_metric([], counters["routed_requests"])
+        yield routed_requests
+        per_message = GaugeMetricFamily(
+            "dpcoord_requests_per_routed_message",
+            "Routed requests per routed message since start (rate(dpcoord_routed_requests_total) / "
+            "rate(dpcoord_routed_messages_total) gives it over a window)",
+        )
+        per_message.add_metric([], counters["routed_requests"] / counters["routed_messages"] if counters["routed_messages"] else 0.0)
+        yield per_message
 
         events = CounterMetricFamily("dpcoord_coordinator_events", "Every internal counter, by name", labels=["event"])
         for event, value in sorted(counters.items()):

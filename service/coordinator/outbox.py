@@ -2,7 +2,10 @@
 
 Contract: :meth:`Outbox.send` assigns a request to an engine at once (its slot is taken) and
 the request leaves at the end of the loop turn, with every other request routed to that engine
-in the same turn, in batches under the server's ``max_payload``. Under load a batch holds
+in the same turn, in batches under the server's ``max_payload``. When a turn's requests leave,
+``turn_ended`` tells the routing policy, which prefers the engine already receiving a batch
+within a turn (``routing_load_slack``). The counters ``routed_messages`` and ``routed_requests``
+say how many requests a routed message carries. Under load a batch holds
 everything that arrived in one read from the socket. A request answered or routed elsewhere
 before its turn ends is skipped; one too large to route fails with 413; a batch NATS refuses
 fails its requests with 503. The routing task outlives any failure.
@@ -13,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
+from collections.abc import Callable
 
 from service.bus.batches import ITEM_OVERHEAD, fits_alone, split_batches
 from service.bus.direct import DirectClient
-from service.coordinator.pool import EngineRecord
+from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest, RequestTable
 from service.ops.log_limit import RateLimitedLog
@@ -40,11 +45,17 @@ def routed_size(entry: InflightRequest) -> int:
 
 
 class Outbox:
-    def __init__(self, nc: DirectClient, subjects: Subjects, requests: RequestTable, relay: ReplyRelay) -> None:
+    def __init__(
+        self, nc: DirectClient, subjects: Subjects, requests: RequestTable, pool: EnginePool, relay: ReplyRelay,
+        counters: Counter[str], turn_ended: Callable[[], None],
+    ) -> None:
         self._nc = nc
         self._subjects = subjects
         self._requests = requests
+        self._pool = pool
         self._relay = relay
+        self._counters = counters
+        self._turn_ended = turn_ended
         self._pending: dict[str, list[InflightRequest]] = {}
         self._ready = asyncio.Event()
         self._failures = RateLimitedLog(log)
@@ -56,7 +67,7 @@ class Outbox:
         entry.routed_at = now = time.monotonic()
         if not engine.requests:
             engine.last_progress = now  # idle until now: its progress is watched from here (fleet.py)
-        engine.requests.add(entry.return_path.request_id)
+        self._pool.assign(engine, entry.return_path.request_id)
         self._requests.routed(entry)
         batch = self._pending.get(engine.engine_id)
         if batch is None:
@@ -71,6 +82,7 @@ class Outbox:
         await self._ready.wait()
         self._ready.clear()
         pending, self._pending = self._pending, {}
+        self._turn_ended()
         for engine_id, entries in pending.items():
             try:
                 await self._publish(engine_id, entries)
@@ -98,6 +110,8 @@ class Outbox:
         message = RoutedRequestBatch([RoutedRequest(entry.return_path, entry.body) for entry in batch])
         try:
             await self._nc.publish(subject, encode_msgpack(message))
+            self._counters["routed_messages"] += 1
+            self._counters["routed_requests"] += len(batch)
         except Exception as exc:  # the routing task must outlive any one failed publish
             self._failures.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for entry in batch:

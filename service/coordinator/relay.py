@@ -88,9 +88,7 @@ class ReplyRelay:
             return None
         self.latency.observe_finished(entry.admitted_at)
         if entry.engine_id is not None:
-            engine = self._pool.get(entry.engine_id)
-            if engine is not None:
-                engine.requests.discard(request_id)
+            self._pool.release(entry.engine_id, request_id)
         return entry
 
     async def reply(

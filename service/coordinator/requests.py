@@ -11,7 +11,7 @@ owner (the inbox prefix its replies go to) holds. ``routed``, ``unrouted``, ``en
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from service.coordinator.timers import CoarseTimer
@@ -38,6 +38,7 @@ class InflightRequest:
     partials_delivered: int = 0
     early_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
     admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
+    routing_key: Sequence[int] | None = None  # what the routing policy needs beyond loads (prefix hashes)
 
 
 class RequestTable:

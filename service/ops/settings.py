@@ -77,7 +77,23 @@ class Settings(BaseSettings):
     # Coordinator
     coordinator_id: CoordinatorSetting[str | None] = Field(None, pattern=ID_PATTERN, description="Coordinator replica id; random when unset")
     queue_group: CoordinatorSetting[str] = Field("dpcoord-coordinators", description="Queue group shared by coordinator replicas")
-    routing_policy: CoordinatorSetting[Literal["least_loaded", "round_robin"]] = Field("least_loaded", description="How a request picks an engine")
+    routing_policy: CoordinatorSetting[Literal["least_loaded", "p2c", "round_robin", "prefix"]] = Field(
+        "least_loaded",
+        description="How a request picks an engine: least_loaded, p2c (less loaded of two drawn at random), round_robin, "
+        "or prefix (where its prompt's longest prefix went, within prefix_load_bound); see docs/protocol.md",
+    )
+    routing_load_slack: CoordinatorSetting[int] = Field(
+        8, ge=0,
+        description="least_loaded, p2c, prefix: an engine already receiving a batch this event-loop turn keeps getting "
+        "requests while its load is at most the least loaded engine's plus this, so routed messages stay batched",
+    )
+    prefix_load_bound: CoordinatorSetting[int] = Field(
+        32, ge=0, description="prefix: a prefix's engine is chosen while its load is at most the least loaded engine's plus this"
+    )
+    prefix_table_size: CoordinatorSetting[int] = Field(
+        100_000, ge=1, description="prefix: most prompt prefixes remembered (least recently used forgotten first)"
+    )
+    prefix_ttl_s: CoordinatorSetting[float] = Field(600.0, gt=0, description="prefix: a prompt prefix unused this long is forgotten")
     max_inflight_per_engine: CoordinatorSetting[int] = Field(256, ge=1, description="Requests in flight per engine before queueing")
     max_queued_requests: CoordinatorSetting[int] = Field(4096, ge=0, description="Requests held by the coordinator before 429")
     max_payload_bytes: CoordinatorSetting[int] = Field(1024 * 1024, ge=1024, description="Largest accepted message body (413 beyond)")

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from service.protocol.errors import WireError
+from service.protocol.prefix import MAX_PREFIX_HASHES
 
 # Integers that cross the wire fit msgpack's 64 bits: a bigger one (JSON allows any) would be
 # accepted, then fail to encode on its way on, taking its batch neighbours with it.
@@ -74,6 +75,9 @@ class SubmitEnvelope(Struct, array_like=True):
     ``body``, which it forwards untouched; the engine validates it (400 to the client as
     usual). Plain bodies from the ``nats`` CLI keep working exactly as before.
     Trailing elements a newer client adds are ignored.
+
+    ``prefix_hashes`` (an extension: older coordinators ignore it) are the prompt's prefix
+    hashes (:mod:`service.protocol.prefix`), for prefix-aware routing.
     """
 
     version: Literal[1]
@@ -84,6 +88,7 @@ class SubmitEnvelope(Struct, array_like=True):
     reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # as SubmitRequest.reply_to
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
     model: ModelName | None = None  # the body's model, for routing without decoding the body
+    prefix_hashes: Annotated[list[int], Meta(max_length=MAX_PREFIX_HASHES)] | None = None
 
 
 class ConnectRequest(Struct):

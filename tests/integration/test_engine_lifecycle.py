@@ -28,16 +28,14 @@ def subject(coordinator: Coordinator, header: str) -> str:
 async def test_unstreamed_request_of_a_departed_engine_is_retried_elsewhere(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
-    """An engine registered by hand takes the request and leaves without answering."""
-    [real] = await start_engines(1)
+    """An engine registered by hand, alone in the pool, takes the request and leaves without answering."""
     await nc.request(coordinator.subjects.sent_by("register", "doomed"), encode_msgpack(EngineRegister("doomed", capacity=1000)), timeout=5)
-    coordinator.engines.get(real.engine_id).capacity = 0  # type: ignore[union-attr]  # route to 'doomed' first
     doomed_inbox = await nc.subscribe(coordinator.subjects.engine("doomed", "submit_request"))
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subject(coordinator, "submit_request"), b'{"prompt": "retry me"}', reply=inbox)
     await doomed_inbox.next_msg(timeout=5)
-    coordinator.engines.get(real.engine_id).capacity = 256  # type: ignore[union-attr]
+    [real] = await start_engines(1)
     await nc.publish(coordinator.subjects.sent_by("disconnect", "doomed"), encode_msgpack(EngineDisconnect("doomed", "test")))
     final = decode_reply((await sub.next_msg(timeout=5)).data)
     assert final["type"] == "final" and final["engine_id"] == real.engine_id

@@ -98,7 +98,7 @@ async def test_a_new_replica_learns_model_names_from_heartbeats(
 ) -> None:
     async with Coordinator(settings, HANDLERS) as replica:
         await replica.wait_for_engines(2)
-        assert replica.models.names() == ["alpha", "beta"]
+        assert replica.engines.models() == ["alpha", "beta"]
 
 
 async def test_a_full_model_does_not_hold_back_another(nats_url: str) -> None:

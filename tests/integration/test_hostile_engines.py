@@ -157,18 +157,15 @@ async def test_black_hole_engine_is_suspected_and_its_requests_run_elsewhere(nat
 
     settings = make_settings(nats_url, engine_progress_timeout_s=0.5, request_timeout_s=60)
     async with Coordinator(settings, HANDLERS) as coordinator, heartbeating(nc, coordinator, "black-hole", capacity=1000):
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        submit = coordinator.subjects.coordinator("submit_request")
+        for index in range(20):  # all to the black hole, alone in the pool
+            body = {"prompt": f"p{index}", "sampling_params": {"max_tokens": 2}}
+            await nc.publish(submit, json.dumps(body).encode(), reply=inbox)
+        await request(nc, submit, b"{}")  # refused, on the same subject: once answered, the 20 were routed
+        assert coordinator.engines.get("black-hole").load == 20  # type: ignore[union-attr]
         async with EngineRuntime(settings, EchoBackend()) as real:
-            await asyncio.wait_for(real.registered.wait(), 10)
-            real_record = coordinator.engines.get(real.engine_id)
-            assert real_record is not None
-            real_record.capacity = 0  # every request goes to the black hole first
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox)
-            for index in range(20):
-                body = {"prompt": f"p{index}", "sampling_params": {"max_tokens": 2}}
-                await nc.publish(coordinator.subjects.coordinator("submit_request"), json.dumps(body).encode(), reply=inbox)
-            await nc.flush()
-            real_record.capacity = 256
             finals = [decode_reply((await sub.next_msg(timeout=10)).data) for _ in range(20)]
             assert all(final["type"] == "final" and final["engine_id"] == real.engine_id for final in finals)
             assert coordinator.counters["engines_suspected"] >= 1
@@ -203,14 +200,13 @@ async def test_a_reply_counts_only_from_the_engine_its_request_was_routed_to(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     [engine] = await start_engines(1, token_delay_ms=100)
-    await register(nc, coordinator, "intruder")
-    coordinator.engines.get("intruder").capacity = 0  # type: ignore[union-attr]  # the real engine gets the request
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     submit = coordinator.subjects.coordinator("submit_request")
     await nc.publish(submit, b'{"prompt": "real", "sampling_params": {"max_tokens": 4}}', reply=inbox)
     await request(nc, submit, b"{}")  # refused, on the same subject: once answered, the first was admitted
     [entry] = list(coordinator.requests)
+    await register(nc, coordinator, "intruder")  # joins after the request went to the real engine
     request_id = entry.return_path.request_id
     # As itself, and claiming to be the engine the request went to, on every subject it could.
     await publish_everywhere(nc, coordinator, "engine_reply", forged_final(coordinator, request_id, inbox, "intruder"), ["intruder"])

@@ -13,12 +13,15 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from benchmarks.doc_engines import DocEngineFleet
+from handlers import HANDLERS
 from service.bus.connection import flush_subscriptions
 from service.coordinator.coordinator import Coordinator
+from service.coordinator.metrics import CoordinatorCollector
 from service.protocol.codec import Encoding, PayloadDecoder, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.messages import RoutedRequestBatch, SamplingParams, SubmitEnvelope, SubmitRequest
-from tests.conftest import EngineFactory
+from tests.conftest import EngineFactory, make_settings
 from tests.helpers import request_stream
 
 
@@ -119,6 +122,42 @@ async def test_requests_arriving_together_reach_the_engine_in_few_messages(
     assert len(routed) < count / 4, f"{count} requests took {len(routed)} routed messages"
 
 
+@pytest.mark.parametrize("slack", [0, 8])
+async def test_batching_survives_a_large_fleet(nats_url: str, nc: NATS, slack: int) -> None:
+    """64 requests arriving together over 50 idle engines: with a load slack they reach the
+    engines in a few messages instead of one per engine, and /metrics says how many."""
+    settings = make_settings(nats_url, routing_load_slack=slack)
+    async with Coordinator(settings, HANDLERS) as coordinator:
+        fleet = DocEngineFleet(nc, settings.subject_prefix, [f"doc-{index}" for index in range(50)])
+        await fleet.start()
+        await fleet.register()
+        routed: list[int] = []
+
+        async def spy(msg: Msg) -> None:
+            routed.append(len(msgspec.msgpack.decode(msg.data, type=RoutedRequestBatch).requests))
+
+        await nc.subscribe(coordinator.subjects.engine("*", "submit_request"), cb=spy)
+        await flush_subscriptions(nc)
+        count = 64
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(f"{inbox}.*")
+        for index in range(count):  # one flush: they reach the coordinator in one or a few reads
+            await nc.publish(submit_subject(coordinator), inner([index + 1], max_tokens=1), reply=f"{inbox}.{index}")
+        finals = [msgpack.unpackb((await sub.next_msg(timeout=10)).data) for _ in range(count)]
+        assert all(final["type"] == "final" for final in finals)
+        assert sum(routed) == count
+        if slack:
+            assert len(routed) < count / 4, f"{count} requests took {len(routed)} routed messages"
+            assert max(routed) <= slack + 1
+        else:
+            assert len(routed) >= 50
+        families = {family.name: family for family in CoordinatorCollector(coordinator).collect()}
+        assert families["dpcoord_routed_messages"].samples[0].value == len(routed)
+        assert families["dpcoord_routed_requests"].samples[0].value == count
+        assert families["dpcoord_requests_per_routed_message"].samples[0].value == pytest.approx(count / len(routed))
+        await fleet.leave()
+
+
 async def test_large_requests_are_split_across_routed_messages(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
@@ -161,10 +200,18 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
-    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, "future", 42]), Encoding.MSGPACK)
+    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, "future", 42]), Encoding.MSGPACK)
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
-    with_model = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", "future"]), Encoding.MSGPACK)
-    assert with_model == SubmitEnvelope(1, b"{}", True, 9, "c", model="m")
+    with_model = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], "future"]), Encoding.MSGPACK)
+    assert with_model == SubmitEnvelope(1, b"{}", True, 9, "c", model="m", prefix_hashes=[7])
+
+
+def test_envelope_carries_at_most_16_prefix_hashes() -> None:
+    fields = [1, b"{}", False, 1, None, None, None, None]
+    assert _decoder.decode(msgpack.packb([*fields, list(range(16))]), Encoding.MSGPACK).prefix_hashes == list(range(16))
+    with pytest.raises(WireError) as caught:
+        _decoder.decode(msgpack.packb([*fields, list(range(17))]), Encoding.MSGPACK)
+    assert caught.value.code == 400 and "length <= 16 - at `$[8]`" in caught.value.message
 
 
 def test_envelope_reply_to_must_be_a_publishable_subject() -> None:

@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+
+import msgspec
+import pytest
 
 from benchmarks.coordinator import TARGETS, build_parser, percentile, round_ratios, summarise
-from benchmarks.proc_cpu import cpu_seconds
+from benchmarks.fleet import FleetResult, RunningFleet, Workload, judge
+from benchmarks.fleet import build_parser as fleet_parser
+from benchmarks.fleet import summarise as summarise_fleets
+from benchmarks.proc_cpu import busy_cpu_seconds, cpu_seconds
 from benchmarks.py_spy_profile import fold
+from service.cli.main import main as cli_main
+from service.protocol.messages import SubmitEnvelope
+from service.protocol.subjects import Subjects
 
 
 def _measured(dpcoord_rate: float, raw_rate: float) -> dict:
@@ -78,3 +88,71 @@ def test_cpu_seconds_reads_a_process_own_accounting() -> None:
 def test_bench_command_line_parses_the_documented_flags() -> None:
     args = build_parser().parse_args(["--rounds", "3", "--only", "pipelined", "--engines", "2"])
     assert (args.rounds, args.only, args.engines, args.inflight) == (3, ["pipelined"], 2, 256)
+
+
+# ---------------------------------------------------------------- the fleet-size benchmark
+
+
+def _fleet(engines: int, cpu_ratio: float, rate_ratio: float, per_message: float, registration_cpu: float = 0.01,
+           idle: float = 1.0) -> FleetResult:
+    return FleetResult(
+        policy="least_loaded", engines=engines, registration_s=0.1, registration_cpu_s=registration_cpu,
+        idle_core_pct=idle, offered_per_s=1000.0, achieved_per_s=1000.0 * rate_ratio, p50_ms=1.0, p99_ms=2.0,
+        cpu_us_per_request=20.0 * cpu_ratio, coordinator_core_pct=50.0, requests_per_routed_message=per_message,
+        others_cores=0.5, sent=1000, lost=0, duplicated=0, errors=0, engines_lost=0, log_lines=6, cpu_ratio=cpu_ratio,
+        rate_ratio=rate_ratio,
+    )
+
+
+def test_fleet_targets_are_ratios_to_the_smallest_fleet_and_misses_say_why() -> None:
+    results = [_fleet(2, 1.0, 1.0, 10.0), _fleet(1000, 1.3, 0.99, 2.0), _fleet(3000, 1.45, 0.9, 2.0, 0.2, 6.0)]
+    verdicts = judge(results)
+    assert [(round(v["value"], 3), v["met"]) for v in verdicts] == [
+        (1.3, False), (1.45, True), (0.99, True), (0.2, False), (6.0, False),
+    ]
+    assert "requests per routed message 10.0 -> 2.0" in verdicts[0]["why"]
+    assert verdicts[0]["name"] == "coordinator CPU per request vs 2 engines (1000 / 2 engines)"
+
+
+def test_fleet_summary_takes_medians_and_per_round_ratios(tmp_path: Path) -> None:
+    def window(cpu: float, rate: float) -> dict[str, float]:
+        return {"achieved_per_s": rate, "p50_ms": 1.0, "p99_ms": 2.0, "cpu_us_per_request": cpu, "coordinator_core_pct": 50.0,
+                "requests_per_routed_message": 4.0, "others_cores": 0.1, "sent": 10, "lost": 0, "duplicated": 0, "errors": 0,
+                "engines_lost": 0}
+
+    log = tmp_path / "coordinator.log"
+    log.write_text("one\ntwo\n")
+    small = RunningFleet("p2c", 2, Subjects("x"), None, None, log, windows=[window(10, 100), window(20, 100), window(30, 100)])  # type: ignore[arg-type]
+    large = RunningFleet("p2c", 9, Subjects("y"), None, None, log, windows=[window(11, 90), window(40, 100), window(30, 95)])  # type: ignore[arg-type]
+    _, result = summarise_fleets([small, large], 100.0)
+    assert (result.cpu_us_per_request, result.achieved_per_s, result.sent, result.log_lines) == (30, 95, 30, 2)
+    assert result.cpu_ratio == pytest.approx(1.1)  # median of 1.1, 2.0 and 1.0
+    assert result.rate_ratio == pytest.approx(0.95)
+
+
+def test_fleet_workload_is_envelopes_with_unique_ids_and_prefix_hashes() -> None:
+    workload = Workload()
+    first, second = (msgspec.msgpack.decode(workload(number), type=SubmitEnvelope) for number in (0, 1))
+    assert (first.client_request_id, second.client_request_id) == (0, 1)
+    assert first.client_id == second.client_id
+    assert len(first.prefix_hashes or []) == 8  # blocks 1, 2, 4, ..., 64 and 66 of a 1,056-token prompt
+    assert first.prefix_hashes[:7] == msgspec.msgpack.decode(workload(8), type=SubmitEnvelope).prefix_hashes[:7]  # type: ignore[index]
+
+
+def test_fleet_command_line_and_the_dpcoord_bench_switch(capsys: pytest.CaptureFixture[str]) -> None:
+    args = fleet_parser().parse_args(["--simulated-engines", "2,100", "--policies", "least_loaded,prefix"])
+    assert (args.simulated_engines, args.policies) == ([2, 100], ["least_loaded", "prefix"])
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--simulated-engines", "2", "--help"])
+    assert "Fleet-size benchmark" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--quick", "--help"])
+    assert "Coordinator benchmark" in capsys.readouterr().out
+
+
+def test_busy_cpu_seconds_grows() -> None:
+    before = busy_cpu_seconds()
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    assert busy_cpu_seconds() > before
