@@ -65,7 +65,9 @@ class ActiveRequest:
 
     def partial(self) -> RoutedReply:
         return_path = self.return_path
-        message = Partial(return_path.request_id, return_path.client_request_id, self.unsent_tokens, "".join(self.unsent_text))
+        message = Partial(
+            return_path.request_id, return_path.client_request_id, self.unsent_tokens, "".join(self.unsent_text)
+        )
         self.unsent_tokens, self.unsent_text = [], []
         reply = RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
         self.partials_sent += 1
@@ -74,8 +76,14 @@ class ActiveRequest:
     def final(self, engine_id: str, finish_reason: FinishReason) -> RoutedReply:
         return_path = self.return_path
         message = Final(
-            return_path.request_id, return_path.client_request_id, engine_id, self.tokens, "".join(self.text), finish_reason,
-            epochs=self.epochs or None, prompt_tokens=self.prompt_tokens,
+            return_path.request_id,
+            return_path.client_request_id,
+            engine_id,
+            self.tokens,
+            "".join(self.text),
+            finish_reason,
+            epochs=self.epochs or None,
+            prompt_tokens=self.prompt_tokens,
         )
         return RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
 
@@ -89,8 +97,13 @@ def reply_size(reply: RoutedReply) -> int:
     """Bytes a reply takes in a batch: its body and the strings of its return path."""
     return_path = reply.return_path
     return (
-        len(reply.body) + len(return_path.reply_to) + len(return_path.request_id) + len(return_path.coordinator_id)
-        + len(str(return_path.client_request_id)) + len(return_path.client_id or "") + ITEM_OVERHEAD
+        len(reply.body)
+        + len(return_path.reply_to)
+        + len(return_path.request_id)
+        + len(return_path.coordinator_id)
+        + len(str(return_path.client_request_id))
+        + len(return_path.client_id or "")
+        + ITEM_OVERHEAD
     )
 
 
@@ -131,6 +144,10 @@ class ReplyPublisher:
 
     def _too_large(self, reply: RoutedReply) -> RoutedReply:
         return_path = reply.return_path
-        err = WireError(ErrorCode.TOO_LARGE, f"reply of {len(reply.body)} bytes exceeds NATS max_payload {self._nc.max_payload}")
-        body = encode(error_reply(err, return_path.client_request_id, return_path.request_id), Encoding(return_path.encoding))
+        err = WireError(
+            ErrorCode.TOO_LARGE, f"reply of {len(reply.body)} bytes exceeds NATS max_payload {self._nc.max_payload}"
+        )
+        body = encode(
+            error_reply(err, return_path.client_request_id, return_path.request_id), Encoding(return_path.encoding)
+        )
         return RoutedReply(return_path, body, reply.seq)

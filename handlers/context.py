@@ -91,4 +91,3 @@ class EngineContext(Replier, Protocol):
 
     def peer_seen(self, coordinator_id: str) -> None:
         """Note a live coordinator replica."""
-

@@ -46,7 +46,9 @@ async def handle_engine_reply(coordinator: EngineContext, incoming: Incoming, pa
 
 
 @message_handler(Header.ENGINE_REPLY_PARTIAL, fanout=True, direct=True)
-async def handle_engine_reply_partial(coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch) -> None:
+async def handle_engine_reply_partial(
+    coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch
+) -> None:
     """Sent by an engine after each step: streamed tokens of requests with ``stream``.
 
     Each is sent to its client in order; the requests stay open. No answer."""

@@ -113,9 +113,13 @@ class Admission:
             raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({self._settings.max_queued_requests} held)")
 
         request_id = f"{self._id}-{next(self._sequence)}"
-        return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
+        return_path = ReturnPath(
+            request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id
+        )
         entry = InflightRequest(return_path, encoding, body, client_key, model, routing_key=key)
-        entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
+        entry.deadline = self._deadlines.call_later(
+            timeout_s or self._settings.request_timeout_s, self._expire, request_id
+        )
         self._requests.add(entry)
         self._counters["submitted"] += 1
         if engine is None:
@@ -171,7 +175,11 @@ class Admission:
                     if not self._peers.warmed_up:
                         break  # heartbeats are about to introduce the fleet
                     self._queue.popleft(model)
-                    err = WireError(ErrorCode.NO_ENGINE, "no engine available") if model is None else self._unknown_model(model)
+                    err = (
+                        WireError(ErrorCode.NO_ENGINE, "no engine available")
+                        if model is None
+                        else self._unknown_model(model)
+                    )
                     await self._relay.fail(entry.return_path.request_id, err)
                     continue
                 engine = self._policy.choose(group, entry.routing_key)

@@ -36,15 +36,26 @@ def routed_size(entry: InflightRequest) -> int:
     """Bytes a routed request takes in a batch: its body and the variable strings of its return path."""
     return_path = entry.return_path
     return (
-        len(entry.body) + len(return_path.reply_to) + len(str(return_path.client_request_id)) + len(return_path.client_id or "")
-        + len(return_path.request_id) + len(return_path.coordinator_id) + ITEM_OVERHEAD
+        len(entry.body)
+        + len(return_path.reply_to)
+        + len(str(return_path.client_request_id))
+        + len(return_path.client_id or "")
+        + len(return_path.request_id)
+        + len(return_path.coordinator_id)
+        + ITEM_OVERHEAD
     )
 
 
 class Outbox:
     def __init__(
-        self, nc: DirectClient, subjects: Subjects, requests: RequestTable, pool: EnginePool, relay: ReplyRelay,
-        counters: Counter[str], turn_ended: Callable[[], None],
+        self,
+        nc: DirectClient,
+        subjects: Subjects,
+        requests: RequestTable,
+        pool: EnginePool,
+        relay: ReplyRelay,
+        counters: Counter[str],
+        turn_ended: Callable[[], None],
     ) -> None:
         self._nc = nc
         self._subjects = subjects
@@ -89,10 +100,13 @@ class Outbox:
             if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
                 continue  # answered or routed elsewhere while it waited for this turn
             if not fits_alone(routed_size(entry), max_payload):
-                await self._relay.fail(entry.return_path.request_id, WireError(
-                    ErrorCode.TOO_LARGE,
-                    f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
-                ))
+                await self._relay.fail(
+                    entry.return_path.request_id,
+                    WireError(
+                        ErrorCode.TOO_LARGE,
+                        f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
+                    ),
+                )
                 continue
             routable.append(entry)
         subject = self._subjects.engine(engine_id, Header.SUBMIT_REQUEST)
@@ -108,4 +122,7 @@ class Outbox:
         except Exception as exc:  # the routing task must outlive any one failed publish
             log.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for entry in batch:
-                await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"))
+                await self._relay.fail(
+                    entry.return_path.request_id,
+                    WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"),
+                )

@@ -29,7 +29,9 @@ async def test_unstreamed_request_of_a_departed_engine_is_retried_elsewhere(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     """An engine registered by hand, alone in the pool, takes the request and leaves without answering."""
-    await nc.request(subject(coordinator, "register"), encode_msgpack(EngineRegister("doomed", capacity=1000)), timeout=5)
+    await nc.request(
+        subject(coordinator, "register"), encode_msgpack(EngineRegister("doomed", capacity=1000)), timeout=5
+    )
     doomed_inbox = await nc.subscribe(coordinator.subjects.engine("doomed", "submit_request"))
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
