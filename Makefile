@@ -24,6 +24,7 @@ up: $(STAMP)
 # Lint, types and the layer contracts of pyproject.toml (docs/architecture.md), then the tests.
 check: $(STAMP)
 	$(PY) -m ruff check service handlers engines tests benchmarks
+	$(PY) -m ruff format --check service handlers engines tests benchmarks
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 

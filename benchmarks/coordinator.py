@@ -122,7 +122,16 @@ class Bench:
             "raw_relay": Target(stack.raw.stream, constant(bodies.stream)),
             "dpcoord_stream": Target(submit, Enveloped(bodies.stream, True, "bench-stream")),
         }
-        watched = ("client", "nats_server", "coordinator", "engine0", "raw_relay", "raw_echo", "raw_stream_relay", "raw_stream_source")
+        watched = (
+            "client",
+            "nats_server",
+            "coordinator",
+            "engine0",
+            "raw_relay",
+            "raw_echo",
+            "raw_stream_relay",
+            "raw_stream_source",
+        )
         self.watch = {name: pid for name, pid in stack.pids.items() if name in watched}
 
     def steps(self) -> list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]]:
@@ -131,8 +140,15 @@ class Bench:
         steps: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = []
         for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain"):
             steps.append(("sequential", name, lambda name=name: self._sequential(name)))
-        for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain", "dpcoord_long_prompt", "dpcoord_plain_long_prompt",
-                     "raw_4hop_long_prompt"):
+        for name in (
+            "raw_2hop",
+            "raw_4hop",
+            "dpcoord",
+            "dpcoord_plain",
+            "dpcoord_long_prompt",
+            "dpcoord_plain_long_prompt",
+            "raw_4hop_long_prompt",
+        ):
             steps.append(("pipelined", name, lambda name=name: self._pipelined(name)))
         for name in ("raw_relay", "dpcoord_stream"):
             steps.append(("streaming", name, lambda name=name: self._streaming(name)))
@@ -156,8 +172,12 @@ class Bench:
             found[name] = {"window": window_result(window)}
             for proc, path in sampled.items():
                 folded = fold(path.read_text())
-                found[name][proc] = {"samples": folded.samples, "file": str(path),
-                                     "self": folded.table(), "inclusive": folded.inclusive_table()}
+                found[name][proc] = {
+                    "samples": folded.samples,
+                    "file": str(path),
+                    "self": folded.table(),
+                    "inclusive": folded.inclusive_table(),
+                }
         return found
 
     async def _sequential(self, name: str) -> dict[str, Any]:
@@ -173,7 +193,12 @@ class Bench:
 
     async def _streaming(self, name: str) -> dict[str, Any]:
         window = await streaming(
-            self.stack.nc, self.targets[name], self.args.stream_inflight, self.args.warmup, self.args.duration, self.watch
+            self.stack.nc,
+            self.targets[name],
+            self.args.stream_inflight,
+            self.args.warmup,
+            self.args.duration,
+            self.watch,
         )
         return window_result(window)
 
@@ -251,15 +276,26 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             entry["errors"] = sum(v["errors"] for v in values)
             medians.setdefault(scenario, {})[name] = entry
     ratio_names = {key for r in rounds for key in r["ratios"]}
-    ratios = {key: statistics.median(r["ratios"][key] for r in rounds if key in r["ratios"]) for key in sorted(ratio_names)}
+    ratios = {
+        key: statistics.median(r["ratios"][key] for r in rounds if key in r["ratios"]) for key in sorted(ratio_names)
+    }
     spread = {
-        key: [min(r["ratios"][key] for r in rounds if key in r["ratios"]), max(r["ratios"][key] for r in rounds if key in r["ratios"])]
+        key: [
+            min(r["ratios"][key] for r in rounds if key in r["ratios"]),
+            max(r["ratios"][key] for r in rounds if key in r["ratios"]),
+        ]
         for key in sorted(ratio_names)
     }
     targets = {
-        key: {"name": target.name, "value": ratios[key], "bound": target.bound,
-              "at_most": target.at_most, "met": target.met(ratios[key])}
-        for key, target in TARGETS.items() if key in ratios
+        key: {
+            "name": target.name,
+            "value": ratios[key],
+            "bound": target.bound,
+            "at_most": target.at_most,
+            "met": target.met(ratios[key]),
+        }
+        for key, target in TARGETS.items()
+        if key in ratios
     }
     return {"medians": medians, "ratios": ratios, "ratio_range": spread, "targets": targets}
 
@@ -274,8 +310,12 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return {
-        "cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-        "nats_py": metadata.version("nats-py"), "msgspec": metadata.version("msgspec"),
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nats_py": metadata.version("nats-py"),
+        "msgspec": metadata.version("msgspec"),
         "load_average_at_start": os.getloadavg(),
     }
 
@@ -286,14 +326,18 @@ def print_report(summary: dict[str, Any], out: Any = sys.stdout) -> None:
     for name, entry in medians.get("sequential", {}).items():
         cpu = "  ".join(
             f"{key.removeprefix('cpu_us_per_')} {value:.1f} us"
-            for key, value in entry.items() if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
+            for key, value in entry.items()
+            if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
         )
-        out.write(f"  sequential {name:<25} p50 {entry['p50_us']:6.0f} us  p99 {entry['p99_us']:6.0f} us   cpu/req: {cpu}\n")
+        out.write(
+            f"  sequential {name:<25} p50 {entry['p50_us']:6.0f} us  p99 {entry['p99_us']:6.0f} us   cpu/req: {cpu}\n"
+        )
     for scenario, unit in (("pipelined", "req/s"), ("streaming", "msg/s")):
         for name, entry in medians.get(scenario, {}).items():
             cpu = "  ".join(
                 f"{key.removeprefix('cpu_us_per_')} {value:.1f} us"
-                for key, value in entry.items() if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
+                for key, value in entry.items()
+                if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
             )
             errors = f"  ERRORS {entry['errors']}" if entry["errors"] else ""
             out.write(f"  {scenario:<10} {name:<25} {entry['per_s']:10.0f} {unit}   cpu/msg: {cpu}{errors}\n")
@@ -341,7 +385,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "event_loop": event_loop.resolve(args.event_loop),
         "config": vars(args),
-        "bytes": {"short_submit": len(bodies.short), "long_submit": len(bodies.long), "final": final_bytes, "partial": partial_bytes},
+        "bytes": {
+            "short_submit": len(bodies.short),
+            "long_submit": len(bodies.long),
+            "final": final_bytes,
+            "partial": partial_bytes,
+        },
         "rounds": rounds,
         "summary": summarise(rounds),
         "profiles": profiles,
@@ -360,14 +409,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--short-prompt", type=int, default=10, help="tokens in the short prompt (default 10)")
     parser.add_argument("--long-prompt", type=int, default=10_000, help="tokens in the long prompt (default 10000)")
     parser.add_argument("--engines", type=int, default=1, help="echo engine processes (default 1)")
-    parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
-                        help="event loop of every process, client and baselines included (default auto)")
-    parser.add_argument("--only", action="append", choices=("sequential", "pipelined", "streaming"),
-                        help="run only this scenario (repeatable)")
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="event loop of every process, client and baselines included (default auto)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=("sequential", "pipelined", "streaming"),
+        help="run only this scenario (repeatable)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 s: a smoke run, too noisy to judge targets")
-    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="after the rounds, sample coordinator and engine with py-spy under pipelined load; stacks go to DIR")
-    parser.add_argument("--output", type=Path, default=None, help="JSON results path (default benchmarks/results/coordinator-<time>.json)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="after the rounds, sample coordinator and engine with py-spy under pipelined load; stacks go to DIR",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON results path (default benchmarks/results/coordinator-<time>.json)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -91,8 +91,13 @@ class DocEngineFleet:
     all (each heartbeats from its acknowledgement on), ``leave`` disconnects them."""
 
     def __init__(
-        self, nc: NATS, prefix: str, engine_ids: list[str], capacity: int = 256,
-        heartbeat_interval_s: float = 1.0, token_delay_s: float = 0.0,
+        self,
+        nc: NATS,
+        prefix: str,
+        engine_ids: list[str],
+        capacity: int = 256,
+        heartbeat_interval_s: float = 1.0,
+        token_delay_s: float = 0.0,
     ) -> None:
         self.nc = nc
         self.prefix = prefix
@@ -122,7 +127,9 @@ class DocEngineFleet:
         self._tasks.append(asyncio.create_task(self._heartbeats()))
 
         async def one(engine: DocEngine) -> None:
-            message = msgpack.packb({"engine_id": engine.engine_id, "capacity": self.capacity, "backend": "doc", "paused": False})
+            message = msgpack.packb(
+                {"engine_id": engine.engine_id, "capacity": self.capacity, "backend": "doc", "paused": False}
+            )
             async with gate:
                 subject = f"{self.prefix}.register.{engine.engine_id}"
                 ack = msgpack.unpackb((await self.nc.request(subject, message, timeout=timeout_s)).data)
@@ -203,7 +210,11 @@ class DocEngineFleet:
 
     async def _resend(self, engine: DocEngine, request_ids: list[str], reply: str) -> None:
         again = [self._recent[request_id] for request_id in request_ids if request_id in self._recent]
-        unknown = [request_id for request_id in request_ids if request_id not in self._recent and request_id not in engine.active]
+        unknown = [
+            request_id
+            for request_id in request_ids
+            if request_id not in self._recent and request_id not in engine.active
+        ]
         await self._send(engine, "engine_reply", again, remember=False)
         if reply:
             await self.nc.publish(reply, msgpack.packb({"unknown": unknown}))
@@ -238,20 +249,37 @@ class DocEngineFleet:
 
     def _partial(self, active: Active, new_tokens: list[int]) -> list[Any]:
         route = active.route
-        message = {"type": "partial", "request_id": route[0], "client_request_id": route[5],
-                   "new_tokens": new_tokens, "text": _text(new_tokens)}
+        message = {
+            "type": "partial",
+            "request_id": route[0],
+            "client_request_id": route[5],
+            "new_tokens": new_tokens,
+            "text": _text(new_tokens),
+        }
         reply = [route, _encode(message, route[3]), active.partials_sent]
         active.partials_sent += 1
         return reply
 
     def _final(self, engine: DocEngine, active: Active, finish_reason: str) -> list[Any]:
         route = active.route
-        message = {"type": "final", "request_id": route[0], "client_request_id": route[5], "engine_id": engine.engine_id,
-                   "generated_tokens": active.tokens, "generated_text": _text(active.tokens), "finish_reason": finish_reason}
+        message = {
+            "type": "final",
+            "request_id": route[0],
+            "client_request_id": route[5],
+            "engine_id": engine.engine_id,
+            "generated_tokens": active.tokens,
+            "generated_text": _text(active.tokens),
+            "finish_reason": finish_reason,
+        }
         return [route, _encode(message, route[3]), active.partials_sent]
 
     def _error(self, route: list[Any], code: int, text: str, seq: int) -> list[Any]:
-        message = {"type": "error", "error": {"code": code, "message": text}, "client_request_id": route[5], "request_id": route[0]}
+        message = {
+            "type": "error",
+            "error": {"code": code, "message": text},
+            "client_request_id": route[5],
+            "request_id": route[0],
+        }
         return [route, _encode(message, route[3]), seq]
 
     async def _send(self, engine: DocEngine, header: str, replies: list[list[Any]], remember: bool = True) -> None:
@@ -274,8 +302,10 @@ class DocEngineFleet:
             engine.paused = False
         elif signal == "stop":
             engine.paused = True
-            failed = [self._error(active.route, 503, f"engine {engine.engine_id} stopped", active.partials_sent)
-                      for active in engine.active.values()]
+            failed = [
+                self._error(active.route, 503, f"engine {engine.engine_id} stopped", active.partials_sent)
+                for active in engine.active.values()
+            ]
             engine.active.clear()
             await self._send(engine, "engine_reply", failed)
             return f"{len(failed)} requests failed"

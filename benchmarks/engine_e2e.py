@@ -100,11 +100,18 @@ class Stack:
     async def _start(self) -> None:
         self.server.start()
         env = dict(os.environ) | {
-            "DPCOORD_NATS_URL": self.server.url, "DPCOORD_SUBJECT_PREFIX": self.prefix, "DPCOORD_LOG_LEVEL": "WARNING",
-            "DPCOORD_HTTP_PORT": "0", "DPCOORD_ROUTING_POLICY": self.args.routing_policy,
-            "DPCOORD_MAX_INFLIGHT_PER_ENGINE": str(self.args.requests), "DPCOORD_ENGINE_CAPACITY": str(self.args.requests),
-            "DPCOORD_BACKEND": "torch", "DPCOORD_DEVICE": self.args.device, "DPCOORD_DTYPE": self.args.dtype,
-            "DPCOORD_MAX_BATCH": str(self.args.requests), "DPCOORD_KV_CACHE_GB": str(self.args.kv_cache_gb),
+            "DPCOORD_NATS_URL": self.server.url,
+            "DPCOORD_SUBJECT_PREFIX": self.prefix,
+            "DPCOORD_LOG_LEVEL": "WARNING",
+            "DPCOORD_HTTP_PORT": "0",
+            "DPCOORD_ROUTING_POLICY": self.args.routing_policy,
+            "DPCOORD_MAX_INFLIGHT_PER_ENGINE": str(self.args.requests),
+            "DPCOORD_ENGINE_CAPACITY": str(self.args.requests),
+            "DPCOORD_BACKEND": "torch",
+            "DPCOORD_DEVICE": self.args.device,
+            "DPCOORD_DTYPE": self.args.dtype,
+            "DPCOORD_MAX_BATCH": str(self.args.requests),
+            "DPCOORD_KV_CACHE_GB": str(self.args.kv_cache_gb),
         }
         if self.model_dir is not None:
             env["DPCOORD_MAX_CONTEXT"] = str(self.args.max_context)
@@ -156,7 +163,9 @@ class Stack:
         deadline = time.monotonic() + self.args.start_timeout
         while time.monotonic() < deadline:
             if self.children[engine_id].returncode is not None:
-                raise RuntimeError(f"{engine_id} exited with status {self.children[engine_id].returncode} (its log is above)")
+                raise RuntimeError(
+                    f"{engine_id} exited with status {self.children[engine_id].returncode} (its log is above)"
+                )
             try:
                 if (await self.status(engine_id)).get("registered"):
                     return
@@ -184,7 +193,9 @@ class Stack:
 
         async def one(prompt: list[int] | str) -> tuple[float, int]:
             first = 0.0
-            async for reply in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, timeout=self.args.request_timeout):
+            async for reply in client.stream(
+                prompt, max_tokens=max_tokens, temperature=0.0, timeout=self.args.request_timeout
+            ):
                 if isinstance(reply, Partial) and not first:
                     first = time.perf_counter() - started
                 elif isinstance(reply, Final):
@@ -193,8 +204,12 @@ class Stack:
 
         results = await asyncio.gather(*(one(prompt) for prompt in prompts))
         wall = time.perf_counter() - started
-        return StreamRun(sum(tokens for _, tokens in results), wall, [first for first, _ in results],
-                         sum(cpu_seconds(pid) for pid in pids) - cpu_before)
+        return StreamRun(
+            sum(tokens for _, tokens in results),
+            wall,
+            [first for first, _ in results],
+            sum(cpu_seconds(pid) for pid in pids) - cpu_before,
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -222,12 +237,27 @@ async def main() -> None:
     device = resolve_device(args.device)
     shape = SHAPES[args.shape]
     config = shape or ModelConfig()
-    model_dir = None if shape is None else checkpoint(args.shape, args.checkpoint_dir, resolve_dtype(args.dtype, config, device), device)
-    prompts = [[(97 * i + 13 * k) % min(config.vocab_size, 32000) for k in range(args.prompt_len)] for i in range(args.requests)]
+    model_dir = (
+        None
+        if shape is None
+        else checkpoint(args.shape, args.checkpoint_dir, resolve_dtype(args.dtype, config, device), device)
+    )
+    prompts = [
+        [(97 * i + 13 * k) % min(config.vocab_size, 32000) for k in range(args.prompt_len)]
+        for i in range(args.requests)
+    ]
 
-    backend = TorchBackend(TorchOptions(device=args.device, dtype=args.dtype, cpu_threads=args.threads, max_batch=args.requests,
-                                        max_context=args.max_context if model_dir else None, kv_cache_gb=args.kv_cache_gb),
-                           str(model_dir) if model_dir else None)
+    backend = TorchBackend(
+        TorchOptions(
+            device=args.device,
+            dtype=args.dtype,
+            cpu_threads=args.threads,
+            max_batch=args.requests,
+            max_context=args.max_context if model_dir else None,
+            kv_cache_gb=args.kv_cache_gb,
+        ),
+        str(model_dir) if model_dir else None,
+    )
     await run_engine(backend, greedy_requests("warm", prompts[:4], 8))
     local = await run_engine(backend, greedy_requests("local", prompts, args.max_tokens))
     await backend.close()
@@ -235,27 +265,37 @@ async def main() -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    print(f"{args.shape} model on {device}; {args.requests} concurrent requests, {args.prompt_len}-token prompts, "
-          f"{args.max_tokens} generated, greedy; routing policy {args.routing_policy}")
+    print(
+        f"{args.shape} model on {device}; {args.requests} concurrent requests, {args.prompt_len}-token prompts, "
+        f"{args.max_tokens} generated, greedy; routing policy {args.routing_policy}"
+    )
     print(f"{'':44} {'tokens/s':>10} {'vs local':>9} {'TTFT p50 ms':>12} {'engine CPU ms/token':>20}")
-    print(f"{'in process':44} {local.rate:10.0f} {'':>9} {local.ttft_ms:12.1f} {1000 * local.cpu / local.generated:20.3f}")
+    print(
+        f"{'in process':44} {local.rate:10.0f} {'':>9} {local.ttft_ms:12.1f} {1000 * local.cpu / local.generated:20.3f}"
+    )
     async with Stack(args, model_dir, 1) as stack:
         await stack.stream_all(prompts[:4], 8)
         run = await stack.stream_all(prompts, args.max_tokens)
-        print(f"{'end to end, one engine, streamed':44} {run.rate:10.0f} {run.rate / local.rate:8.2f}x {run.ttft_ms:12.1f} "
-              f"{1000 * run.engine_cpu / run.generated:20.3f}")
+        print(
+            f"{'end to end, one engine, streamed':44} {run.rate:10.0f} {run.rate / local.rate:8.2f}x {run.ttft_ms:12.1f} "
+            f"{1000 * run.engine_cpu / run.generated:20.3f}"
+        )
 
     shared = shared_prefix_prompts(args.requests, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=3)
     print(f"shared prefix: a {args.prefix_tokens}-token system prompt + {args.own_tokens} tokens of each's own")
     print(f"{'':44} {'tokens/s':>10} {'TTFT p50 ms':>12} {'hit rate':>9}")
     for engines in (1, 2):
         async with Stack(args, model_dir, engines) as stack:
-            await stack.stream_all(shared_prefix_prompts(4, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=4), 8)
+            await stack.stream_all(
+                shared_prefix_prompts(4, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=4), 8
+            )
             hit_before, queried_before = await stack.hits()
             run = await stack.stream_all(shared, args.max_tokens)
             hit, queried = await stack.hits()
             rate = (hit - hit_before) / (queried - queried_before) if queried > queried_before else 0.0
-            print(f"{f'  {engines} engine(s), {args.routing_policy}':44} {run.rate:10.0f} {run.ttft_ms:12.1f} {rate:9.3f}")
+            print(
+                f"{f'  {engines} engine(s), {args.routing_policy}':44} {run.rate:10.0f} {run.ttft_ms:12.1f} {rate:9.3f}"
+            )
 
 
 if __name__ == "__main__":

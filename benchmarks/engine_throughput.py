@@ -71,13 +71,22 @@ class Rate:
         self.cpu = max(self.cpu, tokens / cpu)
 
 
-def build_backend(args: argparse.Namespace, model_dir: Path | None, max_batch: int, prefix_caching: bool | None = None) -> TorchBackend:
-    return TorchBackend(TorchOptions(
-        device=args.device, dtype=args.dtype, cpu_threads=args.threads, max_batch=max_batch,
-        max_context=args.max_context if model_dir else None,
-        prefix_caching=not args.no_prefix_caching if prefix_caching is None else prefix_caching,
-        cuda_graphs=not args.no_cuda_graphs, torch_compile=not args.no_torch_compile,
-    ), str(model_dir) if model_dir else None)
+def build_backend(
+    args: argparse.Namespace, model_dir: Path | None, max_batch: int, prefix_caching: bool | None = None
+) -> TorchBackend:
+    return TorchBackend(
+        TorchOptions(
+            device=args.device,
+            dtype=args.dtype,
+            cpu_threads=args.threads,
+            max_batch=max_batch,
+            max_context=args.max_context if model_dir else None,
+            prefix_caching=not args.no_prefix_caching if prefix_caching is None else prefix_caching,
+            cuda_graphs=not args.no_cuda_graphs,
+            torch_compile=not args.no_torch_compile,
+        ),
+        str(model_dir) if model_dir else None,
+    )
 
 
 def reference_model(config: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device) -> Any:
@@ -105,20 +114,40 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt length in bytes (= tokens)")
-    parser.add_argument("--baseline-requests", type=int, default=8, help="requests run through transformers, one at a time")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads, the engine's cpu_threads setting (default: torch's choice)")
+    parser.add_argument(
+        "--baseline-requests", type=int, default=8, help="requests run through transformers, one at a time"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads, the engine's cpu_threads setting (default: torch's choice)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--shape", default="default", choices=sorted(SHAPES), help="the model: see benchmarks/model_shapes.py")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "dpcoord-bench-models",
-                        help="where random checkpoints are written (and reused)")
-    parser.add_argument("--max-context", type=int, default=2048, help="the engine's max_context for a --shape checkpoint")
+    parser.add_argument(
+        "--shape", default="default", choices=sorted(SHAPES), help="the model: see benchmarks/model_shapes.py"
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "dpcoord-bench-models",
+        help="where random checkpoints are written (and reused)",
+    )
+    parser.add_argument(
+        "--max-context", type=int, default=2048, help="the engine's max_context for a --shape checkpoint"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the best round")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's cuda_graphs setting off")
     parser.add_argument("--no-torch-compile", action="store_true", help="the engine's torch_compile setting off")
-    parser.add_argument("--no-prefix-caching", action="store_true",
-                        help="the engine's prefix_caching setting off (rounds repeat their prompts: later rounds hit the cache)")
-    parser.add_argument("--full", action="store_true", help="also step times, the bandwidth floor, a static batch and the shared prefix")
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="the engine's prefix_caching setting off (rounds repeat their prompts: later rounds hit the cache)",
+    )
+    parser.add_argument(
+        "--full", action="store_true", help="also step times, the bandwidth floor, a static batch and the shared prefix"
+    )
     parser.add_argument("--prefix-requests", type=int, default=256)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--own-tokens", type=int, default=32)
@@ -139,15 +168,18 @@ async def main() -> None:
         await shared_prefix_rows(args, config, model_dir)
 
 
-async def throughput_table(args: argparse.Namespace, config: ModelConfig, model_dir: Path | None, dtype: torch.dtype,
-                           device: torch.device) -> None:
+async def throughput_table(
+    args: argparse.Namespace, config: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device
+) -> None:
     reference = reference_model(config, model_dir, dtype, device)
     backend = build_backend(args, model_dir, max(args.concurrency))
     params = sum(p.numel() for p in backend.model.parameters()) / 1e6
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
-    print(f"{args.shape} model: {params:.1f} M parameters, {backend.dtype} on {backend.device} ({where}); "
-          f"{backend.kernels.describe()}; decode {'replays CUDA graphs' if backend.graphs else 'runs eagerly'}; "
-          f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy; best of {args.repeats} rounds")
+    print(
+        f"{args.shape} model: {params:.1f} M parameters, {backend.dtype} on {backend.device} ({where}); "
+        f"{backend.kernels.describe()}; decode {'replays CUDA graphs' if backend.graphs else 'runs eagerly'}; "
+        f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy; best of {args.repeats} rounds"
+    )
 
     await run_engine(backend, greedy_requests("warm", text_prompts(4, args.prompt_len), 8))
     generate_one_at_a_time(reference, backend, text_prompts(1, args.prompt_len), 8)
@@ -155,9 +187,15 @@ async def throughput_table(args: argparse.Namespace, config: ModelConfig, model_
     engine = {concurrency: Rate() for concurrency in args.concurrency}
     runs: dict[int, EngineRun] = {}
     for _ in range(args.repeats):
-        baseline.keep_best(*generate_one_at_a_time(reference, backend, text_prompts(args.baseline_requests, args.prompt_len), args.max_tokens))
+        baseline.keep_best(
+            *generate_one_at_a_time(
+                reference, backend, text_prompts(args.baseline_requests, args.prompt_len), args.max_tokens
+            )
+        )
         for concurrency, rate in engine.items():
-            run = await run_engine(backend, greedy_requests(f"c{concurrency}", text_prompts(concurrency, args.prompt_len), args.max_tokens))
+            run = await run_engine(
+                backend, greedy_requests(f"c{concurrency}", text_prompts(concurrency, args.prompt_len), args.max_tokens)
+            )
             rate.keep_best(run.generated, run.wall, run.cpu)
             if concurrency not in runs or run.rate > runs[concurrency].rate:
                 runs[concurrency] = run
@@ -165,27 +203,35 @@ async def throughput_table(args: argparse.Namespace, config: ModelConfig, model_
     print(f"{'':44} {'tokens/s':>10} {'ratio':>7}   {'tokens/CPU-s':>12} {'ratio':>7}")
     print(f"{'baseline: transformers generate, one at a time':44} {baseline.wall:10.0f} {'':>7}   {baseline.cpu:12.0f}")
     for concurrency, rate in engine.items():
-        print(f"{f'engine, {concurrency} concurrent requests':44} {rate.wall:10.0f} {rate.wall / baseline.wall:6.1f}x"
-              f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x")
+        print(
+            f"{f'engine, {concurrency} concurrent requests':44} {rate.wall:10.0f} {rate.wall / baseline.wall:6.1f}x"
+            f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x"
+        )
     if not args.full:
         await backend.close()
         return
 
     print()
-    print(f"{'engine, concurrent requests (best round)':44} {'step p50 ms':>12} {'CPU ms/step':>12} {'TTFT p50 ms':>12}")
+    print(
+        f"{'engine, concurrent requests (best round)':44} {'step p50 ms':>12} {'CPU ms/step':>12} {'TTFT p50 ms':>12}"
+    )
     for concurrency, run in runs.items():
         print(f"{f'  {concurrency}':44} {run.decode_step_ms:12.3f} {run.cpu_ms_per_step:12.3f} {run.ttft_ms:12.1f}")
     weights = weight_bytes(backend.model)
     measured = copy_bandwidth(backend.device)
-    print(f"bandwidth floor of a decode step: {weights / 1e9:.2f} GB of weights / {measured / 1e12:.2f} TB/s measured copy rate "
-          f"= {1000 * weights / measured:.3f} ms")
+    print(
+        f"bandwidth floor of a decode step: {weights / 1e9:.2f} GB of weights / {measured / 1e12:.2f} TB/s measured copy rate "
+        f"= {1000 * weights / measured:.3f} ms"
+    )
     nominal = nominal_bandwidth(backend.device)
     if nominal is not None:
         print(f"  at the {nominal[0]}'s stated {nominal[1] / 1e12:.2f} TB/s: {1000 * weights / nominal[1]:.3f} ms")
     largest = max(runs)
     tokens, wall, _ = generate_static_batch(reference, backend, text_prompts(largest, args.prompt_len), args.max_tokens)
-    print(f"transformers generate, static batch of {largest}: {tokens / wall:.0f} tokens/s; "
-          f"the engine at {largest} concurrent: {runs[largest].rate:.0f} tokens/s ({runs[largest].rate * wall / tokens:.2f}x)")
+    print(
+        f"transformers generate, static batch of {largest}: {tokens / wall:.0f} tokens/s; "
+        f"the engine at {largest} concurrent: {runs[largest].rate:.0f} tokens/s ({runs[largest].rate * wall / tokens:.2f}x)"
+    )
     await backend.close()
 
 
@@ -195,10 +241,14 @@ async def shared_prefix_rows(args: argparse.Namespace, config: ModelConfig, mode
     results: dict[bool, tuple[EngineRun, float]] = {}
     for caching in (True, False):
         engine = build_backend(args, model_dir, args.prefix_requests, prefix_caching=caching)
-        warm = shared_prefix_prompts(min(8, args.prefix_requests), args.prefix_tokens, args.own_tokens, config.vocab_size, seed=1)
+        warm = shared_prefix_prompts(
+            min(8, args.prefix_requests), args.prefix_tokens, args.own_tokens, config.vocab_size, seed=1
+        )
         await run_engine(engine, greedy_requests("prefix-warm", warm, 8))
         before = engine.prefix_cache_stats()
-        prompts = shared_prefix_prompts(args.prefix_requests, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=2)
+        prompts = shared_prefix_prompts(
+            args.prefix_requests, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=2
+        )
         run = await run_engine(engine, greedy_requests(f"prefix-{caching}", prompts, args.max_tokens))
         after = engine.prefix_cache_stats()
         queried = after.queried_tokens - before.queried_tokens
@@ -207,8 +257,10 @@ async def shared_prefix_rows(args: argparse.Namespace, config: ModelConfig, mode
         del engine
         free_memory()
     (on, on_hits), (off, off_hits) = results[True], results[False]
-    print(f"shared prefix: {args.prefix_requests} requests, a {args.prefix_tokens}-token system prompt + {args.own_tokens} "
-          f"tokens of their own, {args.max_tokens} generated")
+    print(
+        f"shared prefix: {args.prefix_requests} requests, a {args.prefix_tokens}-token system prompt + {args.own_tokens} "
+        f"tokens of their own, {args.max_tokens} generated"
+    )
     print(f"{'':44} {'TTFT p50 ms':>12} {'tokens/s':>10} {'hit rate':>9}")
     for label, run, hits in (("prefix caching on", on, on_hits), ("prefix caching off", off, off_hits)):
         print(f"{f'  {label}':44} {run.ttft_ms:12.1f} {run.rate:10.0f} {hits:9.3f}")

@@ -81,7 +81,10 @@ def text_prompts(count: int, length: int) -> list[str]:
 
 
 def greedy_requests(tag: str, prompts: Sequence[str | list[int]], max_tokens: int) -> list[GenerationRequest]:
-    return [GenerationRequest(f"{tag}-{i}", prompt, max_tokens=max_tokens, temperature=0.0) for i, prompt in enumerate(prompts)]
+    return [
+        GenerationRequest(f"{tag}-{i}", prompt, max_tokens=max_tokens, temperature=0.0)
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def shared_prefix_prompts(count: int, prefix_tokens: int, own_tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -92,7 +95,9 @@ def shared_prefix_prompts(count: int, prefix_tokens: int, own_tokens: int, vocab
     return [prefix + [draw.randrange(top) for _ in range(own_tokens)] for _ in range(count)]
 
 
-def generate_one_at_a_time(model: Any, backend: TorchBackend, prompts: list[str], max_tokens: int) -> tuple[int, float, float]:
+def generate_one_at_a_time(
+    model: Any, backend: TorchBackend, prompts: list[str], max_tokens: int
+) -> tuple[int, float, float]:
     """transformers ``generate``, one request at a time: (tokens, wall s, CPU s)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     generated = 0
@@ -104,19 +109,28 @@ def generate_one_at_a_time(model: Any, backend: TorchBackend, prompts: list[str]
     return generated, time.perf_counter() - started, time.process_time() - cpu_started
 
 
-def generate_static_batch(model: Any, backend: TorchBackend, prompts: list[str], max_tokens: int) -> tuple[int, float, float]:
+def generate_static_batch(
+    model: Any, backend: TorchBackend, prompts: list[str], max_tokens: int
+) -> tuple[int, float, float]:
     """transformers ``generate`` on all prompts at once (they have the same length): (tokens, wall s, CPU s)."""
     ids = torch.tensor([backend.tokenizer.encode(prompt) for prompt in prompts], device=backend.device)
     started, cpu_started = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         out = _generate(model, ids, max_tokens)
     _sync(backend.device)
-    return out[:, ids.shape[1]:].numel(), time.perf_counter() - started, time.process_time() - cpu_started
+    return out[:, ids.shape[1] :].numel(), time.perf_counter() - started, time.process_time() - cpu_started
 
 
 def _generate(model: Any, ids: torch.Tensor, max_tokens: int) -> torch.Tensor:
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -140,7 +154,13 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 # HBM bandwidth the vendor states, by a fragment of torch.cuda.get_device_name().
-NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.04e12}
+NOMINAL_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 SXM": 3.35e12,
+    "H100 80GB HBM3": 3.35e12,
+    "H100 PCIe": 2.0e12,
+    "A100-SXM4-80GB": 2.04e12,
+}
 
 
 def nominal_bandwidth(device: torch.device) -> tuple[str, float] | None:

@@ -121,7 +121,9 @@ class Workload:
         rng = random.Random(seed)
         self._body = encode_msgpack(SubmitRequest(list(range(1, 11)), SamplingParams(max_tokens=1)))
         systems = [[rng.randrange(32000) for _ in range(1024)] for _ in range(8)]
-        self._hashes = [prefix_hashes(systems[index % 8] + [rng.randrange(32000) for _ in range(32)]) for index in range(64)]
+        self._hashes = [
+            prefix_hashes(systems[index % 8] + [rng.randrange(32000) for _ in range(32)]) for index in range(64)
+        ]
         self._client_id = f"fleet-{uuid.uuid4().hex[:8]}"
 
     def __call__(self, number: int) -> bytes:
@@ -177,8 +179,18 @@ class FleetBench:
         coordinator = await self._coordinator(policy, subjects, log_path)
         cpu_before = cpu_seconds(coordinator.pid)
         host = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "benchmarks.doc_engines", "--nats-url", self.nats_url, "--prefix", subjects.prefix,
-            "--count", str(engines), "--id-prefix", "sim-", stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "benchmarks.doc_engines",
+            "--nats-url",
+            self.nats_url,
+            "--prefix",
+            subjects.prefix,
+            "--count",
+            str(engines),
+            "--id-prefix",
+            "sim-",
+            stdout=asyncio.subprocess.PIPE,
         )
         fleet = RunningFleet(policy, engines, subjects, coordinator, host, log_path)
         fleet.registration_s = await _registered(host)
@@ -191,17 +203,29 @@ class FleetBench:
 
     async def _coordinator(self, policy: str, subjects: Subjects, log_path: Path) -> asyncio.subprocess.Process:
         env = dict(os.environ)
-        env.update({
-            "DPCOORD_NATS_URL": self.nats_url, "DPCOORD_SUBJECT_PREFIX": subjects.prefix,
-            "DPCOORD_COORDINATOR_ID": COORDINATOR_ID, "DPCOORD_ROUTING_POLICY": policy, "DPCOORD_LOG_LEVEL": "INFO",
-            "DPCOORD_EVENT_LOOP": self.args.event_loop, "DPCOORD_HTTP_PORT": "0",
-        })
+        env.update(
+            {
+                "DPCOORD_NATS_URL": self.nats_url,
+                "DPCOORD_SUBJECT_PREFIX": subjects.prefix,
+                "DPCOORD_COORDINATOR_ID": COORDINATOR_ID,
+                "DPCOORD_ROUTING_POLICY": policy,
+                "DPCOORD_LOG_LEVEL": "INFO",
+                "DPCOORD_EVENT_LOOP": self.args.event_loop,
+                "DPCOORD_HTTP_PORT": "0",
+            }
+        )
         source = self.args.coordinator_source
         if source is not None:
             env["PYTHONPATH"] = str(source.resolve())
         with log_path.open("w") as log_file:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "service", "coordinator", env=env, stderr=log_file, cwd=source,
+                sys.executable,
+                "-m",
+                "service",
+                "coordinator",
+                env=env,
+                stderr=log_file,
+                cwd=source,
             )
         status = subjects.status("coordinator", COORDINATOR_ID)
         for _ in range(600):
@@ -259,25 +283,35 @@ class FleetBench:
         if self.nats_pid is not None:
             watch["nats_server"] = self.nats_pid
         load = await offer(
-            self.nc, fleet.subjects.coordinator(Header.SUBMIT_REQUEST), lambda _: self._body(), rate,
-            self.args.warmup, self.args.duration, watch,
+            self.nc,
+            fleet.subjects.coordinator(Header.SUBMIT_REQUEST),
+            lambda _: self._body(),
+            rate,
+            self.args.warmup,
+            self.args.duration,
+            watch,
         )
         status = await self._status(fleet)
         after = status["counters"] if status is not None and before_status is not None else {}
         messages = after.get("routed_messages", 0) - before.get("routed_messages", 0)
         routed = after.get("routed_requests", 0) - before.get("routed_requests", 0)
         latencies = sorted(load.latencies_us)
-        fleet.windows.append({
-            "achieved_per_s": load.achieved_per_s,
-            "p50_ms": percentile(latencies, 50) / 1000,
-            "p99_ms": percentile(latencies, 99) / 1000,
-            "cpu_us_per_request": load.cpu_us_per_request("coordinator"),
-            "coordinator_core_pct": load.cpu_s["coordinator"] / load.window_s * 100,
-            "requests_per_routed_message": routed / messages if messages else float("nan"),
-            "others_cores": max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s),
-            "sent": load.sent, "lost": load.lost, "duplicated": load.duplicated, "errors": load.errors,
-            "engines_lost": fleet.engines - len(status["engines"]) if status is not None else UNKNOWN,
-        })
+        fleet.windows.append(
+            {
+                "achieved_per_s": load.achieved_per_s,
+                "p50_ms": percentile(latencies, 50) / 1000,
+                "p99_ms": percentile(latencies, 99) / 1000,
+                "cpu_us_per_request": load.cpu_us_per_request("coordinator"),
+                "coordinator_core_pct": load.cpu_s["coordinator"] / load.window_s * 100,
+                "requests_per_routed_message": routed / messages if messages else float("nan"),
+                "others_cores": max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s),
+                "sent": load.sent,
+                "lost": load.lost,
+                "duplicated": load.duplicated,
+                "errors": load.errors,
+                "engines_lost": fleet.engines - len(status["engines"]) if status is not None else UNKNOWN,
+            }
+        )
 
 
 async def _registered(host: asyncio.subprocess.Process) -> float:
@@ -305,18 +339,31 @@ def summarise(fleets: list[RunningFleet], rate: float) -> list[FleetResult]:
                 mine[key] / theirs[key] for mine, theirs in zip(fleet.windows, base.windows, strict=True)
             )
 
-        results.append(FleetResult(
-            policy=fleet.policy, engines=fleet.engines, registration_s=fleet.registration_s,
-            registration_cpu_s=fleet.registration_cpu_s, idle_core_pct=fleet.idle_core_pct, offered_per_s=rate,
-            achieved_per_s=median("achieved_per_s"), p50_ms=median("p50_ms"), p99_ms=median("p99_ms"),
-            cpu_us_per_request=median("cpu_us_per_request"), coordinator_core_pct=median("coordinator_core_pct"),
-            requests_per_routed_message=median("requests_per_routed_message"), others_cores=median("others_cores"),
-            sent=sum(int(w["sent"]) for w in windows), lost=sum(int(w["lost"]) for w in windows),
-            duplicated=sum(int(w["duplicated"]) for w in windows), errors=sum(int(w["errors"]) for w in windows),
-            engines_lost=max(int(w["engines_lost"]) for w in windows),
-            log_lines=len(fleet.log_path.read_text().splitlines()),
-            cpu_ratio=ratio("cpu_us_per_request"), rate_ratio=ratio("achieved_per_s"),
-        ))
+        results.append(
+            FleetResult(
+                policy=fleet.policy,
+                engines=fleet.engines,
+                registration_s=fleet.registration_s,
+                registration_cpu_s=fleet.registration_cpu_s,
+                idle_core_pct=fleet.idle_core_pct,
+                offered_per_s=rate,
+                achieved_per_s=median("achieved_per_s"),
+                p50_ms=median("p50_ms"),
+                p99_ms=median("p99_ms"),
+                cpu_us_per_request=median("cpu_us_per_request"),
+                coordinator_core_pct=median("coordinator_core_pct"),
+                requests_per_routed_message=median("requests_per_routed_message"),
+                others_cores=median("others_cores"),
+                sent=sum(int(w["sent"]) for w in windows),
+                lost=sum(int(w["lost"]) for w in windows),
+                duplicated=sum(int(w["duplicated"]) for w in windows),
+                errors=sum(int(w["errors"]) for w in windows),
+                engines_lost=max(int(w["engines_lost"]) for w in windows),
+                log_lines=len(fleet.log_path.read_text().splitlines()),
+                cpu_ratio=ratio("cpu_us_per_request"),
+                rate_ratio=ratio("achieved_per_s"),
+            )
+        )
     return results
 
 
@@ -338,26 +385,39 @@ def judge(results: list[FleetResult]) -> list[dict[str, Any]]:
             why = (
                 f"{base.cpu_us_per_request:.1f} -> {row.cpu_us_per_request:.1f} us/request; requests per routed message "
                 f"{base.requests_per_routed_message:.1f} -> {row.requests_per_routed_message:.1f}"
-                if cpu else
-                f"{base.achieved_per_s:,.0f} -> {row.achieved_per_s:,.0f} req/s of {row.offered_per_s:,.0f} offered; "
+                if cpu
+                else f"{base.achieved_per_s:,.0f} -> {row.achieved_per_s:,.0f} req/s of {row.offered_per_s:,.0f} offered; "
                 f"coordinator at {row.coordinator_core_pct:.0f}% of a core; other processes {row.others_cores:.2f} cores; "
                 f"{row.engines_lost} engines removed for silence"
             )
-            verdicts.append(_verdict(policy, goal, f"{goal.name} ({goal.engines} / {base.engines} engines)", value, why))
+            verdicts.append(
+                _verdict(policy, goal, f"{goal.name} ({goal.engines} / {base.engines} engines)", value, why)
+            )
         for goal, field_name in ((REGISTRATION_CPU_GOAL, "registration_cpu_s"), (IDLE_GOAL, "idle_core_pct")):
             row = rows.get(goal.engines)
             if row is not None:
                 why = f"registration took {row.registration_s:.2f} s wall; {row.log_lines} coordinator log lines in the run"
-                verdicts.append(_verdict(policy, goal, f"{goal.name}, {goal.engines} engines", getattr(row, field_name), why))
+                verdicts.append(
+                    _verdict(policy, goal, f"{goal.name}, {goal.engines} engines", getattr(row, field_name), why)
+                )
     return verdicts
 
 
 def _verdict(policy: str, goal: Goal, name: str, value: float, why: str) -> dict[str, Any]:
-    return {"policy": policy, "name": name, "value": value, "bound": goal.bound, "at_most": goal.at_most,
-            "met": goal.met(value), "why": why}
+    return {
+        "policy": policy,
+        "name": name,
+        "value": value,
+        "bound": goal.bound,
+        "at_most": goal.at_most,
+        "met": goal.met(value),
+        "why": why,
+    }
 
 
-def print_report(results: list[FleetResult], verdicts: list[dict[str, Any]], header: str, out: Any = sys.stdout) -> None:
+def print_report(
+    results: list[FleetResult], verdicts: list[dict[str, Any]], header: str, out: Any = sys.stdout
+) -> None:
     out.write(f"\n{header}\n")
     columns = (
         "policy       engines  achieved/s   p50 ms   p99 ms  coord us/req  coord %core  req/msg  "
@@ -417,10 +477,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if server is not None:
             server.stop()
     return {
-        "benchmark": "fleet", "started": stamp, "machine": machine(), "load_average_before": load_before,
-        "load_average_after": os.getloadavg(), "event_loop": event_loop.resolve(args.event_loop), "config": vars(args),
-        "reference_closed_loop_per_s": reference, "offered_per_s": rate, "results": [asdict(r) for r in results],
-        "targets": judge(results), "logs": str(log_dir),
+        "benchmark": "fleet",
+        "started": stamp,
+        "machine": machine(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "event_loop": event_loop.resolve(args.event_loop),
+        "config": vars(args),
+        "reference_closed_loop_per_s": reference,
+        "offered_per_s": rate,
+        "results": [asdict(r) for r in results],
+        "targets": judge(results),
+        "logs": str(log_dir),
     }
 
 
@@ -429,31 +497,66 @@ def _sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--simulated-engines", type=_sizes, default=[2, 100, 1000, 3000], metavar="N,N,...",
-                        help="fleet sizes, smallest first: the first is the baseline (default 2,100,1000,3000)")
-    parser.add_argument("--policies", type=lambda text: text.split(","), default=["least_loaded"], metavar="P,P,...",
-                        help="routing policies, each over every fleet size (default least_loaded; also p2c, round_robin, prefix)")
-    parser.add_argument("--rate", type=float, default=None, help="offered requests/s (default: a share of the closed-loop rate)")
-    parser.add_argument("--offered-share", type=float, default=0.6, help="share of the closed-loop rate to offer (default 0.6)")
-    parser.add_argument("--inflight", type=int, default=256, help="requests in flight when calibrating closed-loop (default 256)")
-    parser.add_argument("--rounds", type=int, default=3, help="load windows per fleet, interleaved across fleets (default 3)")
+    parser.add_argument(
+        "--simulated-engines",
+        type=_sizes,
+        default=[2, 100, 1000, 3000],
+        metavar="N,N,...",
+        help="fleet sizes, smallest first: the first is the baseline (default 2,100,1000,3000)",
+    )
+    parser.add_argument(
+        "--policies",
+        type=lambda text: text.split(","),
+        default=["least_loaded"],
+        metavar="P,P,...",
+        help="routing policies, each over every fleet size (default least_loaded; also p2c, round_robin, prefix)",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="offered requests/s (default: a share of the closed-loop rate)"
+    )
+    parser.add_argument(
+        "--offered-share", type=float, default=0.6, help="share of the closed-loop rate to offer (default 0.6)"
+    )
+    parser.add_argument(
+        "--inflight", type=int, default=256, help="requests in flight when calibrating closed-loop (default 256)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="load windows per fleet, interleaved across fleets (default 3)"
+    )
     parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per load window (default 3)")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of load before each measured window (default 1)")
+    parser.add_argument(
+        "--warmup", type=float, default=1.0, help="seconds of load before each measured window (default 1)"
+    )
     parser.add_argument("--idle", type=float, default=4.0, help="seconds of idle CPU measured per fleet (default 4)")
     parser.add_argument("--nats-url", default=None, help="use this NATS server instead of an embedded one")
-    parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="the coordinator's event loop")
-    parser.add_argument("--coordinator-source", type=Path, default=None, metavar="DIR",
-                        help="run the coordinator from this source tree, to compare another commit")
-    parser.add_argument("--output", type=Path, default=None, help="JSON results path (default benchmarks/results/fleet-<time>.json)")
+    parser.add_argument(
+        "--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto", help="the coordinator's event loop"
+    )
+    parser.add_argument(
+        "--coordinator-source",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run the coordinator from this source tree, to compare another commit",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON results path (default benchmarks/results/fleet-<time>.json)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     results = event_loop.run(run(args), args.event_loop)
     reference = results["reference_closed_loop_per_s"]
-    share = f" ({args.offered_share:.0%} of {reference:,.0f} req/s closed-loop with {args.simulated_engines[0]} engines)" if reference else ""
+    share = (
+        f" ({args.offered_share:.0%} of {reference:,.0f} req/s closed-loop with {args.simulated_engines[0]} engines)"
+        if reference
+        else ""
+    )
     load = results["load_average_before"]
-    header = (f"fleet benchmark: offered {results['offered_per_s']:,.0f} req/s{share}; {results['machine']['cores']} cores, "
-              f"load average {load[0]:.2f} before and {results['load_average_after'][0]:.2f} after")
+    header = (
+        f"fleet benchmark: offered {results['offered_per_s']:,.0f} req/s{share}; {results['machine']['cores']} cores, "
+        f"load average {load[0]:.2f} before and {results['load_average_after'][0]:.2f} after"
+    )
     print_report([FleetResult(**r) for r in results["results"]], results["targets"], header)
     output = args.output or RESULTS_DIR / f"fleet-{results['started']}.json"
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -63,11 +63,21 @@ class Measure:
         self.stack = stack
         self.client = client
         self.port = port
-        self.completion = post("127.0.0.1", "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": PROMPT, "max_tokens": args.max_tokens}).encode())
-        self.stream = post("127.0.0.1", "/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": PROMPT, "max_tokens": args.tokens, "stream": True}).encode())
-        self.watch = {name: pid for name, pid in stack.pids.items() if name in ("client", "gateway", "coordinator", "engine0", "nats_server")}
+        self.completion = post(
+            "127.0.0.1",
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": args.max_tokens}).encode(),
+        )
+        self.stream = post(
+            "127.0.0.1",
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": args.tokens, "stream": True}).encode(),
+        )
+        self.watch = {
+            name: pid
+            for name, pid in stack.pids.items()
+            if name in ("client", "gateway", "coordinator", "engine0", "nats_server")
+        }
 
     def steps(self) -> list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]]:
         return [
@@ -96,8 +106,12 @@ class Measure:
         return _latency(latencies, errors)
 
     def _client_load(self, stream: bool) -> Any:
-        return _ClientLoad(self.client, stream, self.args.streams if stream else self.args.connections,
-                           self.args.tokens if stream else self.args.max_tokens)
+        return _ClientLoad(
+            self.client,
+            stream,
+            self.args.streams if stream else self.args.connections,
+            self.args.tokens if stream else self.args.max_tokens,
+        )
 
     def _http_load(self, stream: bool) -> Pipelined:
         raw = self.stream if stream else self.completion
@@ -121,8 +135,11 @@ class Measure:
             stop.set()
             await running
         result = _latency(load.latencies, errors)
-        result.update(per_s=completed / seconds, completed=completed,
-                      cpu_us_per={name: used / completed * 1e6 if completed else float("nan") for name, used in cpu.items()})
+        result.update(
+            per_s=completed / seconds,
+            completed=completed,
+            cpu_us_per={name: used / completed * 1e6 if completed else float("nan") for name, used in cpu.items()},
+        )
         return result
 
 
@@ -157,7 +174,12 @@ class _ClientLoad:
 
 def _latency(latencies: list[float], errors: int) -> dict[str, Any]:
     ordered = sorted(latencies)
-    return {"p50_us": percentile(ordered, 50), "p99_us": percentile(ordered, 99), "count": len(ordered), "errors": errors}
+    return {
+        "p50_us": percentile(ordered, 50),
+        "p99_us": percentile(ordered, 99),
+        "count": len(ordered),
+        "errors": errors,
+    }
 
 
 def figures(measured: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -183,24 +205,34 @@ def figures(measured: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     names = sorted({name for one in rounds for name in one["figures"]})
-    medians = {name: statistics.median(one["figures"][name] for one in rounds if name in one["figures"]) for name in names}
+    medians = {
+        name: statistics.median(one["figures"][name] for one in rounds if name in one["figures"]) for name in names
+    }
     steps = sorted({step for one in rounds for step in one["measured"]})
     median_steps = {}
     for step in steps:
         entries = [one["measured"][step] for one in rounds if step in one["measured"]]
         median_steps[step] = {
-            key: statistics.median(entry[key] for entry in entries) for key in ("p50_us", "p99_us", "per_s") if key in entries[0]
+            key: statistics.median(entry[key] for entry in entries)
+            for key in ("p50_us", "p99_us", "per_s")
+            if key in entries[0]
         } | {"errors": sum(entry["errors"] for entry in entries)}
         if "cpu_us_per" in entries[0]:
             median_steps[step]["cpu_us_per"] = {
-                name: statistics.median(entry["cpu_us_per"][name] for entry in entries) for name in entries[0]["cpu_us_per"]
+                name: statistics.median(entry["cpu_us_per"][name] for entry in entries)
+                for name in entries[0]["cpu_us_per"]
             }
     targets = {}
     for name, (sign, bound) in TARGETS.items():
         if name in medians:
             value = medians[name]
-            targets[name] = {"value": value, "sign": sign, "bound": bound, "met": value >= bound if sign == ">=" else value <= bound,
-                             "ratio": value / bound}
+            targets[name] = {
+                "value": value,
+                "sign": sign,
+                "bound": bound,
+                "met": value >= bound if sign == ">=" else value <= bound,
+                "ratio": value / bound,
+            }
     return {"figures": medians, "steps": median_steps, "targets": targets}
 
 
@@ -218,8 +250,10 @@ def print_report(summary: dict[str, Any], out: Any = sys.stdout) -> None:
     out.write("\ntargets\n")
     for name, target in summary["targets"].items():
         verdict = "met" if target["met"] else "MISSED"
-        out.write(f"  {name:<30} {target['value']:10.1f} (target {target['sign']} {target['bound']:g}; "
-                  f"{target['ratio']:.2f} of it)  {verdict}\n")
+        out.write(
+            f"  {name:<30} {target['value']:10.1f} (target {target['sign']} {target['bound']:g}; "
+            f"{target['ratio']:.2f} of it)  {verdict}\n"
+        )
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,18 +294,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every measurement (default 3)")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per throughput step (default 3)")
     parser.add_argument("--warmup", type=float, default=0.5, help="seconds of load before each measured window")
-    parser.add_argument("--sequential-count", type=int, default=1000, help="requests per sequential step (default 1000)")
+    parser.add_argument(
+        "--sequential-count", type=int, default=1000, help="requests per sequential step (default 1000)"
+    )
     parser.add_argument("--connections", type=int, default=64, help="non-streamed requests in flight (default 64)")
     parser.add_argument("--streams", type=int, default=64, help="streams in flight (default 64)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per short completion (default 16)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion (default 64)")
     parser.add_argument("--engines", type=int, default=1, help="echo engine processes (default 1)")
-    parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"), default="auto",
-                        help="event loop of every process (default auto)")
-    parser.add_argument("--only", action="append", choices=("sequential", "pipelined", "streaming"),
-                        help="run only this workload (repeatable)")
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="event loop of every process (default auto)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=("sequential", "pipelined", "streaming"),
+        help="run only this workload (repeatable)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 round of 1 s: a smoke run, too noisy to judge targets")
-    parser.add_argument("--output", type=Path, default=None, help="JSON results path (default benchmarks/results/gateway-<time>.json)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON results path (default benchmarks/results/gateway-<time>.json)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

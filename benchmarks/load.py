@@ -85,8 +85,13 @@ async def sequential(
 
 
 async def pipelined(
-    nc: NATS, target: Target, inflight: int, warmup_s: float, duration_s: float,
-    watch: Mapping[str, int], timeout: float = 30.0,
+    nc: NATS,
+    target: Target,
+    inflight: int,
+    warmup_s: float,
+    duration_s: float,
+    watch: Mapping[str, int],
+    timeout: float = 30.0,
 ) -> Window:
     """Requests per second with ``inflight`` requests outstanding at all times (one nats-py request each)."""
     done = 0

@@ -18,22 +18,53 @@ import torch
 from engines.torch_backend.config import ModelConfig, RopeConfig
 from engines.torch_backend.weights import INIT_STD, hf_shapes
 
-_LLAMA3_ROPE = RopeConfig(theta=500000.0, type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
+_LLAMA3_ROPE = RopeConfig(
+    theta=500000.0,
+    type="llama3",
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 
 SHAPES: dict[str, ModelConfig | None] = {
     "default": None,
     # A CPU-sized stand-in, to check the benchmark itself.
-    "tiny": ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                        head_dim=32, max_position_embeddings=4096),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+    ),
     # Llama-3.2-1B: 1.24 B parameters.
-    "llama-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                            num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rope=_LLAMA3_ROPE,
-                            tie_word_embeddings=True),
+    "llama-1b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope=_LLAMA3_ROPE,
+        tie_word_embeddings=True,
+    ),
     # Llama-3.1-8B: 8.0 B parameters.
-    "llama-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                            num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
-                            rope=dataclasses.replace(_LLAMA3_ROPE, factor=8.0)),
+    "llama-8b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope=dataclasses.replace(_LLAMA3_ROPE, factor=8.0),
+    ),
 }
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -47,8 +47,14 @@ class OfferedLoad:
 
 
 async def offer(
-    nc: NATS, subject: str, body: Callable[[int], bytes], rate: float, warmup_s: float, duration_s: float,
-    watch: Mapping[str, int], drain_s: float = 10.0,
+    nc: NATS,
+    subject: str,
+    body: Callable[[int], bytes],
+    rate: float,
+    warmup_s: float,
+    duration_s: float,
+    watch: Mapping[str, int],
+    drain_s: float = 10.0,
 ) -> OfferedLoad:
     """Offer ``rate`` requests/s for ``warmup_s + duration_s``; ``body(n)`` is request n's body.
     CPU of ``watch`` (name -> pid) and the answers are counted over the last ``duration_s``."""

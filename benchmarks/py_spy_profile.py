@@ -30,9 +30,21 @@ async def record(pid: int, seconds: float, output: Path, rate: int = 500) -> asy
     if binary is None:
         raise FileNotFoundError("py-spy not found: pip install 'dpcoord[bench]' (or pip install py-spy)")
     return await asyncio.create_subprocess_exec(
-        binary, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
-        "--format", "raw", "--nonblocking", "--output", str(output),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        binary,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        str(max(1, round(seconds))),
+        "--rate",
+        str(rate),
+        "--format",
+        "raw",
+        "--nonblocking",
+        "--output",
+        str(output),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
 
 

@@ -57,7 +57,7 @@ async def serve_relay(nc: NATS, subjects: Subjects, args: argparse.Namespace) ->
         await nc.publish(subjects.echo, msg.data, reply=inbox_prefix + token)
 
     async def on_answer(msg: Msg) -> None:
-        reply = waiting.pop(msg.subject[len(inbox_prefix):], None)
+        reply = waiting.pop(msg.subject[len(inbox_prefix) :], None)
         if reply is not None:
             await nc.publish(reply, msg.data)
 

@@ -24,7 +24,9 @@ from service.protocol.prefix import prefix_hashes
 POLICIES = ("least_loaded", "p2c", "round_robin", "prefix")
 
 
-def microseconds_per_request(policy_name: str, engines: int, batch: int = 64, repeat: int = 5, number: int = 20) -> float:
+def microseconds_per_request(
+    policy_name: str, engines: int, batch: int = 64, repeat: int = 5, number: int = 20
+) -> float:
     pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=6.0)
     for index in range(engines):
         pool.add(f"e{index}", 256)
@@ -32,7 +34,9 @@ def microseconds_per_request(policy_name: str, engines: int, batch: int = 64, re
     rng = random.Random(7)
     systems = [[rng.randrange(32000) for _ in range(1024)] for _ in range(8)]
     submissions = [
-        SubmitEnvelope(1, b"", prefix_hashes=prefix_hashes(systems[index % 8] + [rng.randrange(32000) for _ in range(32)]))
+        SubmitEnvelope(
+            1, b"", prefix_hashes=prefix_hashes(systems[index % 8] + [rng.randrange(32000) for _ in range(32)])
+        )
         for index in range(batch)
     ]
     request_ids = [f"r{index}" for index in range(batch)]
@@ -56,7 +60,9 @@ def microseconds_per_request(policy_name: str, engines: int, batch: int = 64, re
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.routing_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", type=lambda text: [int(part) for part in text.split(",")], default=[2, 100, 1000, 3000])
+    parser.add_argument(
+        "--engines", type=lambda text: [int(part) for part in text.split(",")], default=[2, 100, 1000, 3000]
+    )
     args = parser.parse_args()
     print("engines  " + "  ".join(f"{name:>12}" for name in POLICIES) + "   (us per request)")
     for engines in args.engines:

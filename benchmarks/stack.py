@@ -81,14 +81,16 @@ class BenchStack:
 
     def _dpcoord_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "DPCOORD_NATS_URL": self.nats_url,
-            "DPCOORD_SUBJECT_PREFIX": self.config.prefix,
-            "DPCOORD_LOG_LEVEL": "WARNING",
-            "DPCOORD_EVENT_LOOP": self.config.event_loop,
-            "DPCOORD_BACKEND": "echo",
-            "DPCOORD_HTTP_PORT": "0",  # no health/metrics listeners: several processes share this host
-        })
+        env.update(
+            {
+                "DPCOORD_NATS_URL": self.nats_url,
+                "DPCOORD_SUBJECT_PREFIX": self.config.prefix,
+                "DPCOORD_LOG_LEVEL": "WARNING",
+                "DPCOORD_EVENT_LOOP": self.config.event_loop,
+                "DPCOORD_BACKEND": "echo",
+                "DPCOORD_HTTP_PORT": "0",  # no health/metrics listeners: several processes share this host
+            }
+        )
         return env
 
     async def start_dpcoord(self, probe: bytes) -> None:
@@ -163,8 +165,18 @@ class BenchStack:
 
     async def start_raw(self, reply_bytes: int, partial_bytes: int) -> None:
         common = [
-            "--nats-url", self.nats_url, "--prefix", self.config.prefix, "--event-loop", self.config.event_loop,
-            "--reply-bytes", str(reply_bytes), "--partial-bytes", str(partial_bytes), "--tokens", str(self.config.tokens),
+            "--nats-url",
+            self.nats_url,
+            "--prefix",
+            self.config.prefix,
+            "--event-loop",
+            self.config.event_loop,
+            "--reply-bytes",
+            str(reply_bytes),
+            "--partial-bytes",
+            str(partial_bytes),
+            "--tokens",
+            str(self.config.tokens),
         ]
         for role in ("echo", "relay", "stream_source", "stream_relay"):
             await self._spawn(f"raw_{role}", "-m", "benchmarks.raw_peers", role, *common)

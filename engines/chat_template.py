@@ -37,9 +37,7 @@ def plain_prompt(messages: Sequence[ChatMessage]) -> str:
 
 def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     """Messages as the template sees them: ``role``, ``content`` and ``name`` when given."""
-    return [
-        {"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {}) for m in messages
-    ]
+    return [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name is not None else {}) for m in messages]
 
 
 class ChatTemplate:
@@ -67,7 +65,10 @@ class ChatTemplate:
 
         try:
             return self._template.render(
-                messages=message_dicts(messages), tools=None, documents=None, add_generation_prompt=True,
+                messages=message_dicts(messages),
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
                 **self.special_tokens,
             )
         except (TemplateError, TypeError, ValueError) as exc:
@@ -103,15 +104,22 @@ def _compile(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         # Jinja's own tojson escapes HTML characters; transformers' does not.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     environment.filters["tojson"] = tojson
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now

@@ -10,10 +10,19 @@ from service.ops.settings import Settings
 def torch_options(settings: Settings) -> TorchOptions:
     """The torch backend's share of the settings."""
     return TorchOptions(
-        device=settings.device, dtype=settings.dtype, cpu_threads=settings.cpu_threads, model_seed=settings.model_seed,
-        max_batch=settings.max_batch, max_context=settings.max_context, max_prefill_tokens=settings.max_prefill_tokens,
-        kv_block_size=settings.kv_block_size, kv_cache_gb=settings.kv_cache_gb, kv_memory_fraction=settings.kv_memory_fraction,
-        profile_dir=settings.profile_dir, prefix_caching=settings.prefix_caching, cuda_graphs=settings.cuda_graphs,
+        device=settings.device,
+        dtype=settings.dtype,
+        cpu_threads=settings.cpu_threads,
+        model_seed=settings.model_seed,
+        max_batch=settings.max_batch,
+        max_context=settings.max_context,
+        max_prefill_tokens=settings.max_prefill_tokens,
+        kv_block_size=settings.kv_block_size,
+        kv_cache_gb=settings.kv_cache_gb,
+        kv_memory_fraction=settings.kv_memory_fraction,
+        profile_dir=settings.profile_dir,
+        prefix_caching=settings.prefix_caching,
+        cuda_graphs=settings.cuda_graphs,
         torch_compile=settings.torch_compile,
     )
 

@@ -32,7 +32,9 @@ class EngineCollector(Collector):
         paused.add_metric([], 1.0 if runtime.paused else 0.0)
         yield paused
 
-        malformed = CounterMetricFamily("dpcoord_malformed_messages", "Routed or broadcast messages that failed to decode")
+        malformed = CounterMetricFamily(
+            "dpcoord_malformed_messages", "Routed or broadcast messages that failed to decode"
+        )
         malformed.add_metric([], runtime.counters["malformed"])
         yield malformed
 
@@ -44,19 +46,29 @@ def prefix_cache_families(stats: PrefixCacheStats | None) -> Iterator[Metric]:
     """The KV cache's prefix-cache counters; nothing for a backend without a KV cache."""
     if stats is None:
         return
-    queried = CounterMetricFamily("dpcoord_engine_prefix_cache_queried_tokens", "Prompt tokens of the requests admitted to the KV cache")
+    queried = CounterMetricFamily(
+        "dpcoord_engine_prefix_cache_queried_tokens", "Prompt tokens of the requests admitted to the KV cache"
+    )
     queried.add_metric([], stats.queried_tokens)
     yield queried
-    hits = CounterMetricFamily("dpcoord_engine_prefix_cache_hit_tokens", "Of them, tokens read from cached pages instead of computed")
+    hits = CounterMetricFamily(
+        "dpcoord_engine_prefix_cache_hit_tokens", "Of them, tokens read from cached pages instead of computed"
+    )
     hits.add_metric([], stats.hit_tokens)
     yield hits
-    rate = GaugeMetricFamily("dpcoord_engine_prefix_cache_hit_rate", "Hit tokens / queried tokens since the engine started")
+    rate = GaugeMetricFamily(
+        "dpcoord_engine_prefix_cache_hit_rate", "Hit tokens / queried tokens since the engine started"
+    )
     rate.add_metric([], stats.hit_rate)
     yield rate
-    cached = GaugeMetricFamily("dpcoord_engine_prefix_cache_pages", "KV-cache pages holding a known prompt prefix, in use or not")
+    cached = GaugeMetricFamily(
+        "dpcoord_engine_prefix_cache_pages", "KV-cache pages holding a known prompt prefix, in use or not"
+    )
     cached.add_metric([], stats.cached_pages)
     yield cached
-    evicted = CounterMetricFamily("dpcoord_engine_prefix_cache_evicted_pages", "Cached pages reused for other tokens under memory pressure")
+    evicted = CounterMetricFamily(
+        "dpcoord_engine_prefix_cache_evicted_pages", "Cached pages reused for other tokens under memory pressure"
+    )
     evicted.add_metric([], stats.evicted_pages)
     yield evicted
     total = GaugeMetricFamily("dpcoord_engine_kv_cache_pages", "KV-cache pages in all")

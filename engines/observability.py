@@ -40,8 +40,15 @@ def engine_status(runtime: EngineRuntime) -> EngineStatus:
         active_requests=runtime.load,
         epoch=runtime.epoch,
         counters=dict(runtime.counters),
-        prefix_cache=None if stats is None else PrefixCacheStatus(
-            stats.queried_tokens, stats.hit_tokens, stats.hit_rate, stats.cached_pages, stats.evicted_pages, stats.total_pages,
+        prefix_cache=None
+        if stats is None
+        else PrefixCacheStatus(
+            stats.queried_tokens,
+            stats.hit_tokens,
+            stats.hit_rate,
+            stats.cached_pages,
+            stats.evicted_pages,
+            stats.total_pages,
         ),
     )
 
@@ -56,8 +63,11 @@ def engine_observability(
         health=lambda: engine_health(runtime),
         ready=lambda: engine_readiness(runtime),
         service=ServiceSpec(
-            ENGINE_SERVICE, f"dpcoord engine: one data-parallel rank ({runtime.backend.name} backend)",
-            runtime.engine_id, runtime.subjects.status("engine", runtime.engine_id), lambda: engine_status(runtime),
+            ENGINE_SERVICE,
+            f"dpcoord engine: one data-parallel rank ({runtime.backend.name} backend)",
+            runtime.engine_id,
+            runtime.subjects.status("engine", runtime.engine_id),
+            lambda: engine_status(runtime),
         ),
         http_host=http_host,
         http_port=http_port,

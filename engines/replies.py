@@ -69,7 +69,9 @@ class ActiveRequest:
 
     def partial(self) -> RoutedReply:
         return_path = self.return_path
-        message = Partial(return_path.request_id, return_path.client_request_id, self.unsent_tokens, "".join(self.unsent_text))
+        message = Partial(
+            return_path.request_id, return_path.client_request_id, self.unsent_tokens, "".join(self.unsent_text)
+        )
         self.unsent_tokens, self.unsent_text = [], []
         reply = RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
         self.partials_sent += 1
@@ -78,8 +80,14 @@ class ActiveRequest:
     def final(self, engine_id: str, finish_reason: FinishReason) -> RoutedReply:
         return_path = self.return_path
         message = Final(
-            return_path.request_id, return_path.client_request_id, engine_id, self.tokens, "".join(self.text), finish_reason,
-            epochs=self.epochs or None, prompt_tokens=self.prompt_tokens,
+            return_path.request_id,
+            return_path.client_request_id,
+            engine_id,
+            self.tokens,
+            "".join(self.text),
+            finish_reason,
+            epochs=self.epochs or None,
+            prompt_tokens=self.prompt_tokens,
         )
         return RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
 

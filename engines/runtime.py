@@ -102,8 +102,11 @@ class EngineRuntime:
 
     async def start(self) -> None:
         await connect_nats(
-            self.settings, name=f"dpcoord-engine-{self.engine_id}",
-            on_disconnect=self._connected.clear, on_reconnect=self._on_reconnect, nc=self._nc,
+            self.settings,
+            name=f"dpcoord-engine-{self.engine_id}",
+            on_disconnect=self._connected.clear,
+            on_reconnect=self._on_reconnect,
+            nc=self._nc,
         )
         # Routed messages are the hot path: handled on nats-py's reading task (service/bus/direct.py).
         await self.nc.subscribe_direct(self.subjects.engine_wildcard(self.engine_id), self._on_routed)
@@ -147,7 +150,9 @@ class EngineRuntime:
 
     async def _register(self) -> None:
         message = encode_msgpack(
-            EngineRegister(self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused, self.served_model_name)
+            EngineRegister(
+                self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused, self.served_model_name
+            )
         )
         subject = self.subjects.sent_by(Header.REGISTER, self.engine_id)
         delay = 0.05
@@ -172,7 +177,10 @@ class EngineRuntime:
         self._wake.set()
         log.info(
             "engine_id=%s registered with coordinator %s (model %s, state %s)",
-            self.engine_id, ack.coordinator_id, self.served_model_name, ack.state,
+            self.engine_id,
+            ack.coordinator_id,
+            self.served_model_name,
+            ack.state,
         )
 
     async def _heartbeat(self) -> None:
@@ -202,7 +210,9 @@ class EngineRuntime:
             await self._dispatch(spec, reply, data)
         except WireError as exc:
             self.counters["malformed"] += 1
-            self._malformed_log.warning("engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(data), exc)
+            self._malformed_log.warning(
+                "engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(data), exc
+            )
 
     async def _dispatch(self, spec: HandlerSpec, reply: str, data: bytes) -> None:
         incoming = Incoming(spec.header, reply or None, detect_encoding(data), data)
@@ -214,7 +224,12 @@ class EngineRuntime:
             encoding = Encoding(return_path.encoding)
         except ValueError:
             self.counters["malformed"] += 1
-            self._malformed_log.warning("engine_id=%s request_id=%s: unknown encoding %r; dropped", self.engine_id, return_path.request_id, return_path.encoding)
+            self._malformed_log.warning(
+                "engine_id=%s request_id=%s: unknown encoding %r; dropped",
+                self.engine_id,
+                return_path.request_id,
+                return_path.encoding,
+            )
             return
         if return_path.request_id in self._active:
             log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, return_path.request_id)
@@ -251,10 +266,16 @@ class EngineRuntime:
     async def resend_replies(self, incoming: Incoming, resend: ResendReplies) -> None:
         again = [reply for request_id in resend.request_ids if (reply := self._replies.recent(request_id))]
         unknown = [
-            request_id for request_id in resend.request_ids
+            request_id
+            for request_id in resend.request_ids
             if self._replies.recent(request_id) is None and request_id not in self._active
         ]
-        log.info("engine_id=%s: sending %d replies again; %d requests never arrived", self.engine_id, len(again), len(unknown))
+        log.info(
+            "engine_id=%s: sending %d replies again; %d requests never arrived",
+            self.engine_id,
+            len(again),
+            len(unknown),
+        )
         await self._replies.publish(Header.ENGINE_REPLY, again, remember=False)
         if incoming.reply:
             await self.nc.publish(incoming.reply, encode_msgpack(ResendAnswer(unknown)))
@@ -335,7 +356,9 @@ class EngineRuntime:
             await self._dispatch(spec, msg.reply, msg.data)
         except WireError as exc:
             self.counters["malformed"] += 1
-            await self._answer(msg.reply, EngineAck(self.engine_id, header, False, f"undecodable signal: {exc.message}"))
+            await self._answer(
+                msg.reply, EngineAck(self.engine_id, header, False, f"undecodable signal: {exc.message}")
+            )
         except Exception as exc:
             log.exception("engine_id=%s: %s failed", self.engine_id, header)
             await self._answer(msg.reply, EngineAck(self.engine_id, header, False, f"{type(exc).__name__}: {exc}"))
@@ -387,7 +410,9 @@ class EngineRuntime:
             self._heartbeat_task.cancel()
         async with self._step_lock:
             self.paused = True
-            failed = await self._fail_all(WireError(ErrorCode.NO_ENGINE, f"engine {self.engine_id} stopped by control signal"))
+            failed = await self._fail_all(
+                WireError(ErrorCode.NO_ENGINE, f"engine {self.engine_id} stopped by control signal")
+            )
         return f"{len(failed)} requests failed"
 
     def set_epoch(self, epoch: int | None) -> None:

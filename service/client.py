@@ -152,9 +152,13 @@ class DpcoordClient:
         )
         subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
-        replies = await connection.subscribe(f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        replies = await connection.subscribe(
+            f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
+        )
         try:
-            ack = await _call(connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout)
+            ack = await _call(
+                connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout
+            )
         except BaseException:
             if owns:
                 await connection.close()
@@ -178,8 +182,14 @@ class DpcoordClient:
         await self.close()
 
     def _submission(
-        self, prompt: str | list[int] | None, messages: Sequence[ChatMessage] | None, model: str | None, stream: bool,
-        client_request_id: ClientRequestId | None, timeout: float, sampling: dict[str, Any],
+        self,
+        prompt: str | list[int] | None,
+        messages: Sequence[ChatMessage] | None,
+        model: str | None,
+        stream: bool,
+        client_request_id: ClientRequestId | None,
+        timeout: float,
+        sampling: dict[str, Any],
     ) -> bytes:
         """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
         carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
@@ -191,11 +201,19 @@ class DpcoordClient:
         chat = list(messages) if messages is not None else None
         body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
         hashes = prefix_hashes(prompt, chat) or None
-        return encode_msgpack(SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes))
+        return encode_msgpack(
+            SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)
+        )
 
     async def submit(
-        self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
-        model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None,
+        client_request_id: ClientRequestId | None = None,
+        timeout: float = 60.0,
+        **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
@@ -210,8 +228,14 @@ class DpcoordClient:
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
 
     async def stream(
-        self, prompt: str | list[int] | None = None, *, messages: Sequence[ChatMessage] | None = None,
-        model: str | None = None, client_request_id: ClientRequestId | None = None, timeout: float = 60.0, **sampling: Any,
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None,
+        client_request_id: ClientRequestId | None = None,
+        timeout: float = 60.0,
+        **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream."""
         body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
@@ -262,7 +286,8 @@ class DpcoordClient:
             await self.nc.publish(subject, body, reply=inbox)
         except MaxPayloadError:
             raise ClientError(
-                ErrorCode.TOO_LARGE, f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}"
+                ErrorCode.TOO_LARGE,
+                f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
             ) from None
 
     async def abort(
@@ -327,6 +352,7 @@ async def _call(nc: NATS, refusals: PublishRefusals, subject: str, message: msgs
 async def _call_raw(nc: NATS, refusals: PublishRefusals, subject: str, body: bytes, timeout: float) -> Reply:
     refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     try:
+
         def on_refusal(message: str) -> None:
             if not refused.done():
                 refused.set_result(message)

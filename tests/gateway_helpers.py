@@ -91,8 +91,15 @@ def _request_bytes(method: str, path: str, body: bytes, headers: dict[str, str] 
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-async def http(port: int, method: str, path: str, payload: Any = None, *, body: bytes | None = None,
-               headers: dict[str, str] | None = None) -> HttpResponse:
+async def http(
+    port: int,
+    method: str,
+    path: str,
+    payload: Any = None,
+    *,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> HttpResponse:
     """One request on a fresh connection; the whole response."""
     data = body if body is not None else (json.dumps(payload).encode() if payload is not None else b"")
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -123,7 +130,7 @@ async def hang_up_after(port: int, path: str, payload: Any, ready: Callable[[byt
 
 def sse_data(body: bytes) -> list[str]:
     """The ``data:`` payloads of an event stream, in order."""
-    return [line[len("data: "):] for line in body.decode().split("\n\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in body.decode().split("\n\n") if line.startswith("data: ")]
 
 
 async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

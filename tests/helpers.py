@@ -82,5 +82,7 @@ def new_shell_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` as a new terminal has it: no DPCOORD_ variables, the virtual environment not activated."""
     venv_bin = Path(sys.executable).parent.resolve()
     shell = {key: value for key, value in env.items() if not key.startswith("DPCOORD_")}
-    shell["PATH"] = os.pathsep.join(entry for entry in env["PATH"].split(os.pathsep) if Path(entry).resolve() != venv_bin)
+    shell["PATH"] = os.pathsep.join(
+        entry for entry in env["PATH"].split(os.pathsep) if Path(entry).resolve() != venv_bin
+    )
     return shell

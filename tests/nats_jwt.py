@@ -20,7 +20,16 @@ from typing import Any
 import nkeys
 
 _HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
-_UNLIMITED = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True, "conn": -1, "leaf": -1}
+_UNLIMITED = {
+    "subs": -1,
+    "data": -1,
+    "payload": -1,
+    "imports": -1,
+    "exports": -1,
+    "wildcards": True,
+    "conn": -1,
+    "leaf": -1,
+}
 
 
 def _b64(data: bytes) -> str:
@@ -45,7 +54,9 @@ class NKey:
 
 def _jwt(issuer: NKey, subject: str, name: str, claims: dict[str, Any]) -> str:
     body: dict[str, Any] = {"iat": int(time.time()), "iss": issuer.public, "name": name, "sub": subject, "nats": claims}
-    body["jti"] = base64.b32encode(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()).decode().rstrip("=")
+    body["jti"] = (
+        base64.b32encode(hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()).decode().rstrip("=")
+    )
     signed = f"{_b64(json.dumps(_HEADER).encode())}.{_b64(json.dumps(body).encode())}"
     return f"{signed}.{_b64(issuer.sign(signed.encode()))}"
 

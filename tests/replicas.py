@@ -53,7 +53,12 @@ class ReplicaSet:
 
     async def spawn(self, coordinator_id: str) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "service", "coordinator", env=replica_env(self.settings, coordinator_id), cwd=REPO_ROOT,
+            sys.executable,
+            "-m",
+            "service",
+            "coordinator",
+            env=replica_env(self.settings, coordinator_id),
+            cwd=REPO_ROOT,
             stderr=asyncio.subprocess.PIPE,
         )
         self.processes[coordinator_id] = process

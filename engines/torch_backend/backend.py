@@ -103,7 +103,11 @@ class TorchBackend(Backend):
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
         self.dtype = resolve_dtype(options.dtype, self.config, self.device)
-        weights = checkpoint_weights(model_dir) if model_dir else iter(random_weights(self.config, options.model_seed).items())
+        weights = (
+            checkpoint_weights(model_dir)
+            if model_dir
+            else iter(random_weights(self.config, options.model_seed).items())
+        )
         self.model: LlamaModel = build_model(self.config, weights, self.dtype, self.device)
         self.tokenizer: Tokenizer = load_tokenizer(model_dir)
         self.model_name = str(model_dir) if model_dir else f"random default model (seed {options.model_seed})"
@@ -112,26 +116,44 @@ class TorchBackend(Backend):
 
         max_context = options.max_context or self.config.max_position_embeddings
         if max_context > self.config.max_position_embeddings:
-            raise ValueError(f"max_context {max_context} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}")
+            raise ValueError(
+                f"max_context {max_context} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}"
+            )
         block_size = options.kv_block_size
         self._rotary = rotary_table(self.config.rope, self.config.head_dim, max_context, self.dtype, self.device)
         if self.device.type == "cuda":
             self.model.kernels = cuda_kernels_or_eager(self.model, self._rotary, options.torch_compile)
-        peak = activation_peak(self.model, self._rotary, min(options.max_prefill_tokens, max_context - 1), block_size) \
-            if self.device.type == "cuda" else 0
+        peak = (
+            activation_peak(self.model, self._rotary, min(options.max_prefill_tokens, max_context - 1), block_size)
+            if self.device.type == "cuda"
+            else 0
+        )
         page = page_bytes(self.config, block_size, self.dtype)
         pages_per_sequence = -(-max_context // block_size)
-        plan = plan_cache(self.device, page, options.max_batch * pages_per_sequence, options.kv_memory_fraction,
-                          options.kv_cache_gb, peak)
+        plan = plan_cache(
+            self.device,
+            page,
+            options.max_batch * pages_per_sequence,
+            options.kv_memory_fraction,
+            options.kv_cache_gb,
+            peak,
+        )
         self.max_context = min(max_context, plan.num_blocks * block_size)
         if self.max_context < max_context:
-            log.warning("the KV cache holds %d tokens: requests are limited to that context, not %d", self.max_context, max_context)
+            log.warning(
+                "the KV cache holds %d tokens: requests are limited to that context, not %d",
+                self.max_context,
+                max_context,
+            )
         self._cache_shape = cache_shape(self.config, plan.num_blocks, block_size)
         self._kv_cache: torch.Tensor | None = allocate_cache(self._cache_shape, self.dtype, self.device)
         self._use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.kernels.paged_decode is not None
         self._graphs: DecodeGraphs | None = self._capture_graphs()
-        self.scheduler = Scheduler(BlockManager(plan.num_blocks, block_size, options.prefix_caching),
-                                   options.max_batch, options.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            BlockManager(plan.num_blocks, block_size, options.prefix_caching),
+            options.max_batch,
+            options.max_prefill_tokens,
+        )
         self._overlap = options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda"
 
         self._requests: dict[str, RequestState] = {}
@@ -143,9 +165,16 @@ class TorchBackend(Backend):
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
             "decode %s; prefix caching %s; steps %s",
-            self.model_name, sum(p.numel() for p in self.model.parameters()) / 1e6, self.dtype, self.device,
-            torch.get_num_threads(), self.max_context, plan.describe(page), self.kernels.describe(),
-            "replays CUDA graphs" if self._graphs else "runs eagerly", "on" if options.prefix_caching else "off",
+            self.model_name,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            self.dtype,
+            self.device,
+            torch.get_num_threads(),
+            self.max_context,
+            plan.describe(page),
+            self.kernels.describe(),
+            "replays CUDA graphs" if self._graphs else "runs eagerly",
+            "on" if options.prefix_caching else "off",
             "overlapped" if self._overlap else "one at a time",
         )
 
@@ -162,7 +191,9 @@ class TorchBackend(Backend):
             return None
         pages = -(-self.max_context // self.options.kv_block_size)
         with self._on_device():
-            return DecodeGraphs(self.model, self._rotary, self._kv_cache, self.options.max_batch, pages, self.options.kv_block_size)
+            return DecodeGraphs(
+                self.model, self._rotary, self._kv_cache, self.options.max_batch, pages, self.options.kv_block_size
+            )
 
     # ------------------------------------------------------------ requests
 
@@ -187,8 +218,12 @@ class TorchBackend(Backend):
                 f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context} tokens (at most {self.max_context - 1})",
             )
         key = request_key(request.seed) if request.seed is not None else self._random.getrandbits(32)
-        state = RequestState(request, Sequence.from_prompt(request.request_id, prompt), key,
-                             IncrementalDetokenizer(self.tokenizer, prompt))
+        state = RequestState(
+            request,
+            Sequence.from_prompt(request.request_id, prompt),
+            key,
+            IncrementalDetokenizer(self.tokenizer, prompt),
+        )
         with self._lock:
             if request.request_id in self._requests:
                 raise WireError(ErrorCode.CONFLICT, f"request {request.request_id} is already running")
@@ -246,9 +281,23 @@ class TorchBackend(Backend):
                     return None
                 states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
                 params = self._sampling_params(states)
-                replay = graphs.inputs(scheduled.decode) if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode)) else None
-                batch = None if replay else build_batch(scheduled, self.scheduler.blocks.block_size, self.config.group_size,
-                                                        self.dtype, self.device, self.kernels.paged_decode is not None)
+                replay = (
+                    graphs.inputs(scheduled.decode)
+                    if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode))
+                    else None
+                )
+                batch = (
+                    None
+                    if replay
+                    else build_batch(
+                        scheduled,
+                        self.scheduler.blocks.block_size,
+                        self.config.group_size,
+                        self.dtype,
+                        self.device,
+                        self.kernels.paged_decode is not None,
+                    )
+                )
             if graphs is not None and replay is not None:
                 logits = graphs.replay(replay)
             else:
@@ -269,9 +318,12 @@ class TorchBackend(Backend):
         if all(request.temperature == 0 for request in requests):
             return None
         return SamplingParams.build(
-            [request.temperature for request in requests], [request.top_k for request in requests],
-            [request.top_p for request in requests], [state.key for state in states],
-            [state.sequence.num_generated for state in states], self.device,
+            [request.temperature for request in requests],
+            [request.top_k for request in requests],
+            [request.top_p for request in requests],
+            [state.key for state in states],
+            [state.sequence.num_generated for state in states],
+            self.device,
         )
 
     def _collect(self, launched: _Launched) -> list[_Sampled]:

@@ -35,7 +35,11 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_batch(
-    scheduled: ScheduledBatch, block_size: int, group_size: int, dtype: torch.dtype, device: torch.device,
+    scheduled: ScheduledBatch,
+    block_size: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
     paged_decode: bool = False,
 ) -> ForwardBatch:
     input_ids: list[int] = []
@@ -53,14 +57,20 @@ def build_batch(
         positions=_long(positions, device),
         slot_mapping=_long(slots, device),
         last_token_index=_long(last, device),
-        decode=None if not scheduled.decode else (
-            _paged_decode_group(scheduled.decode, device) if paged_decode else _decode_group(scheduled.decode, block_size, dtype, device)
+        decode=None
+        if not scheduled.decode
+        else (
+            _paged_decode_group(scheduled.decode, device)
+            if paged_decode
+            else _decode_group(scheduled.decode, block_size, dtype, device)
         ),
         prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device) if scheduled.prefill else None,
     )
 
 
-def _decode_group(sequences: list[Sequence], block_size: int, dtype: torch.dtype, device: torch.device) -> AttentionGroup:
+def _decode_group(
+    sequences: list[Sequence], block_size: int, dtype: torch.dtype, device: torch.device
+) -> AttentionGroup:
     tables, width = _block_tables(sequences)
     context = _long([len(sequence.token_ids) for sequence in sequences], device)
     keys = torch.arange(width * block_size, device=device)

@@ -62,7 +62,9 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self._queried_tokens, self._hit_tokens, len(self._by_hash), self._evicted_pages, self.num_blocks)
+        return PrefixCacheStats(
+            self._queried_tokens, self._hit_tokens, len(self._by_hash), self._evicted_pages, self.num_blocks
+        )
 
     # ------------------------------------------------------------ admission
 

@@ -49,8 +49,15 @@ class RopeConfig:
         theta = float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
         if rope_type == "default":
             return cls(theta=theta)
-        required = ("factor",) if rope_type == "linear" else (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+        required = (
+            ("factor",)
+            if rope_type == "linear"
+            else (
+                "factor",
+                "low_freq_factor",
+                "high_freq_factor",
+                "original_max_position_embeddings",
+            )
         )
         missing = [key for key in required if key not in parameters]
         if missing:
@@ -64,7 +71,8 @@ class RopeConfig:
             parameters["factor"] = self.factor
         if self.type == "llama3":
             parameters.update(
-                low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                low_freq_factor=self.low_freq_factor,
+                high_freq_factor=self.high_freq_factor,
                 original_max_position_embeddings=self.original_max_position_embeddings,
             )
         return parameters
@@ -103,7 +111,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+            raise UnsupportedModelError(
+                f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
 
     @property
     def group_size(self) -> int:

@@ -61,8 +61,13 @@ class GraphInputs:
         tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
         tables += [[scratch_page] * width] * padding
         longs = [token_ids, positions + [0] * padding, slots + [scratch_page * block_size] * padding]
-        return cls(size, count, torch.tensor(longs, dtype=torch.long), torch.tensor(lengths, dtype=torch.int32),
-                   torch.tensor(tables, dtype=torch.int32))
+        return cls(
+            size,
+            count,
+            torch.tensor(longs, dtype=torch.long),
+            torch.tensor(lengths, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32),
+        )
 
 
 class StaticDecodeBatch:
@@ -79,7 +84,9 @@ class StaticDecodeBatch:
 
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
-        return ForwardBatch(self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None)
+        return ForwardBatch(
+            self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None
+        )
 
     def load(self, inputs: GraphInputs) -> None:
         size = inputs.size
@@ -89,8 +96,15 @@ class StaticDecodeBatch:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, rotary: torch.Tensor, kv_cache: torch.Tensor, max_batch: int,
-                 max_pages: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        rotary: torch.Tensor,
+        kv_cache: torch.Tensor,
+        max_batch: int,
+        max_pages: int,
+        block_size: int,
+    ) -> None:
         if model.kernels.paged_decode is None:
             raise ValueError("decode graphs need the paged decode kernel: gathered attention has per-step shapes")
         self.buckets = decode_buckets(max_batch)

@@ -60,9 +60,12 @@ EAGER = Kernels(rms_norm, rotate_, silu_mul, None)
 
 
 @functools.cache
-def compiled_pointwise(backend: str = "inductor") -> tuple[Callable[..., torch.Tensor], Callable[..., None], Callable[..., torch.Tensor]]:
+def compiled_pointwise(
+    backend: str = "inductor",
+) -> tuple[Callable[..., torch.Tensor], Callable[..., None], Callable[..., torch.Tensor]]:
     """The element-wise pieces through ``torch.compile``, once per process and backend.
     ``backend`` other than inductor is for tests: ``aot_eager`` traces the same graphs on CPU."""
+
     def compile_one(fn: Callable[..., object]) -> Callable[..., object]:
         return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 

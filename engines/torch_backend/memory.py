@@ -63,7 +63,11 @@ class CachePlan:
 
 
 def plan_cache(
-    device: torch.device, page: int, max_pages_used: int, fraction: float, budget_gb: float | None,
+    device: torch.device,
+    page: int,
+    max_pages_used: int,
+    fraction: float,
+    budget_gb: float | None,
     activation_peak_bytes: int = 0,
 ) -> CachePlan:
     if budget_gb is not None:
@@ -71,14 +75,19 @@ def plan_cache(
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(free - (1 - fraction) * total - activation_peak_bytes)
-        source = (f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB, {1 - fraction:.0%} kept back, "
-                  f"{activation_peak_bytes / GIB:.2f} GiB activation peak")
+        source = (
+            f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB, {1 - fraction:.0%} kept back, "
+            f"{activation_peak_bytes / GIB:.2f} GiB activation peak"
+        )
     else:
         available = host_available_bytes()
         if available is None:
             budget, source = max_pages_used * page, "host memory unknown: sized for max_batch x max_context"
         else:
-            budget, source = int(available * fraction), f"{fraction:.0%} of {available / GIB:.2f} GiB available host memory"
+            budget, source = (
+                int(available * fraction),
+                f"{fraction:.0%} of {available / GIB:.2f} GiB available host memory",
+            )
     num_blocks = min(max(budget, 0) // page, max_pages_used)
     if num_blocks < 1:
         raise KVCacheSizeError(

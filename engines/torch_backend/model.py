@@ -77,7 +77,9 @@ class DecoderLayer(nn.Module):
         self.config = config
         hidden, head_dim = config.hidden_size, config.head_dim
         self.input_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.qkv = nn.Linear(hidden, (config.num_heads + 2 * config.num_kv_heads) * head_dim, bias=config.attention_bias)
+        self.qkv = nn.Linear(
+            hidden, (config.num_heads + 2 * config.num_kv_heads) * head_dim, bias=config.attention_bias
+        )
         self.o = nn.Linear(config.num_heads * head_dim, hidden, bias=config.attention_bias)
         self.post_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -109,13 +111,17 @@ class DecoderLayer(nn.Module):
         query = qkv[:, :heads]
         out = []
         if batch.decode is not None:
-            out.append(self._attend_decode(query[: batch.decode.block_tables.shape[0]], kv_cache, batch.decode, kernels))
+            out.append(
+                self._attend_decode(query[: batch.decode.block_tables.shape[0]], kv_cache, batch.decode, kernels)
+            )
         if batch.prefill is not None:
             decoded = 0 if batch.decode is None else batch.decode.block_tables.shape[0]
             out.append(self._attend_prefill(query[decoded:], kv_cache, batch.prefill))
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _attend_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, kernels: Kernels) -> torch.Tensor:
+    def _attend_decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup, kernels: Kernels
+    ) -> torch.Tensor:
         config = self.config
         sequences = query.shape[0]
         if group.context_lens is not None:

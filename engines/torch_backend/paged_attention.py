@@ -23,10 +23,26 @@ BLOCK_N = 64  # tokens per tile
 
 @triton.jit
 def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the annotations: only constexpr ones
-    out_ptr, q_ptr, cache_ptr, tables_ptr, lens_ptr, scale,
-    q_token_stride, q_head_stride, out_token_stride, out_head_stride, slot_stride, value_offset, table_stride,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    cache_ptr,
+    tables_ptr,
+    lens_ptr,
+    scale,
+    q_token_stride,
+    q_head_stride,
+    out_token_stride,
+    out_head_stride,
+    slot_stride,
+    value_offset,
+    table_stride,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     sequence = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -37,7 +53,9 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the an
     dim_ok = dims < HEAD_DIM
     heads = kv_head * GROUP + rows
     q_mask = row_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + sequence * q_token_stride + heads[:, None] * q_head_stride + dims[None, :], mask=q_mask, other=0.0)
+    q = tl.load(
+        q_ptr + sequence * q_token_stride + heads[:, None] * q_head_stride + dims[None, :], mask=q_mask, other=0.0
+    )
 
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
@@ -60,11 +78,16 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the an
         acc = acc * rescale[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
         best = new_best
     out = acc / total[:, None]
-    tl.store(out_ptr + sequence * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(
+        out_ptr + sequence * out_token_stride + heads[:, None] * out_head_stride + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+def paged_decode(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> torch.Tensor:
     """Attention of one query per sequence over its pages.
 
     ``query`` ``[B, heads, head_dim]`` (any strides with a contiguous last dimension);
@@ -79,11 +102,25 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     group = heads // kv_heads
     out = torch.empty((sequences, heads, head_dim), dtype=query.dtype, device=query.device)
     _paged_decode_kernel[(sequences, kv_heads)](
-        out, query, kv_cache, block_tables, context_lens, head_dim ** -0.5,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=page_size, BLOCK_N=BLOCK_N, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        out,
+        query,
+        kv_cache,
+        block_tables,
+        context_lens,
+        head_dim**-0.5,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        PAGE=page_size,
+        BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     return out

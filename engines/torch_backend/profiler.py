@@ -32,8 +32,12 @@ class StepProfiler:
         try:
             all_threads = _ExperimentalConfig(profile_all_threads=True)
         except TypeError:
-            raise RuntimeError(f"the CPU profiler needs torch >= 2.7 to see the step thread; this is {torch.__version__}") from None
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=all_threads)
+            raise RuntimeError(
+                f"the CPU profiler needs torch >= 2.7 to see the step thread; this is {torch.__version__}"
+            ) from None
+        profiler = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=all_threads
+        )
         profiler.start()
         self._profiler = profiler
         return f"torch.profiler started; the trace goes to {self.trace_dir} on stop"

@@ -33,7 +33,9 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotary_table(rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def rotary_table(
+    rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``[max_positions, 2, head_dim]``: cos and sign-folded sin, so that rotating ``x`` is
     ``x * cos + swap_halves(x) * sin``."""
     inv_freq = inverse_frequencies(rope, head_dim).to(device)

@@ -51,13 +51,25 @@ class SamplingParams:
     counters: torch.Tensor  # [B] int64: tokens the request generated before this one
 
     @classmethod
-    def build(cls, temperature: list[float], top_k: list[int], top_p: list[float], keys: list[int],
-              counters: list[int], device: torch.device) -> SamplingParams:
+    def build(
+        cls,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        keys: list[int],
+        counters: list[int],
+        device: torch.device,
+    ) -> SamplingParams:
         def put(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        return cls(put(temperature, torch.float32), put(top_k, torch.int64), put(top_p, torch.float32),
-                   put(keys, torch.int64), put(counters, torch.int64))
+        return cls(
+            put(temperature, torch.float32),
+            put(top_k, torch.int64),
+            put(top_p, torch.float32),
+            put(keys, torch.int64),
+            put(counters, torch.int64),
+        )
 
 
 def sample(logits: torch.Tensor, params: SamplingParams | None) -> torch.Tensor:

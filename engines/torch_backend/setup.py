@@ -49,8 +49,11 @@ def cuda_kernels_or_eager(model: LlamaModel, rotary: torch.Tensor, compile_point
     try:
         check_kernels(kernels, model.config, rotary)
     except Exception as exc:  # a missing compiler, an unsupported GPU: the engine still serves, slower
-        log.warning("the CUDA kernels failed their check (%s: %s): running eager PyTorch without CUDA graphs",
-                    type(exc).__name__, exc)
+        log.warning(
+            "the CUDA kernels failed their check (%s: %s): running eager PyTorch without CUDA graphs",
+            type(exc).__name__,
+            exc,
+        )
         return EAGER
     return kernels
 
@@ -67,9 +70,16 @@ def check_kernels(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -
 
     tokens, heads, kv_heads, head_dim = 5, config.num_heads, config.num_kv_heads, config.head_dim
     hidden, weight = randn(tokens, config.hidden_size), randn(config.hidden_size)
-    torch.testing.assert_close(kernels.rms_norm(hidden, weight, config.rms_norm_eps),
-                               EAGER.rms_norm(hidden, weight, config.rms_norm_eps), atol=tolerance, rtol=tolerance)
-    qk, table = randn(tokens, heads + kv_heads, head_dim), rotary[torch.arange(tokens, device=device) * 7 % rotary.shape[0]]
+    torch.testing.assert_close(
+        kernels.rms_norm(hidden, weight, config.rms_norm_eps),
+        EAGER.rms_norm(hidden, weight, config.rms_norm_eps),
+        atol=tolerance,
+        rtol=tolerance,
+    )
+    qk, table = (
+        randn(tokens, heads + kv_heads, head_dim),
+        rotary[torch.arange(tokens, device=device) * 7 % rotary.shape[0]],
+    )
     expected = qk.clone()
     EAGER.rotate_(expected, table)
     kernels.rotate_(qk, table)
@@ -84,7 +94,9 @@ def check_kernels(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -
     query = randn(len(lengths), heads, head_dim)
     out = kernels.paged_decode(query, cache, tables, torch.tensor(lengths, dtype=torch.int32, device=device))
     for row, length in enumerate(lengths):
-        slots = [int(tables[row, position // block_size]) * block_size + position % block_size for position in range(length)]
+        slots = [
+            int(tables[row, position // block_size]) * block_size + position % block_size for position in range(length)
+        ]
         kv = cache.view(-1, 2, kv_heads, head_dim)[slots].transpose(0, 2)  # [kv_heads, 2, L, head_dim]
         folded = query[row].view(kv_heads, heads // kv_heads, head_dim)
         reference = F.scaled_dot_product_attention(folded, kv[:, 0], kv[:, 1]).reshape(heads, head_dim)

@@ -24,15 +24,22 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Hugging Face ``LlamaForCausalLM`` checkpoint and its shape."""
     hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     for i in range(config.num_layers):
         prefix = f"model.layers.{i}."
         projections = {
-            "self_attn.q_proj": (q_size, hidden), "self_attn.k_proj": (kv_size, hidden),
-            "self_attn.v_proj": (kv_size, hidden), "self_attn.o_proj": (hidden, q_size),
-            "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter),
+            "self_attn.q_proj": (q_size, hidden),
+            "self_attn.k_proj": (kv_size, hidden),
+            "self_attn.v_proj": (kv_size, hidden),
+            "self_attn.o_proj": (hidden, q_size),
+            "mlp.gate_proj": (inter, hidden),
+            "mlp.up_proj": (inter, hidden),
+            "mlp.down_proj": (hidden, inter),
         }
         for name, shape in projections.items():
             shapes[f"{prefix}{name}.weight"] = shape
@@ -84,7 +91,11 @@ def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, slice]:
     parts = name.split(".")
     layer: nn.Module = model.layers[int(parts[2])]
     module, kind = ".".join(parts[3:-1]), parts[-1]
-    q_size, kv_size, inter = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, config.intermediate_size
+    q_size, kv_size, inter = (
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+        config.intermediate_size,
+    )
     fused = {
         "self_attn.q_proj": (layer.qkv, slice(0, q_size)),
         "self_attn.k_proj": (layer.qkv, slice(q_size, q_size + kv_size)),

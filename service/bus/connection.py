@@ -48,6 +48,7 @@ class ConnectionSettings(Protocol):
     @property
     def nats_connect_timeout_s(self) -> float: ...
 
+
 log = logging.getLogger(__name__)
 
 

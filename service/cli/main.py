@@ -58,8 +58,12 @@ def _settings_parser(*groups: SettingGroup, shared: tuple[str, ...] = ()) -> arg
         if group not in sections:
             sections[group] = parser.add_argument_group(f"settings: {group}")
         sections[group].add_argument(
-            f"--{name.replace('_', '-')}", dest=f"setting_{name}", default=None, choices=choices,
-            metavar=None if choices else name.upper(), help=f"{field.description} (default: {field.default})",
+            f"--{name.replace('_', '-')}",
+            dest=f"setting_{name}",
+            default=None,
+            choices=choices,
+            metavar=None if choices else name.upper(),
+            help=f"{field.description} (default: {field.default})",
         )
     return parser
 
@@ -91,8 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine = commands.add_parser("engine", parents=[engine_settings], help="run one engine (data-parallel rank)")
     engine.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
     up = commands.add_parser(
-        "up", parents=[settings], help="run NATS (embedded unless --nats-url), a coordinator and engines",
-        description=UP_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "up",
+        parents=[settings],
+        help="run NATS (embedded unless --nats-url), a coordinator and engines",
+        description=UP_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     up.add_argument("--engines", type=int, default=2, help="number of engines (default 2)")
     up.add_argument("--model", default=None, help="local Hugging Face-format model directory (torch backend)")
@@ -102,14 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway = commands.add_parser("gateway", parents=[gateway_settings], help="run the OpenAI-compatible HTTP gateway")
     gateway.add_argument(
-        "--api-key", action="append", default=[], metavar="KEY",
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
         help="an API key clients must send as 'Authorization: Bearer KEY' (repeatable; see also --gateway-api-key-file)",
     )
     submit = commands.add_parser("submit", parents=[client_settings], help="submit a prompt and print the reply")
     submit.add_argument("prompt")
     submit.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     submit.add_argument(
-        "--raw", action="store_true",
+        "--raw",
+        action="store_true",
         help="write the generated text as it is; without it a terminal gets control and other non-printable "
         "characters as \\uXXXX escapes (pipes always get the raw text)",
     )
@@ -125,11 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
     control.add_argument("--timeout", type=float, default=30.0)
     bench = commands.add_parser(
-        "bench", add_help=False,
+        "bench",
+        add_help=False,
         help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run; "
         "with --simulated-engines N,...: the fleet-size benchmark",
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)")
+    bench.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)"
+    )
     return parser
 
 
@@ -150,8 +164,7 @@ def _run_bench(argv: list[str]) -> int:
         if exc.name is None or not module.startswith(exc.name):
             raise
         print(
-            f"dpcoord bench: {module} is not installed here; run it from a source checkout "
-            "(pip install -e '.[bench]')",
+            f"dpcoord bench: {module} is not installed here; run it from a source checkout (pip install -e '.[bench]')",
             file=sys.stderr,
         )
         return 2
@@ -175,8 +188,12 @@ def _configure_logging(settings: Settings) -> None:
     )
 
 
-async def _serve(start: Callable[[], Awaitable[None]], wait: Callable[[], Awaitable[None]],
-                 request_stop: Callable[[], None], stop: Callable[[], Awaitable[None]]) -> None:
+async def _serve(
+    start: Callable[[], Awaitable[None]],
+    wait: Callable[[], Awaitable[None]],
+    request_stop: Callable[[], None],
+    stop: Callable[[], Awaitable[None]],
+) -> None:
     """Run a service until it stops itself or SIGINT/SIGTERM asks it to."""
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -264,8 +281,12 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     from service.protocol.messages import Partial
 
     sampling: dict[str, Any] = {
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-        "top_p": args.top_p, "seed": args.seed, "stop": args.stop,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
     }
     shown = terminal.shown_on(sys.stdout, raw=args.raw)
     async with await DpcoordClient.connect(settings, timeout=args.timeout) as client:

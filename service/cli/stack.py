@@ -93,7 +93,9 @@ async def _until_ready(settings: Settings, engines: list[asyncio.subprocess.Proc
     finally:
         await client.close()
     if 0 < registered < len(engines):
-        log.warning("%d of %d engines exited before registering; their logs are above", len(engines) - registered, len(engines))
+        log.warning(
+            "%d of %d engines exited before registering; their logs are above", len(engines) - registered, len(engines)
+        )
     return registered
 
 
@@ -197,7 +199,7 @@ def _banner(settings: Settings, model: str | None, registered: int, ports: list[
         f"{_model_line(settings, model, dpcoord)}"
         f"NATS: {settings.nats_url}\n"
         f"Submit: {dpcoord} submit 'Hello' --stream{_connection_flags(settings)}\n"
-        f"   or: nats request -s {settings.nats_url} {settings.subject_prefix}.submit_request '{{\"prompt\": \"Hello\"}}'\n"
+        f'   or: nats request -s {settings.nats_url} {settings.subject_prefix}.submit_request \'{{"prompt": "Hello"}}\'\n'
         f"{gateway_lines}"
         f"{_http_lines(ports)}"
         "Ctrl-C stops everything.\n"

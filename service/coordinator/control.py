@@ -109,7 +109,11 @@ class Control:
     async def broadcast(self, signal: Header, payload: EngineSignal) -> BroadcastResult:
         expected = {record.engine_id for record in self._fleet.pool}
         return await broadcast(
-            self._nc, self._subjects.broadcast(signal), encode_msgpack(payload), expected, self._settings.control_timeout_s
+            self._nc,
+            self._subjects.broadcast(signal),
+            encode_msgpack(payload),
+            expected,
+            self._settings.control_timeout_s,
         )
 
     async def control_engines(
@@ -136,7 +140,9 @@ class Control:
     async def _answer(self, incoming: Incoming, signal: Header, result: BroadcastResult, ack: Ack) -> None:
         if result.missing:
             names = ", ".join(sorted(result.missing))
-            err = WireError(ErrorCode.TIMED_OUT, f"{signal}: no confirmation from engines {names} (state change stands)")
+            err = WireError(
+                ErrorCode.TIMED_OUT, f"{signal}: no confirmation from engines {names} (state change stands)"
+            )
         elif result.failed:
             names = ", ".join(f"{engine_id}: {detail}" for engine_id, detail in sorted(result.failed.items()))
             err = WireError(ErrorCode.INTERNAL, f"{signal} failed on engines {names}")
@@ -153,7 +159,9 @@ class Control:
         def stopped(current: ControlRecord) -> ControlRecord | None:
             if current.state is not CoordinatorState.STOPPING:
                 return None
-            return msgspec.structs.replace(current, state=CoordinatorState.RUNNING, signal="stop_done", coordinator_id=self._id)
+            return msgspec.structs.replace(
+                current, state=CoordinatorState.RUNNING, signal="stop_done", coordinator_id=self._id
+            )
 
         await self.shared.change(stopped)
         await self._fleet.remove_all("stopped")

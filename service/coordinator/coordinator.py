@@ -93,10 +93,23 @@ class Coordinator:
             self.counters, self.spawn, self.inboxes, settings.max_buffered_bytes,
         )
         policy = make_policy(settings)
-        self._outbox = Outbox(self.nc, self.subjects, self.requests, self.engines, self._relay, self.counters, policy.turn_ended)
+        self._outbox = Outbox(
+            self.nc, self.subjects, self.requests, self.engines, self._relay, self.counters, policy.turn_ended
+        )
         self._admission = Admission(
-            self.id, settings, self.subjects, self.requests, self.engines, self.peers, policy,
-            self.control_state, self._outbox, self._relay, self._deliveries, self.counters, self.spawn,
+            self.id,
+            settings,
+            self.subjects,
+            self.requests,
+            self.engines,
+            self.peers,
+            policy,
+            self.control_state,
+            self._outbox,
+            self._relay,
+            self._deliveries,
+            self.counters,
+            self.spawn,
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._fleet = Fleet(
@@ -105,8 +118,18 @@ class Coordinator:
             self.counters, self.spawn,
         )
         self._control = Control(
-            self.id, settings, self.nc, self.subjects, self.control_state, self._fleet, self._admission, self.peers,
-            self.counters, self.reply, self.spawn, self.request_stop,
+            self.id,
+            settings,
+            self.nc,
+            self.subjects,
+            self.control_state,
+            self._fleet,
+            self._admission,
+            self.peers,
+            self.counters,
+            self.reply,
+            self.spawn,
+            self.request_stop,
         )
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[object]] = set()
@@ -159,8 +182,11 @@ class Coordinator:
 
     async def start(self) -> None:
         await connect_nats(
-            self.settings, name=f"dpcoord-coordinator-{self.id}",
-            on_disconnect=self._deliveries.hold, on_reconnect=self._on_bus_back, nc=self.nc,
+            self.settings,
+            name=f"dpcoord-coordinator-{self.id}",
+            on_disconnect=self._deliveries.hold,
+            on_reconnect=self._on_bus_back,
+            nc=self.nc,
         )
         try:
             await self._control.open()
@@ -174,9 +200,13 @@ class Coordinator:
             subject = self.subjects.sent_by_any(header) if spec.per_sender else self.subjects.coordinator(header)
             subscription: Subscription | DirectSubscription
             if spec.direct:
-                subscription = await self.nc.subscribe_direct(subject, functools.partial(self._dispatch, spec), queue=queue)
+                subscription = await self.nc.subscribe_direct(
+                    subject, functools.partial(self._dispatch, spec), queue=queue
+                )
             else:
-                subscription = await self.nc.subscribe(subject, queue=queue, cb=functools.partial(self._on_message, spec))
+                subscription = await self.nc.subscribe(
+                    subject, queue=queue, cb=functools.partial(self._on_message, spec)
+                )
             self._subscriptions.append(subscription)
         await flush_subscriptions(self.nc)
         self.spawn(keep_running("watchdog", self._fleet.watch_once, self.counters))
@@ -203,7 +233,9 @@ class Coordinator:
         for sub in self._subscriptions:
             await sub.unsubscribe()
         for entry in self.requests:
-            await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down"))
+            await self._relay.fail(
+                entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down")
+            )
         for task in list(self._tasks):
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
@@ -250,7 +282,9 @@ class Coordinator:
         incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner)
         try:
             if len(body) > self._max_body:
-                raise WireError(ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit")
+                raise WireError(
+                    ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit"
+                )
             await spec.fn(self, incoming, spec.decoder.decode(body, incoming.encoding))
         except WireError as err:
             await self._refuse(incoming, err)
@@ -272,7 +306,11 @@ class Coordinator:
         client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
         self._refusal_log.warning(
             "refused %s (%d bytes, client_request_id=%s): %s %s",
-            incoming.header, len(incoming.body), client_request_id, err.code, err.message,
+            incoming.header,
+            len(incoming.body),
+            client_request_id,
+            err.code,
+            err.message,
         )
         if not reply_to:
             return

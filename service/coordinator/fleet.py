@@ -118,7 +118,9 @@ class Fleet:
                 self._admission.requeue(entry)
                 self._counters["retried"] += 1
             else:
-                await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})"))
+                await self._relay.fail(
+                    request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})")
+                )
         await self._admission.release_queue()
 
     async def heartbeat(self, heartbeat: Heartbeat) -> None:
@@ -222,8 +224,10 @@ class Fleet:
         what it never received is queued again (or fails, if part of it was streamed)."""
         settled_before = time.monotonic() - 2 * self._settings.heartbeat_interval_s
         missing = [
-            request_id for request_id in record.requests
-            if request_id not in active and (entry := self._requests.get(request_id)) is not None
+            request_id
+            for request_id in record.requests
+            if request_id not in active
+            and (entry := self._requests.get(request_id)) is not None
             and entry.routed_at < settled_before
         ]
         if not missing:
@@ -231,7 +235,9 @@ class Fleet:
         subject = self._subjects.engine(record.engine_id, RESEND_REPLIES)
         record.reconciling = True
         try:
-            msg = await self._nc.request(subject, encode_msgpack(ResendReplies(missing)), timeout=self._settings.control_timeout_s)
+            msg = await self._nc.request(
+                subject, encode_msgpack(ResendReplies(missing)), timeout=self._settings.control_timeout_s
+            )
             unknown = _resend_answer_decoder.decode(msg.data).unknown
         except (NatsError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("engine_id=%s: resend of %d replies not answered: %s", record.engine_id, len(missing), exc)

@@ -41,7 +41,9 @@ class FleetLog:
         self._fleet_size = fleet_size
         burst = self._joins
         if self._opens_window(burst, self._flush_joins):
-            self._log.info("engine_id=%s joined (model %s, capacity %d, %d engines)", engine_id, model, capacity, fleet_size)
+            self._log.info(
+                "engine_id=%s joined (model %s, capacity %d, %d engines)", engine_id, model, capacity, fleet_size
+            )
             return
         burst.count += 1
         burst.last_engine_id = engine_id
@@ -80,7 +82,10 @@ class FleetLog:
             return
         self._log.info(
             "%d more engines joined in the last %g s, the last engine_id=%s (%d engines)",
-            burst.count, burst.interval_s, burst.last_engine_id, self._fleet_size,
+            burst.count,
+            burst.interval_s,
+            burst.last_engine_id,
+            self._fleet_size,
         )
         _restart(burst)
 
@@ -91,7 +96,12 @@ class FleetLog:
         reasons = ", ".join(f"{count} {reason}" for reason, count in burst.reasons.most_common())
         self._log.warning(
             "%d more engines removed in the last %g s (%s), the last engine_id=%s; %d requests in flight; %d engines",
-            burst.count, burst.interval_s, reasons, burst.last_engine_id, burst.in_flight, self._fleet_size,
+            burst.count,
+            burst.interval_s,
+            reasons,
+            burst.last_engine_id,
+            burst.in_flight,
+            self._fleet_size,
         )
         burst.reasons.clear()
         burst.in_flight = 0

@@ -69,7 +69,9 @@ class CoordinatorCollector(Collector):
             refused.add_metric([code], value)
         yield refused
 
-        malformed = CounterMetricFamily("dpcoord_malformed_messages", "Messages that failed to decode or validate (400)")
+        malformed = CounterMetricFamily(
+            "dpcoord_malformed_messages", "Messages that failed to decode or validate (400)"
+        )
         malformed.add_metric([], counters["error_400"])
         yield malformed
 
@@ -94,7 +96,9 @@ class CoordinatorCollector(Collector):
             "Routed requests per routed message since start (rate(dpcoord_routed_requests_total) / "
             "rate(dpcoord_routed_messages_total) gives it over a window)",
         )
-        per_message.add_metric([], counters["routed_requests"] / counters["routed_messages"] if counters["routed_messages"] else 0.0)
+        per_message.add_metric(
+            [], counters["routed_requests"] / counters["routed_messages"] if counters["routed_messages"] else 0.0
+        )
         yield per_message
 
         events = CounterMetricFamily("dpcoord_coordinator_events", "Every internal counter, by name", labels=["event"])
@@ -113,24 +117,30 @@ class CoordinatorCollector(Collector):
         per_engine = GaugeMetricFamily(
             "dpcoord_engine_in_flight", "Requests routed to each engine and not yet answered", labels=["engine_id"]
         )
-        capacity = GaugeMetricFamily("dpcoord_engine_capacity", "Requests each engine is given at once", labels=["engine_id"])
+        capacity = GaugeMetricFamily(
+            "dpcoord_engine_capacity", "Requests each engine is given at once", labels=["engine_id"]
+        )
         for record in coordinator.engines:
             per_engine.add_metric([record.engine_id], record.load)
             capacity.add_metric([record.engine_id], record.capacity)
         yield per_engine
         yield capacity
 
-        state = GaugeMetricFamily("dpcoord_coordinator_state", "1 for the coordinator's current state", labels=["state"])
+        state = GaugeMetricFamily(
+            "dpcoord_coordinator_state", "1 for the coordinator's current state", labels=["state"]
+        )
         for candidate in CoordinatorState:
             state.add_metric([candidate.value], 1.0 if coordinator.state is candidate else 0.0)
         yield state
 
         yield histogram_family(
-            "dpcoord_request_duration_seconds", "Admission to terminal reply, as the coordinator sees it",
+            "dpcoord_request_duration_seconds",
+            "Admission to terminal reply, as the coordinator sees it",
             coordinator.latency.end_to_end,
         )
         yield histogram_family(
-            "dpcoord_time_to_first_token_seconds", "Admission to the first streamed partial (streamed requests)",
+            "dpcoord_time_to_first_token_seconds",
+            "Admission to the first streamed partial (streamed requests)",
             coordinator.latency.first_token,
         )
         yield from nats_families(coordinator.nc)

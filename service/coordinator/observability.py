@@ -37,7 +37,9 @@ def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
         state=coordinator.state.value,
         epoch=coordinator.epoch,
         requests_in_flight=len(coordinator.requests),
-        engines=[EngineLoad(record.engine_id, record.load, record.capacity, record.model) for record in coordinator.engines],
+        engines=[
+            EngineLoad(record.engine_id, record.load, record.capacity, record.model) for record in coordinator.engines
+        ],
         counters=dict(coordinator.counters),
         peers=sorted(coordinator.peers.live()),
         revision=coordinator.shared.revision,
@@ -53,8 +55,11 @@ def coordinator_observability(
         health=lambda: coordinator_health(coordinator),
         ready=lambda: coordinator_readiness(coordinator),
         service=ServiceSpec(
-            COORDINATOR_SERVICE, "dpcoord coordinator: routes requests to data-parallel engines", coordinator.id,
-            coordinator.subjects.status("coordinator", coordinator.id), lambda: coordinator_status(coordinator),
+            COORDINATOR_SERVICE,
+            "dpcoord coordinator: routes requests to data-parallel engines",
+            coordinator.id,
+            coordinator.subjects.status("coordinator", coordinator.id),
+            lambda: coordinator_status(coordinator),
         ),
         http_host=http_host,
         http_port=http_port,

@@ -46,8 +46,14 @@ def routed_size(entry: InflightRequest) -> int:
 
 class Outbox:
     def __init__(
-        self, nc: DirectClient, subjects: Subjects, requests: RequestTable, pool: EnginePool, relay: ReplyRelay,
-        counters: Counter[str], turn_ended: Callable[[], None],
+        self,
+        nc: DirectClient,
+        subjects: Subjects,
+        requests: RequestTable,
+        pool: EnginePool,
+        relay: ReplyRelay,
+        counters: Counter[str],
+        turn_ended: Callable[[], None],
     ) -> None:
         self._nc = nc
         self._subjects = subjects
@@ -96,10 +102,13 @@ class Outbox:
             if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
                 continue  # answered or routed elsewhere while it waited for this turn
             if not fits_alone(routed_size(entry), max_payload):
-                await self._relay.fail(entry.return_path.request_id, WireError(
-                    ErrorCode.TOO_LARGE,
-                    f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
-                ))
+                await self._relay.fail(
+                    entry.return_path.request_id,
+                    WireError(
+                        ErrorCode.TOO_LARGE,
+                        f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
+                    ),
+                )
                 continue
             routable.append(entry)
         subject = self._subjects.engine(engine_id, Header.SUBMIT_REQUEST)
@@ -115,4 +124,7 @@ class Outbox:
         except Exception as exc:  # the routing task must outlive any one failed publish
             self._failures.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for entry in batch:
-                await self._relay.fail(entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"))
+                await self._relay.fail(
+                    entry.return_path.request_id,
+                    WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"),
+                )

@@ -230,7 +230,9 @@ class EnginePool:
     def served(self) -> list[ServedModel]:
         """Each model with its engines' count, capacity and load (read at a client's request)."""
         return [
-            ServedModel(name, len(group), sum(record.capacity for record in group), sum(record.load for record in group))
+            ServedModel(
+                name, len(group), sum(record.capacity for record in group), sum(record.load for record in group)
+            )
             for name, group in sorted(self._models.items())
         ]
 

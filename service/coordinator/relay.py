@@ -195,7 +195,10 @@ class ReplyRelay:
             # Admission refuses such a reply_to, so only an engine that rewrote the route gets here.
             self._counters["unsafe_reply_subject"] += 1
             self._refusal_log.warning(
-                "request_id=%s: not delivering to reply subject %r, which %s", return_path.request_id, return_path.reply_to, problem
+                "request_id=%s: not delivering to reply subject %r, which %s",
+                return_path.request_id,
+                return_path.reply_to,
+                problem,
             )
             return
         self._counters["orphans_delivered"] += 1

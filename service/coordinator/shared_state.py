@@ -120,15 +120,21 @@ class SharedControlState:
             await self._refuse_if_not_alone(nc)
             log.warning(
                 "NATS has no JetStream: this coordinator keeps its control state to itself, so it must be the "
-                "only replica on prefix %s (start nats-server with -js to run several)", self.key,
+                "only replica on prefix %s (start nats-server with -js to run several)",
+                self.key,
             )
             return
         self._kv = kv
         record, revision = await self._read(kv)
         self.record, self.revision = record, revision
         self._follower = asyncio.ensure_future(self._follow(kv))
-        log.info("control state in JetStream bucket %s, key %s: %s at revision %d",
-                 self.bucket, self.key, record.state, revision)
+        log.info(
+            "control state in JetStream bucket %s, key %s: %s at revision %d",
+            self.bucket,
+            self.key,
+            record.state,
+            revision,
+        )
 
     async def close(self) -> None:
         self._closed = True
@@ -180,7 +186,10 @@ class SharedControlState:
 
     async def _create_bucket(self, js: JetStreamContext) -> KeyValue:
         config = KeyValueConfig(
-            bucket=self.bucket, history=HISTORY, storage=StorageType.FILE, replicas=3,
+            bucket=self.bucket,
+            history=HISTORY,
+            storage=StorageType.FILE,
+            replicas=3,
             description=f"dpcoord control state of subject prefix {self.key}",
         )
         try:
@@ -221,7 +230,10 @@ class SharedControlState:
                 return None
             new_epoch = epoch if signal is Header.SET_GENERATION_EPOCH else current.epoch
             return msgspec.structs.replace(
-                current, state=decision.new_state, epoch=new_epoch, signal=signal.value,
+                current,
+                state=decision.new_state,
+                epoch=new_epoch,
+                signal=signal.value,
                 coordinator_id=self._coordinator_id,
             )
 
@@ -285,8 +297,14 @@ class SharedControlState:
             return
         previous, self.record, self.revision = self.record, record, revision
         if record.state is not previous.state or record.epoch != previous.epoch or record.shutdown != previous.shutdown:
-            log.info("control state %s, epoch %s, revision %d (%s by %s)",
-                     record.state, record.epoch, revision, record.signal, record.coordinator_id)
+            log.info(
+                "control state %s, epoch %s, revision %d (%s by %s)",
+                record.state,
+                record.epoch,
+                revision,
+                record.signal,
+                record.coordinator_id,
+            )
         self._on_change(previous, record)
 
     async def _follow(self, kv: KeyValue) -> None:
@@ -319,4 +337,3 @@ class SharedControlState:
 
 def _unavailable(exc: Exception) -> WireError:
     return WireError(ErrorCode.NO_ENGINE, f"shared control state unavailable (JetStream: {type(exc).__name__} {exc})")
-

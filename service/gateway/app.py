@@ -245,8 +245,12 @@ class Gateway:
 
     def _submission(self, plan: Plan, job: Job, client_request_id: str) -> dict[str, Any]:
         return dict(
-            prompt=job.prompt, messages=job.messages, model=plan.model, client_request_id=client_request_id,
-            timeout=self.settings.request_timeout_s, **plan.sampling,
+            prompt=job.prompt,
+            messages=job.messages,
+            model=plan.model,
+            client_request_id=client_request_id,
+            timeout=self.settings.request_timeout_s,
+            **plan.sampling,
         )
 
     async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> list[Final]:
@@ -263,7 +267,12 @@ class Gateway:
         return finals
 
     async def _stream(
-        self, endpoint: Endpoint, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch,
+        self,
+        endpoint: Endpoint,
+        client: DpcoordClient,
+        plan: Plan,
+        ids: list[str],
+        watch: DisconnectWatch,
         started: float,
     ) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
@@ -358,8 +367,13 @@ def _error(err: GatewayError) -> Response:
 class EventStream:
     """The ASGI response of a stream whose first reply arrived: its events, then ``on_done``."""
 
-    def __init__(self, events: AsyncGenerator[bytes, None], replies: AsyncGenerator[Reply, None], watch: DisconnectWatch,
-                 on_done: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        replies: AsyncGenerator[Reply, None],
+        watch: DisconnectWatch,
+        on_done: Callable[[], None],
+    ) -> None:
         self._events = events
         self._replies = replies
         self._watch = watch

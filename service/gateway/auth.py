@@ -45,4 +45,4 @@ class ApiKeys:
             return True
         if authorization is None or authorization[: len(_BEARER)].lower() != _BEARER:
             return False
-        return _digest(authorization[len(_BEARER):].strip()) in self._digests
+        return _digest(authorization[len(_BEARER) :].strip()) in self._digests

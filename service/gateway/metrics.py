@@ -46,7 +46,9 @@ class GatewayMetrics(Collector):
         self.completion_tokens += usage.completion_tokens
 
     def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily("dpcoord_gateway_requests", "HTTP requests answered", labels=["endpoint", "status"])
+        requests = CounterMetricFamily(
+            "dpcoord_gateway_requests", "HTTP requests answered", labels=["endpoint", "status"]
+        )
         for (endpoint, status), count in sorted(self.responses.items()):
             requests.add_metric([endpoint, str(status)], count)
         yield requests

@@ -57,7 +57,9 @@ async def serve(settings: Settings, api_keys: ApiKeys) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, setattr, server, "should_exit", True)
     log.info(
-        "gateway on http://%s:%d (API keys %s)", settings.gateway_host, settings.gateway_port,
+        "gateway on http://%s:%d (API keys %s)",
+        settings.gateway_host,
+        settings.gateway_port,
         "required" if api_keys.required else "not required",
     )
     await server.serve()

@@ -108,7 +108,7 @@ class ChunkWriter:
             return out
         choice.final = reply
         text = reply.generated_text
-        rest = text[len(choice.streamed):] if text.startswith(choice.streamed) else ""
+        rest = text[len(choice.streamed) :] if text.startswith(choice.streamed) else ""
         out.append(self._piece(job.index, rest, reply.finish_reason))
         return out
 
@@ -116,7 +116,9 @@ class ChunkWriter:
         finals = [choice.final for choice in self.choices.values() if choice.final is not None]
         usage = usage_of(finals)
         if self.chat:
-            return event(json_encoder.encode(ChatCompletionChunk(self.plan.id, self.plan.created, self.plan.model, [], usage)))
+            return event(
+                json_encoder.encode(ChatCompletionChunk(self.plan.id, self.plan.created, self.plan.model, [], usage))
+            )
         return event(json_encoder.encode(Completion(self.plan.id, self.plan.created, self.plan.model, [], usage)))
 
     def _piece(self, index: int, text: str, finish_reason: str | None) -> bytes:
@@ -124,9 +126,11 @@ class ChunkWriter:
             delta = ChatMessageOut(content=text) if text or finish_reason is None else ChatMessageOut()
             return self._chat(index, delta, finish_reason)
         plan = self.plan
-        return event(json_encoder.encode(
-            Completion(plan.id, plan.created, plan.model, [CompletionChoice(index, text, finish_reason)])
-        ))
+        return event(
+            json_encoder.encode(
+                Completion(plan.id, plan.created, plan.model, [CompletionChoice(index, text, finish_reason)])
+            )
+        )
 
     def _chat(self, index: int, delta: ChatMessageOut, finish_reason: str | None) -> bytes:
         plan = self.plan

@@ -85,14 +85,20 @@ def chat_plan(request: ChatCompletionRequest) -> Plan:
     messages = [_message(message) for message in request.messages]
     n = _choices(request.n, 1)
     max_tokens, name = (
-        (request.max_completion_tokens, "max_completion_tokens") if request.max_completion_tokens is not None
+        (request.max_completion_tokens, "max_completion_tokens")
+        if request.max_completion_tokens is not None
         else (request.max_tokens, "max_tokens")
     )
     return _plan("chatcmpl", request, [Job(j, messages=messages) for j in range(n)], max_tokens, name)
 
 
-def _plan(kind: str, request: CompletionRequest | ChatCompletionRequest, jobs: list[Job],
-          max_tokens: int | None, max_tokens_name: str) -> Plan:
+def _plan(
+    kind: str,
+    request: CompletionRequest | ChatCompletionRequest,
+    jobs: list[Job],
+    max_tokens: int | None,
+    max_tokens_name: str,
+) -> Plan:
     _refuse_unsupported(
         [
             ("presence_penalty", bool(request.presence_penalty)),
@@ -118,13 +124,17 @@ def _plan(kind: str, request: CompletionRequest | ChatCompletionRequest, jobs: l
         "stop": stop or None,
     }
     include_usage = request.stream_options is not None and request.stream_options.include_usage
-    return Plan(f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, jobs, sampling, request.stream, include_usage)
+    return Plan(
+        f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, jobs, sampling, request.stream, include_usage
+    )
 
 
 def _refuse_unsupported(checks: Iterable[tuple[str, bool]]) -> None:
     for name, used in checks:
         if used:
-            raise GatewayError(400, f"{name} is not supported by this server's engines; leave it out or at its default", name)
+            raise GatewayError(
+                400, f"{name} is not supported by this server's engines; leave it out or at its default", name
+            )
 
 
 def _check(ok: bool, param: str, problem: str) -> None:
@@ -150,7 +160,9 @@ def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         return [list(prompt)]
     if all(isinstance(item, list) and item and all(_is_token_id(t) for t in item) for item in prompt):
         return [list(item) for item in prompt]
-    raise GatewayError(400, "prompt must be a string, a list of strings, token ids, or a list of token-id lists", "prompt")
+    raise GatewayError(
+        400, "prompt must be a string, a list of strings, token ids, or a list of token-id lists", "prompt"
+    )
 
 
 def _is_token_id(item: object) -> bool:

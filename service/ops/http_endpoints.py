@@ -74,7 +74,14 @@ class HttpEndpoints:
     async def start(self) -> None:
         """Bind (unless ``bind`` did) and answer requests."""
         await (await self._bound()).start_serving()
-        log.info("health and metrics on http://%s:%d (%s, %s, %s)", self.host, self.port, HEALTH_PATH, READY_PATH, METRICS_PATH)
+        log.info(
+            "health and metrics on http://%s:%d (%s, %s, %s)",
+            self.host,
+            self.port,
+            HEALTH_PATH,
+            READY_PATH,
+            METRICS_PATH,
+        )
 
     async def _bound(self) -> asyncio.Server:
         if self._server is not None:
@@ -84,14 +91,21 @@ class HttpEndpoints:
         except OSError as exc:
             if self._port_chosen:
                 raise OSError(
-                    exc.errno, f"cannot serve {HEALTH_PATH}, {READY_PATH} and {METRICS_PATH} on {self.host}:{self.port} "
+                    exc.errno,
+                    f"cannot serve {HEALTH_PATH}, {READY_PATH} and {METRICS_PATH} on {self.host}:{self.port} "
                     f"({_reason(exc)}); choose another --http-port (DPCOORD_HTTP_PORT), or 0 to turn them off",
                 ) from exc
             server = await self._listen(0)
             log.warning(
                 "default HTTP port %d is taken on %s (%s): serving %s, %s and %s on port %d instead; "
-                "--http-port (DPCOORD_HTTP_PORT) chooses the port", self.port, self.host, _reason(exc),
-                HEALTH_PATH, READY_PATH, METRICS_PATH, _port_of(server),
+                "--http-port (DPCOORD_HTTP_PORT) chooses the port",
+                self.port,
+                self.host,
+                _reason(exc),
+                HEALTH_PATH,
+                READY_PATH,
+                METRICS_PATH,
+                _port_of(server),
             )
         self._server = server
         self.port = _port_of(server)

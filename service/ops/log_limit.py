@@ -28,7 +28,9 @@ class RateLimitedLog:
         now = time.monotonic()
         if now - self._window_start >= self._interval_s:
             if self._suppressed:
-                self._logger.warning("... %d more like this in the last %.0f s", self._suppressed, now - self._window_start)
+                self._logger.warning(
+                    "... %d more like this in the last %.0f s", self._suppressed, now - self._window_start
+                )
             self._window_start, self._logged, self._suppressed = now, 0, 0
         if self._logged < self._per_interval:
             self._logged += 1

@@ -1,7 +1,6 @@
 """Metric building blocks shared by the coordinator and the engines: histogram families from
 plain bucket counts, error-code breakdowns of counters, and NATS connection health."""
 
-
 from __future__ import annotations
 
 from collections import Counter

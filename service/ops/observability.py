@@ -48,7 +48,8 @@ class Observability:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         self.http = (
-            None if http_port is None
+            None
+            if http_port is None
             else HttpEndpoints(http_host, http_port, health, ready, self.registry, port_chosen=http_port_chosen)
         )
         self._spec = service
@@ -65,7 +66,9 @@ class Observability:
             await self.http.start()
         spec = self._spec
         self._nc = nc
-        self._service = await add_status_service(nc, spec.name, spec.description, spec.instance_id, spec.subject, spec.status)
+        self._service = await add_status_service(
+            nc, spec.name, spec.description, spec.instance_id, spec.subject, spec.status
+        )
 
     async def stop(self) -> None:
         """Safe to call twice."""

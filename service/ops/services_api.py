@@ -97,8 +97,12 @@ async def add_status_service(
         return msgspec.to_builtins(status())
 
     service = await micro.add_service(
-        nc, name=name, version=package_version(), description=description,
-        metadata={"instance_id": instance_id}, stats_handler=stats_data,
+        nc,
+        name=name,
+        version=package_version(),
+        description=description,
+        metadata={"instance_id": instance_id},
+        stats_handler=stats_data,
     )
     await service.add_endpoint(name=STATUS_ENDPOINT, subject=subject, handler=answer)
     await flush_subscriptions(nc)

@@ -57,7 +57,9 @@ class Settings(BaseSettings):
 
     # NATS connection
     nats_url: NatsSetting[str] = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma separated")
-    subject_prefix: NatsSetting[str] = Field("dpcoord", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", description="First subject tokens")
+    subject_prefix: NatsSetting[str] = Field(
+        "dpcoord", pattern=r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", description="First subject tokens"
+    )
     nats_user: NatsSetting[str | None] = Field(None, description="NATS user name")
     nats_password: NatsSetting[str | None] = Field(None, description="NATS password")
     nats_token: NatsSetting[str | None] = Field(None, description="NATS auth token")
@@ -66,10 +68,15 @@ class Settings(BaseSettings):
     nats_tls_ca_file: NatsSetting[str | None] = Field(None, description="CA bundle to verify the NATS server")
     nats_tls_cert_file: NatsSetting[str | None] = Field(None, description="Client certificate for mutual TLS")
     nats_tls_key_file: NatsSetting[str | None] = Field(None, description="Client key for mutual TLS")
-    nats_tls_hostname: NatsSetting[str | None] = Field(None, description="Name the NATS server certificate must carry; default: the host in nats_url")
-    nats_tls_handshake_first: NatsSetting[bool] = Field(False, description="Start TLS before the server speaks (server tls.handshake_first); no plaintext downgrade")
+    nats_tls_hostname: NatsSetting[str | None] = Field(
+        None, description="Name the NATS server certificate must carry; default: the host in nats_url"
+    )
+    nats_tls_handshake_first: NatsSetting[bool] = Field(
+        False, description="Start TLS before the server speaks (server tls.handshake_first); no plaintext downgrade"
+    )
     nats_inbox_prefix: NatsSetting[str] = Field(
-        "_INBOX", pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$",
+        "_INBOX",
+        pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$",
         description="Subject prefix of this process's reply inboxes; one per NATS user keeps replies private",
     )
     nats_connect_timeout_s: NatsSetting[float] = Field(5.0, gt=0, description="Timeout of one connection attempt")
@@ -83,25 +90,46 @@ class Settings(BaseSettings):
         "or prefix (where its prompt's longest prefix went, within prefix_load_bound); see docs/protocol.md",
     )
     routing_load_slack: CoordinatorSetting[int] = Field(
-        8, ge=0,
+        8,
+        ge=0,
         description="least_loaded, p2c, prefix: an engine already receiving a batch this event-loop turn keeps getting "
         "requests while its load is at most the least loaded engine's plus this, so routed messages stay batched",
     )
     prefix_load_bound: CoordinatorSetting[int] = Field(
-        32, ge=0, description="prefix: a prefix's engine is chosen while its load is at most the least loaded engine's plus this"
+        32,
+        ge=0,
+        description="prefix: a prefix's engine is chosen while its load is at most the least loaded engine's plus this",
     )
     prefix_table_size: CoordinatorSetting[int] = Field(
         100_000, ge=1, description="prefix: most prompt prefixes remembered (least recently used forgotten first)"
     )
-    prefix_ttl_s: CoordinatorSetting[float] = Field(600.0, gt=0, description="prefix: a prompt prefix unused this long is forgotten")
-    max_inflight_per_engine: CoordinatorSetting[int] = Field(256, ge=1, description="Requests in flight per engine before queueing")
-    max_queued_requests: CoordinatorSetting[int] = Field(4096, ge=0, description="Requests held by the coordinator before 429")
-    max_payload_bytes: CoordinatorSetting[int] = Field(1024 * 1024, ge=1024, description="Largest accepted message body (413 beyond)")
-    request_timeout_s: CoordinatorSetting[float] = Field(300.0, gt=0, description="Default request deadline (504 after it)")
-    control_timeout_s: CoordinatorSetting[float] = Field(5.0, gt=0, description="How long engines have to confirm a control signal")
-    heartbeat_timeout_s: CoordinatorSetting[float] = Field(3.0, gt=0, description="Engines silent this long are removed")
-    max_retries: CoordinatorSetting[int] = Field(2, ge=0, description="Re-dispatches of a request whose engine died before streaming")
-    result_ttl_s: CoordinatorSetting[float] = Field(60.0, ge=0, description="How long named clients' results are kept for resubmissions")
+    prefix_ttl_s: CoordinatorSetting[float] = Field(
+        600.0, gt=0, description="prefix: a prompt prefix unused this long is forgotten"
+    )
+    max_inflight_per_engine: CoordinatorSetting[int] = Field(
+        256, ge=1, description="Requests in flight per engine before queueing"
+    )
+    max_queued_requests: CoordinatorSetting[int] = Field(
+        4096, ge=0, description="Requests held by the coordinator before 429"
+    )
+    max_payload_bytes: CoordinatorSetting[int] = Field(
+        1024 * 1024, ge=1024, description="Largest accepted message body (413 beyond)"
+    )
+    request_timeout_s: CoordinatorSetting[float] = Field(
+        300.0, gt=0, description="Default request deadline (504 after it)"
+    )
+    control_timeout_s: CoordinatorSetting[float] = Field(
+        5.0, gt=0, description="How long engines have to confirm a control signal"
+    )
+    heartbeat_timeout_s: CoordinatorSetting[float] = Field(
+        3.0, gt=0, description="Engines silent this long are removed"
+    )
+    max_retries: CoordinatorSetting[int] = Field(
+        2, ge=0, description="Re-dispatches of a request whose engine died before streaming"
+    )
+    result_ttl_s: CoordinatorSetting[float] = Field(
+        60.0, ge=0, description="How long named clients' results are kept for resubmissions"
+    )
     result_cache_size: CoordinatorSetting[int] = Field(100_000, ge=0, description="Most results kept for resubmissions")
     reconnect_grace_s: CoordinatorSetting[float] = Field(1.5, ge=0, description="After a NATS reconnect, hold replies this long so clients resubscribe first")
     # Limits on what peers may send or make the coordinator hold (docs/security.md)
@@ -144,50 +172,90 @@ class Settings(BaseSettings):
         64 * 1024 * 1024, ge=0, description="Bytes of terminal replies an engine remembers to send again after a loss"
     )
     served_model_name: EngineSetting[str | None] = Field(
-        None, min_length=1, max_length=256,
+        None,
+        min_length=1,
+        max_length=256,
         description="Model name the engine serves (routing by model, the gateway's /v1/models); unset: the model directory's name, dpcoord-random for the random default, dpcoord-echo for echo",
     )
 
     # Torch backend (see docs/engines.md)
-    device: TorchSetting[str] = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description="Torch device: auto (cuda when available), cpu, cuda or cuda:N")
+    device: TorchSetting[str] = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="Torch device: auto (cuda when available), cpu, cuda or cuda:N",
+    )
     dtype: TorchSetting[Literal["auto", "float32", "bfloat16", "float16"]] = Field(
-        "auto", description="Weights and KV cache dtype; auto: the checkpoint's dtype, else bfloat16 on CUDA, float32 on CPU"
+        "auto",
+        description="Weights and KV cache dtype; auto: the checkpoint's dtype, else bfloat16 on CUDA, float32 on CPU",
     )
     cpu_threads: TorchSetting[int | None] = Field(
-        None, ge=1, description="Torch intra-op threads on CPU; unset: torch's default (all cores). Engines sharing a host: cores / engines"
+        None,
+        ge=1,
+        description="Torch intra-op threads on CPU; unset: torch's default (all cores). Engines sharing a host: cores / engines",
     )
-    model_seed: TorchSetting[int] = Field(0, description="Seed of the random default model (torch backend without --model)")
-    max_batch: TorchSetting[int] = Field(128, ge=1, description="Requests decoded together in one step; more wait in the engine's queue")
-    max_context: TorchSetting[int | None] = Field(None, ge=2, description="Tokens per request, prompt plus generated; unset: the model's max_position_embeddings")
-    max_prefill_tokens: TorchSetting[int] = Field(4096, ge=1, description="Prompt tokens prefilled in one step (one longer prompt still runs alone)")
+    model_seed: TorchSetting[int] = Field(
+        0, description="Seed of the random default model (torch backend without --model)"
+    )
+    max_batch: TorchSetting[int] = Field(
+        128, ge=1, description="Requests decoded together in one step; more wait in the engine's queue"
+    )
+    max_context: TorchSetting[int | None] = Field(
+        None, ge=2, description="Tokens per request, prompt plus generated; unset: the model's max_position_embeddings"
+    )
+    max_prefill_tokens: TorchSetting[int] = Field(
+        4096, ge=1, description="Prompt tokens prefilled in one step (one longer prompt still runs alone)"
+    )
     kv_block_size: TorchSetting[int] = Field(16, ge=1, description="Tokens per KV-cache page")
-    kv_cache_gb: TorchSetting[float | None] = Field(None, gt=0, description="KV-cache budget in GiB; unset: sized from the memory free after loading")
-    kv_memory_fraction: TorchSetting[float] = Field(
-        0.9, gt=0, le=1, description="Share of free memory the KV cache may take (CUDA: of the device, less the rest's share; CPU: of available RAM)"
+    kv_cache_gb: TorchSetting[float | None] = Field(
+        None, gt=0, description="KV-cache budget in GiB; unset: sized from the memory free after loading"
     )
-    profile_dir: TorchSetting[str | None] = Field(None, description="Where CPU torch.profiler traces are written; unset: the system temp directory")
-    prefix_caching: TorchSetting[bool] = Field(True, description="Reuse the KV-cache pages of a prompt prefix another request already computed")
-    cuda_graphs: TorchSetting[bool] = Field(True, description="CUDA: decode steps replay CUDA graphs captured per batch size; false: eager decode")
+    kv_memory_fraction: TorchSetting[float] = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Share of free memory the KV cache may take (CUDA: of the device, less the rest's share; CPU: of available RAM)",
+    )
+    profile_dir: TorchSetting[str | None] = Field(
+        None, description="Where CPU torch.profiler traces are written; unset: the system temp directory"
+    )
+    prefix_caching: TorchSetting[bool] = Field(
+        True, description="Reuse the KV-cache pages of a prompt prefix another request already computed"
+    )
+    cuda_graphs: TorchSetting[bool] = Field(
+        True, description="CUDA: decode steps replay CUDA graphs captured per batch size; false: eager decode"
+    )
     torch_compile: TorchSetting[bool] = Field(
         True, description="CUDA: fuse element-wise pieces (RMSNorm, rotary, SwiGLU) with torch.compile; false: eager"
     )
 
     # Health and metrics over HTTP (Kubernetes probes, Prometheus)
-    http_host: ServiceSetting[str] = Field("0.0.0.0", description="Address of the /healthz, /readyz and /metrics server")
+    http_host: ServiceSetting[str] = Field(
+        "0.0.0.0", description="Address of the /healthz, /readyz and /metrics server"
+    )
     http_port: ServiceSetting[int] = Field(
-        8080, ge=0, le=65535,
+        8080,
+        ge=0,
+        le=65535,
         description="Port of /healthz, /readyz and /metrics; 0 turns them off. Left unset and taken: a free port, logged",
     )
 
     # The OpenAI-compatible HTTP gateway (dpcoord gateway; docs/gateway.md)
     gateway_host: GatewaySetting[str] = Field("0.0.0.0", description="Address the HTTP gateway listens on")
-    gateway_port: GatewaySetting[int] = Field(8000, ge=0, le=65535, description="Port of the HTTP gateway (/v1/*, /healthz, /readyz, /metrics); 0: a free port")
+    gateway_port: GatewaySetting[int] = Field(
+        8000,
+        ge=0,
+        le=65535,
+        description="Port of the HTTP gateway (/v1/*, /healthz, /readyz, /metrics); 0: a free port",
+    )
     gateway_api_key_file: GatewaySetting[str | None] = Field(
-        None, description="File of API keys, one per line, the gateway accepts as 'Authorization: Bearer <key>'; unset (and no --api-key): no key needed",
+        None,
+        description="File of API keys, one per line, the gateway accepts as 'Authorization: Bearer <key>'; unset (and no --api-key): no key needed",
     )
 
     log_level: ServiceSetting[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field("INFO", description="Log level")
-    event_loop: ServiceSetting[Literal["auto", "asyncio", "uvloop"]] = Field("auto", description="Event loop; auto takes uvloop when installed")
+    event_loop: ServiceSetting[Literal["auto", "asyncio", "uvloop"]] = Field(
+        "auto", description="Event loop; auto takes uvloop when installed"
+    )
 
     @model_validator(mode="after")
     def _one_way_to_authenticate(self) -> Settings:

@@ -97,7 +97,9 @@ class PayloadDecoder:
         arrays = [member for member in members if _is_array_like(member)]
         maps = [member for member in members if not _is_array_like(member)]
         if len(arrays) > 1 or len(maps) > 1 or not members:
-            raise TypeError(f"payload type {payload_type!r}: need one map-shaped type and at most one array_like Struct")
+            raise TypeError(
+                f"payload type {payload_type!r}: need one map-shaped type and at most one array_like Struct"
+            )
         main = maps[0] if maps else arrays[0]
         self._json = msgspec.json.Decoder(main)
         self._msgpack = msgspec.msgpack.Decoder(main)

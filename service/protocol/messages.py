@@ -189,8 +189,12 @@ class ModelList(Struct, tag="models", tag_field="type"):
 Reply = Partial | Final | ErrorReply | Ack | ConnectAck | ModelList
 
 
-def error_reply(err: WireError, client_request_id: ClientRequestId | None = None, request_id: str | None = None) -> ErrorReply:
-    return ErrorReply(error=ErrorBody(err.code, err.message), client_request_id=client_request_id, request_id=request_id)
+def error_reply(
+    err: WireError, client_request_id: ClientRequestId | None = None, request_id: str | None = None
+) -> ErrorReply:
+    return ErrorReply(
+        error=ErrorBody(err.code, err.message), client_request_id=client_request_id, request_id=request_id
+    )
 
 
 # ---------------------------------------------------------------- engines <-> coordinator (msgpack only)

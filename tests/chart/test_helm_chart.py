@@ -46,7 +46,8 @@ def render(chart: Chart, values: dict[str, Any] | None = None, release: str = RE
 
 def only(objects: list[Manifest], kind: str, component: str | None = None) -> Manifest:
     found = [
-        obj for obj in objects
+        obj
+        for obj in objects
         if obj["kind"] == kind
         and (component is None or obj["metadata"]["labels"].get("app.kubernetes.io/component") == component)
     ]
@@ -69,7 +70,8 @@ def env_of(workload: Manifest, objects: list[Manifest]) -> dict[str, Any]:
     main = container(workload)
     for source in main.get("envFrom", []):
         config_map = next(
-            obj for obj in objects
+            obj
+            for obj in objects
             if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] == source["configMapRef"]["name"]
         )
         env.update(config_map["data"])
@@ -122,7 +124,14 @@ def test_non_default_render(chart: Chart) -> None:
     objects = render(chart, non_default_values())
     kinds = sorted(obj["kind"] for obj in objects)
     assert kinds == [
-        "ConfigMap", "Deployment", "Deployment", "PodDisruptionBudget", "Service", "Service", "Service", "ServiceMonitor",
+        "ConfigMap",
+        "Deployment",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "Service",
+        "Service",
+        "ServiceMonitor",
         "StatefulSet",
     ]  # no NATS secrets of its own: the credentials Secret is the operator's
     engines = only(objects, "StatefulSet")
@@ -144,14 +153,18 @@ def test_non_default_render(chart: Chart) -> None:
     assert container(engines)["args"] == ["engine", "--model", "/models/llama-3-8b"]
     monitor = only(objects, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": METRICS_PATH, "interval": "15s", "scrapeTimeout": "10s"}]
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "http", "path": METRICS_PATH, "interval": "15s", "scrapeTimeout": "10s"}
+    ]
 
 
 @pytest.mark.parametrize("values", [{}, "non-default"], ids=["default", "non-default"])
 def test_labels_and_selectors_match(chart: Chart, values: dict[str, Any] | str) -> None:
     objects = render(chart, non_default_values() if values == "non-default" else {})
-    workloads = {component: only(objects, kind, component) for kind, component in
-                 (("Deployment", "coordinator"), ("StatefulSet", "engine"))}
+    workloads = {
+        component: only(objects, kind, component)
+        for kind, component in (("Deployment", "coordinator"), ("StatefulSet", "engine"))
+    }
     pod_labels = {component: w["spec"]["template"]["metadata"]["labels"] for component, w in workloads.items()}
     for component, workload in workloads.items():
         assert matches(workload["spec"]["selector"]["matchLabels"], pod_labels[component])
@@ -230,7 +243,7 @@ def test_pods_run_as_non_root_on_a_read_only_root(chart: Chart) -> None:
 def test_notes_show_nats_request_from_nats_box(chart: Chart) -> None:
     notes = chart.render({}, name=RELEASE, namespace=NAMESPACE)["dpcoord/templates/NOTES.txt"]
     assert "exec -it deploy/rel-nats-box -- \\\n    nats request --user client" in notes
-    assert "dpcoord.submit_request '{\"prompt\": \"Hello\"" in notes
+    assert 'dpcoord.submit_request \'{"prompt": "Hello"' in notes
     external = chart.render(non_default_values(), name=RELEASE, namespace=NAMESPACE)["dpcoord/templates/NOTES.txt"]
     assert "--image=natsio/nats-box -- \\\n    nats request -s tls://nats.messaging.svc:4222" in external
     assert "prod.llm.submit_request" in external
@@ -317,7 +330,10 @@ def test_configmap_env_names_are_settings_and_parse(
 @pytest.mark.parametrize("auth", ["userPassword", "token", "creds", "nkey"])
 def test_settings_set_per_pod_are_set(chart: Chart, auth: str) -> None:
     """DERIVED_SETTINGS are real: each reaches the pods' environment in some configuration."""
-    values = {"nats": {"enabled": False}, "externalNats": {"url": "nats://n:4222", "credentialsSecret": "s", "auth": auth}}
+    values = {
+        "nats": {"enabled": False},
+        "externalNats": {"url": "nats://n:4222", "credentialsSecret": "s", "auth": auth},
+    }
     objects = render(chart, values)
     per_auth = {
         "userPassword": {"DPCOORD_NATS_USER", "DPCOORD_NATS_PASSWORD"},
@@ -337,7 +353,9 @@ def test_settings_set_per_pod_are_set(chart: Chart, auth: str) -> None:
         assert env_of(only(objects, kind, role), objects)["DPCOORD_NATS_INBOX_PREFIX"] == f"_INBOX_{role}"
     covered = {name.removeprefix("DPCOORD_").lower() for names in per_auth.values() for name in names}
     # gateway_api_key_file: tests/chart/test_helm_gateway.py
-    assert covered | {"nats_url", "nats_inbox_prefix", "coordinator_id", "engine_id", "gateway_api_key_file"} == set(DERIVED_SETTINGS)
+    assert covered | {"nats_url", "nats_inbox_prefix", "coordinator_id", "engine_id", "gateway_api_key_file"} == set(
+        DERIVED_SETTINGS
+    )
 
 
 def test_default_settings_are_valid_settings(chart: Chart) -> None:
@@ -346,8 +364,21 @@ def test_default_settings_are_valid_settings(chart: Chart) -> None:
 
 # Values documented by one README row each rather than key by key.
 _DOCUMENTED_WHOLE = {
-    "settings", "resources", "podSecurityContext", "securityContext", "livenessProbe", "readinessProbe",
-    "startupProbe", "podAnnotations", "podLabels", "nodeSelector", "affinity", "labels", "passwords", "merge", "patch",
+    "settings",
+    "resources",
+    "podSecurityContext",
+    "securityContext",
+    "livenessProbe",
+    "readinessProbe",
+    "startupProbe",
+    "podAnnotations",
+    "podLabels",
+    "nodeSelector",
+    "affinity",
+    "labels",
+    "passwords",
+    "merge",
+    "patch",
 }
 
 

@@ -26,7 +26,8 @@ def chart() -> Iterator[Chart]:
 
 def gateway_objects(objects: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return sorted(
-        (obj["kind"], obj["metadata"]["name"]) for obj in objects
+        (obj["kind"], obj["metadata"]["name"])
+        for obj in objects
         if obj["metadata"]["labels"].get("app.kubernetes.io/component") == "gateway"
     )
 
@@ -44,14 +45,22 @@ def test_the_gateway_runs_as_its_nats_user_with_probes_on_its_port(chart: Chart)
     env = env_of(deployment, objects)
     assert env["DPCOORD_GATEWAY_PORT"] == str(port)
     assert env["DPCOORD_NATS_USER"] == {"secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "gateway-user"}}
-    assert env["DPCOORD_NATS_PASSWORD"] == {"secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "gateway-password"}}
+    assert env["DPCOORD_NATS_PASSWORD"] == {
+        "secretKeyRef": {"name": "rel-dpcoord-nats-credentials", "key": "gateway-password"}
+    }
     assert env["DPCOORD_NATS_INBOX_PREFIX"] == "_INBOX_gateway"
     assert "DPCOORD_GATEWAY_API_KEY_FILE" not in env
     assert deployment["spec"]["replicas"] == 2
     service = only(objects, "Service", "gateway")
     assert service["spec"]["ports"] == [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]
-    pods = {c: w["spec"]["template"]["metadata"]["labels"] for c, w in (
-        ("coordinator", only(objects, "Deployment", "coordinator")), ("engine", only(objects, "StatefulSet")), ("gateway", deployment))}
+    pods = {
+        c: w["spec"]["template"]["metadata"]["labels"]
+        for c, w in (
+            ("coordinator", only(objects, "Deployment", "coordinator")),
+            ("engine", only(objects, "StatefulSet")),
+            ("gateway", deployment),
+        )
+    }
     assert [c for c, labels in pods.items() if matches(service["spec"]["selector"], labels)] == ["gateway"]
     assert matches(deployment["spec"]["selector"]["matchLabels"], pods["gateway"])
     notes = chart.render({}, name=RELEASE, namespace=NAMESPACE)["dpcoord/templates/NOTES.txt"]
@@ -59,7 +68,10 @@ def test_the_gateway_runs_as_its_nats_user_with_probes_on_its_port(chart: Chart)
 
 
 def test_external_nats_gives_the_gateway_its_credentials(chart: Chart) -> None:
-    values = {"nats": {"enabled": False}, "externalNats": {"url": "nats://n:4222", "credentialsSecret": "s", "auth": "creds"}}
+    values = {
+        "nats": {"enabled": False},
+        "externalNats": {"url": "nats://n:4222", "credentialsSecret": "s", "auth": "creds"},
+    }
     objects = render(chart, values)
     deployment = only(objects, "Deployment", "gateway")
     assert env_of(deployment, objects)["DPCOORD_NATS_CREDS_FILE"] == "/etc/dpcoord/nats-credentials/gateway.creds"
@@ -71,32 +83,55 @@ def test_api_keys_come_from_a_mounted_secret(chart: Chart) -> None:
     objects = render(chart, {"gateway": {"apiKeys": {"existingSecret": "llm-keys", "key": "keys.txt"}}})
     deployment = only(objects, "Deployment", "gateway")
     assert env_of(deployment, objects)["DPCOORD_GATEWAY_API_KEY_FILE"] == "/etc/dpcoord/gateway-api-keys/keys.txt"
-    assert {"name": "api-keys", "mountPath": "/etc/dpcoord/gateway-api-keys", "readOnly": True} in container(deployment)["volumeMounts"]
+    assert {"name": "api-keys", "mountPath": "/etc/dpcoord/gateway-api-keys", "readOnly": True} in container(
+        deployment
+    )["volumeMounts"]
     assert {"name": "api-keys", "secret": {"secretName": "llm-keys", "defaultMode": 0o440}} in (
-        deployment["spec"]["template"]["spec"]["volumes"])
+        deployment["spec"]["template"]["spec"]["volumes"]
+    )
     notes = chart.render({"gateway": {"apiKeys": {"existingSecret": "llm-keys"}}}, name=RELEASE, namespace=NAMESPACE)
-    assert 'Authorization: Bearer $API_KEY' in notes["dpcoord/templates/NOTES.txt"]
+    assert "Authorization: Bearer $API_KEY" in notes["dpcoord/templates/NOTES.txt"]
 
 
 def test_ingress_and_autoscaler(chart: Chart) -> None:
-    values = {"gateway": {
-        "ingress": {"enabled": True, "className": "nginx", "annotations": {"a": "b"},
-                    "hosts": [{"host": "llm.corp", "paths": [{"path": "/v1", "pathType": "Prefix"}]}],
-                    "tls": [{"secretName": "llm-tls", "hosts": ["llm.corp"]}]},
-        "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 7, "targetCPUUtilizationPercentage": 60},
-    }}
+    values = {
+        "gateway": {
+            "ingress": {
+                "enabled": True,
+                "className": "nginx",
+                "annotations": {"a": "b"},
+                "hosts": [{"host": "llm.corp", "paths": [{"path": "/v1", "pathType": "Prefix"}]}],
+                "tls": [{"secretName": "llm-tls", "hosts": ["llm.corp"]}],
+            },
+            "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 7, "targetCPUUtilizationPercentage": 60},
+        }
+    }
     assert lint(CHART, values, strict=False)["errors"] == []
     objects = render(chart, values)
-    assert [kind for kind, _ in gateway_objects(objects)] == ["Deployment", "HorizontalPodAutoscaler", "Ingress", "Service"]
+    assert [kind for kind, _ in gateway_objects(objects)] == [
+        "Deployment",
+        "HorizontalPodAutoscaler",
+        "Ingress",
+        "Service",
+    ]
     ingress = only(objects, "Ingress", "gateway")
     assert ingress["spec"]["ingressClassName"] == "nginx" and ingress["metadata"]["annotations"] == {"a": "b"}
     assert ingress["spec"]["tls"] == [{"secretName": "llm-tls", "hosts": ["llm.corp"]}]
     [rule] = ingress["spec"]["rules"]
     assert rule["host"] == "llm.corp"
-    assert rule["http"]["paths"] == [{"path": "/v1", "pathType": "Prefix", "backend": {
-        "service": {"name": "rel-dpcoord-gateway", "port": {"name": "http"}}}}]
+    assert rule["http"]["paths"] == [
+        {
+            "path": "/v1",
+            "pathType": "Prefix",
+            "backend": {"service": {"name": "rel-dpcoord-gateway", "port": {"name": "http"}}},
+        }
+    ]
     autoscaler = only(objects, "HorizontalPodAutoscaler", "gateway")
-    assert autoscaler["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "rel-dpcoord-gateway"}
+    assert autoscaler["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "rel-dpcoord-gateway",
+    }
     assert (autoscaler["spec"]["minReplicas"], autoscaler["spec"]["maxReplicas"]) == (3, 7)
     assert autoscaler["spec"]["metrics"][0]["resource"]["target"] == {"type": "Utilization", "averageUtilization": 60}
     assert "replicas" not in only(objects, "Deployment", "gateway")["spec"]  # the autoscaler owns it
@@ -113,8 +148,14 @@ def test_without_the_gateway_nothing_of_it_renders(chart: Chart) -> None:
     [
         ({"gateway": {"replicas": 0}}, "/gateway/replicas"),
         ({"gateway": {"enabled": "yes"}}, "/gateway/enabled"),
-        ({"gateway": {"ingress": {"hosts": [{"host": "h", "paths": [{"path": "v1"}]}]}}}, "/gateway/ingress/hosts/0/paths/0/path"),
-        ({"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}}, "/gateway/autoscaling/targetCPUUtilizationPercentage"),
+        (
+            {"gateway": {"ingress": {"hosts": [{"host": "h", "paths": [{"path": "v1"}]}]}}},
+            "/gateway/ingress/hosts/0/paths/0/path",
+        ),
+        (
+            {"gateway": {"autoscaling": {"targetCPUUtilizationPercentage": 150}}},
+            "/gateway/autoscaling/targetCPUUtilizationPercentage",
+        ),
         ({"gateway": {"apiKeys": {"secret": "x"}}}, "secret"),
         ({"settings": {"gateway_port": 70000}}, "/settings/gateway_port"),
     ],
@@ -126,4 +167,8 @@ def test_schema_rejects_wrong_gateway_values(chart: Chart, values: dict[str, Any
 
 def test_an_autoscaler_with_max_below_min_fails_to_render(chart: Chart) -> None:
     with pytest.raises(HelmRenderError, match="maxReplicas must be at least"):
-        chart.render({"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}, name=RELEASE, namespace=NAMESPACE)
+        chart.render(
+            {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+            name=RELEASE,
+            namespace=NAMESPACE,
+        )

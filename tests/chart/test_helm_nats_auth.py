@@ -59,7 +59,8 @@ def rendered_auth(values: dict[str, Any]) -> RenderedAuth:
     credentials = secrets.get(f"{RELEASE}-dpcoord-nats-credentials", {"data": {}})["data"]
     passwords = {
         user: base64.b64decode(credentials[f"{user}-password"]).decode()
-        for user in USERS if f"{user}-password" in credentials
+        for user in USERS
+        if f"{user}-password" in credentials
     }
     [mount] = [patch["value"] for patch in nats_values["container"]["patch"] if patch["path"] == "/volumeMounts/-"]
     [volume] = [patch["value"] for patch in nats_values["podTemplate"]["patch"] if patch["path"] == "/spec/volumes/-"]
@@ -67,8 +68,12 @@ def rendered_auth(values: dict[str, Any]) -> RenderedAuth:
     # The sub-chart templates the Secret's name in its own context, where only the release is known.
     secret_name = volume["secret"]["secretName"]["$tplYaml"].replace("{{ .Release.Name }}", RELEASE)
     assert secret_name == auth_secret["metadata"]["name"]
-    return RenderedAuth(auth_secret["stringData"]["auth.conf"], passwords, nats_values["config"]["merge"]["$include"],
-                        mount["mountPath"])
+    return RenderedAuth(
+        auth_secret["stringData"]["auth.conf"],
+        passwords,
+        nats_values["config"]["merge"]["$include"],
+        mount["mountPath"],
+    )
 
 
 def start_server(auth: RenderedAuth, root: Path) -> EmbeddedNatsServer:
@@ -109,7 +114,9 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     coordinator = rules["coordinator"]["publish"]
     assert "deny" not in coordinator  # an allow list: everything else is refused
     assert {subject for subject in coordinator["allow"] if subject.startswith("dpcoord.")} == {
-        "dpcoord.engine.*.*", "dpcoord.engines.*", "dpcoord.coordinator_heartbeat"
+        "dpcoord.engine.*.*",
+        "dpcoord.engines.*",
+        "dpcoord.coordinator_heartbeat",
     }
     # Replies into inboxes only: the clients' and admin's, and the pods'.
     inboxes = {subject for subject in coordinator["allow"] if subject.startswith("_INBOX")}
@@ -193,11 +200,19 @@ async def connect() -> AsyncIterator[Any]:
 async def test_client_submits_but_cannot_pause(secured: Any, connect: Any) -> None:
     url, auth, coordinator, _ = secured
     client = await connect(url, "client", auth.passwords["client"])
-    reply = await request_json(client.nc, "dpcoord.submit_request", {"prompt": "hi", "sampling_params": {"max_tokens": 2}})
+    reply = await request_json(
+        client.nc, "dpcoord.submit_request", {"prompt": "hi", "sampling_params": {"max_tokens": 2}}
+    )
     assert reply["type"] == "final" and reply["generated_text"] == "hi"
     models = await request_json(client.nc, "dpcoord.list_models", {})  # what the gateway, a client, asks
     assert models["type"] == "models"
-    for forbidden in ("dpcoord.pause", "dpcoord.shutdown", "dpcoord.start_cuda_profiler", "dpcoord.register", "$SRV.PING"):
+    for forbidden in (
+        "dpcoord.pause",
+        "dpcoord.shutdown",
+        "dpcoord.start_cuda_profiler",
+        "dpcoord.register",
+        "$SRV.PING",
+    ):
         assert f'permissions violation for publish to "{forbidden.lower()}"' in await client.refused(forbidden)
     assert coordinator.state is CoordinatorState.RUNNING
 
@@ -222,7 +237,9 @@ async def test_only_coordinators_reach_the_control_state(secured: Any, connect: 
             assert f'permissions violation for publish to "{forbidden.lower()}"' in await connection.refused(forbidden)
     coordinator_user = await connect(url, "coordinator", auth.passwords["coordinator"])
     for forbidden in ("$KV.other_control.other", "$JS.API.STREAM.DELETE.KV_dpcoord_control"):
-        assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(forbidden)
+        assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(
+            forbidden
+        )
     assert coordinator.state is CoordinatorState.RUNNING and coordinator.shared.revision == 1
 
 

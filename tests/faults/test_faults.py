@@ -53,15 +53,25 @@ def private_nats() -> AsyncIterator[EmbeddedNatsServer]:
 
 
 def fault_settings(server: EmbeddedNatsServer, **overrides: object) -> Settings:
-    values: dict[str, object] = {"heartbeat_interval_s": 0.3, "heartbeat_timeout_s": 1.5, "request_timeout_s": 15.0,
-                                 "reconnect_grace_s": 1.0, "control_timeout_s": 3.0}
+    values: dict[str, object] = {
+        "heartbeat_interval_s": 0.3,
+        "heartbeat_timeout_s": 1.5,
+        "request_timeout_s": 15.0,
+        "reconnect_grace_s": 1.0,
+        "control_timeout_s": 3.0,
+    }
     return make_settings(server.url, **{**values, **overrides})
 
 
 def engine_process(settings: Settings) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, DPCOORD_NATS_URL=settings.nats_url, DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
-               DPCOORD_HEARTBEAT_INTERVAL_S=str(settings.heartbeat_interval_s),
-               DPCOORD_HEARTBEAT_TIMEOUT_S=str(settings.heartbeat_timeout_s), DPCOORD_LOG_LEVEL="WARNING")
+    env = dict(
+        os.environ,
+        DPCOORD_NATS_URL=settings.nats_url,
+        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
+        DPCOORD_HEARTBEAT_INTERVAL_S=str(settings.heartbeat_interval_s),
+        DPCOORD_HEARTBEAT_TIMEOUT_S=str(settings.heartbeat_timeout_s),
+        DPCOORD_LOG_LEVEL="WARNING",
+    )
     command = [sys.executable, "-m", "service", "engine", "--backend", "echo", "--token-delay-ms", "5"]
     return subprocess.Popen(command, env=env, cwd=REPO_ROOT)
 
@@ -112,8 +122,12 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
                 for index, body in list(outstanding.items()):
                     await client.publish(submit_subject, body, reply=f"_INBOX.fault.{index}")
 
-            client = await nats.connect(settings.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                                        reconnected_cb=resubmit_outstanding)
+            client = await nats.connect(
+                settings.nats_url,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.2,
+                reconnected_cb=resubmit_outstanding,
+            )
             submit_subject = f"{settings.subject_prefix}.submit_request"
             replies: dict[int, list[Msg]] = defaultdict(list)
             done: dict[int, asyncio.Event] = {i: asyncio.Event() for i in range(REQUESTS)}
@@ -151,8 +165,13 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
                         kill_now.set()
                     if index == REQUESTS // 2:
                         restart_now.set()
-                    body = {"prompt": f"request {index}", "stream": streamed[index], "client_id": "raw-client",
-                            "client_request_id": index, "sampling_params": {"max_tokens": 4 + index % 9}}
+                    body = {
+                        "prompt": f"request {index}",
+                        "stream": streamed[index],
+                        "client_id": "raw-client",
+                        "client_request_id": index,
+                        "sampling_params": {"max_tokens": 4 + index % 9},
+                    }
                     outstanding[index] = json.dumps(body).encode()
                     await client.publish(submit_subject, outstanding[index], reply=f"_INBOX.fault.{index}")
                     try:
@@ -184,9 +203,14 @@ async def test_wire_clients_get_exactly_one_terminal_reply_through_faults(privat
                 else:
                     outcomes[terminals[0]["type"]] += 1
                     outcomes["repeated"] += len(terminals) - 1
-            counts = {"submitted": REQUESTS, "final": outcomes["final"], "error": outcomes["error"],
-                      "lost": outcomes["lost"], "conflicting": outcomes["conflicting"],
-                      "repeated (answers to own resubmissions)": outcomes["repeated"]}
+            counts = {
+                "submitted": REQUESTS,
+                "final": outcomes["final"],
+                "error": outcomes["error"],
+                "lost": outcomes["lost"],
+                "conflicting": outcomes["conflicting"],
+                "repeated (answers to own resubmissions)": outcomes["repeated"],
+            }
             print_counts("wire-level clients, engine SIGKILL + NATS restart + garbage", counts)
             print_counts("coordinator counters", dict(sorted(coordinator.counters.items())))
             assert outcomes["lost"] == 0 and outcomes["conflicting"] == 0
@@ -241,8 +265,11 @@ async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: 
                             final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
                             outcomes["final" if final.generated_text else "empty"] += 1
                             return
-                        finals = [reply async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
-                                  if reply.__class__.__name__ == "Final"]
+                        finals = [
+                            reply
+                            async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
+                            if reply.__class__.__name__ == "Final"
+                        ]
                         outcomes["final" if len(finals) == 1 else "duplicated"] += 1
                     except ClientError as exc:
                         outcomes[f"error_{exc.code}"] += 1
@@ -256,9 +283,17 @@ async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: 
             await asyncio.gather(restart(), *(one(i) for i in range(REQUESTS)))
         run_twice = sum(1 for count in runs.values() if count > 1)
         errors = sum(count for key, count in outcomes.items() if key.startswith("error"))
-        print_counts("client library, NATS restart mid-load", {
-            "submitted": REQUESTS, "final": outcomes["final"], "error": errors, "lost": outcomes["lost"],
-            "duplicated": outcomes["duplicated"], "run twice": run_twice})
+        print_counts(
+            "client library, NATS restart mid-load",
+            {
+                "submitted": REQUESTS,
+                "final": outcomes["final"],
+                "error": errors,
+                "lost": outcomes["lost"],
+                "duplicated": outcomes["duplicated"],
+                "run twice": run_twice,
+            },
+        )
         print_counts("coordinator counters", dict(sorted(coordinator.counters.items())))
         for engine in engines:
             await engine.stop()
@@ -297,8 +332,11 @@ async def test_three_replicas_lose_nothing_through_an_engine_kill_and_a_nats_res
                             final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
                             outcomes["final" if final.generated_text else "empty"] += 1
                             return
-                        finals = [reply async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
-                                  if reply.__class__.__name__ == "Final"]
+                        finals = [
+                            reply
+                            async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
+                            if reply.__class__.__name__ == "Final"
+                        ]
                         outcomes["final" if len(finals) == 1 else "duplicated"] += 1
                     except ClientError as exc:
                         outcomes[f"error_{exc.code}"] += 1
@@ -323,9 +361,17 @@ async def test_three_replicas_lose_nothing_through_an_engine_kill_and_a_nats_res
             for status in (await replicas.statuses()).values():
                 counters.update(status["counters"])
         errors = {key: count for key, count in outcomes.items() if key.startswith("error")}
-        print_counts("three replicas, client library, engine SIGKILL + NATS restart", {
-            "replicas": 3, "submitted": requests, "final": outcomes["final"], "error": sum(errors.values()),
-            "lost": outcomes["lost"], "duplicated": outcomes["duplicated"]})
+        print_counts(
+            "three replicas, client library, engine SIGKILL + NATS restart",
+            {
+                "replicas": 3,
+                "submitted": requests,
+                "final": outcomes["final"],
+                "error": sum(errors.values()),
+                "lost": outcomes["lost"],
+                "duplicated": outcomes["duplicated"],
+            },
+        )
         print_counts("replica counters, summed", dict(sorted(counters.items())))
         assert outcomes["lost"] == 0 and outcomes["duplicated"] == 0 and outcomes["empty"] == 0
         assert outcomes["final"] + sum(errors.values()) == requests

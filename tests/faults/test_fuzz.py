@@ -26,12 +26,35 @@ from tests.conftest import make_settings
 from tests.helpers import decode_reply
 
 T = TypeVar("T")
-FIELD_NAMES = ["prompt", "sampling_params", "stream", "client_request_id", "client_id", "reply_to", "request_id",
-               "epoch", "engine_id", "replies", "load", "capacity", "max_tokens", "temperature", "top_p", "route", "body"]
+FIELD_NAMES = [
+    "prompt",
+    "sampling_params",
+    "stream",
+    "client_request_id",
+    "client_id",
+    "reply_to",
+    "request_id",
+    "epoch",
+    "engine_id",
+    "replies",
+    "load",
+    "capacity",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "route",
+    "body",
+]
 REPLY_TYPES = {"partial", "final", "error", "ack", "connect_ack", "models"}
 
-scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20)
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+scalars = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 maps = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=10), values, max_size=6)
 bodies = st.binary(max_size=256) | maps.map(lambda m: json.dumps(m).encode()) | maps.map(lambda m: msgpack.packb(m))
 
@@ -89,7 +112,9 @@ class FuzzTarget:
             await client.request(f"{prefix}.unpause", b"{}", timeout=10)
         if not any(engine.registered.is_set() and not engine._stop_requested.is_set() for engine in self.engines):
             await self.add_engine()
-        msg = await client.request(f"{prefix}.submit_request", b'{"prompt": "alive?", "sampling_params": {"max_tokens": 6}}', timeout=10)
+        msg = await client.request(
+            f"{prefix}.submit_request", b'{"prompt": "alive?", "sampling_params": {"max_tokens": 6}}', timeout=10
+        )
         return decode_reply(msg.data)
 
     async def stop(self) -> None:
@@ -139,4 +164,6 @@ def test_garbage_on_every_subject_never_breaks_the_service(target: tuple[LoopThr
     for data in filter(None, fuzz_target.replies):
         decoded = decode_reply(data)
         register_ack, engine_ack = {"coordinator_id", "state"}, {"engine_id", "signal", "ok"}
-        assert decoded.get("type") in REPLY_TYPES or register_ack <= decoded.keys() or engine_ack <= decoded.keys(), data
+        assert decoded.get("type") in REPLY_TYPES or register_ack <= decoded.keys() or engine_ack <= decoded.keys(), (
+            data
+        )

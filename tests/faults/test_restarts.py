@@ -59,11 +59,15 @@ async def test_answers_computed_by_engines_reach_clients_after_coordinator_resta
         assert replies[-1]["generated_text"] == ("survive" * 6)[:40]
         assert second.counters["orphans_delivered"] >= 1
         await second.wait_for_engines(1)
-        final = decode_reply((await nc.request(second.subjects.coordinator("submit_request"), b'{"prompt": "new"}', timeout=10)).data)
+        final = decode_reply(
+            (await nc.request(second.subjects.coordinator("submit_request"), b'{"prompt": "new"}', timeout=10)).data
+        )
         assert final["type"] == "final"
 
 
-async def test_two_live_replicas_deliver_each_reply_once(settings: Settings, slow_engine: EngineRuntime, nc: NATS) -> None:
+async def test_two_live_replicas_deliver_each_reply_once(
+    settings: Settings, slow_engine: EngineRuntime, nc: NATS
+) -> None:
     async with Coordinator(settings, HANDLERS) as first, Coordinator(settings, HANDLERS) as second:
         await first.wait_for_engines(1)
         await second.wait_for_engines(1)
@@ -108,7 +112,9 @@ def test_sigkilled_engine_is_detected_within_the_heartbeat_timeout(nats_url: str
     async def scenario() -> float:
         async with Coordinator(settings, HANDLERS) as coordinator:
             env = dict(os.environ, DPCOORD_NATS_URL=nats_url, DPCOORD_SUBJECT_PREFIX=settings.subject_prefix)
-            engine = subprocess.Popen([sys.executable, "-m", "service", "engine", "--backend", "echo"], env=env, cwd=REPO_ROOT)
+            engine = subprocess.Popen(
+                [sys.executable, "-m", "service", "engine", "--backend", "echo"], env=env, cwd=REPO_ROOT
+            )
             try:
                 await coordinator.wait_for_engines(1, timeout_s=30)
                 engine.send_signal(signal.SIGKILL)

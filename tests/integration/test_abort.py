@@ -33,7 +33,9 @@ async def test_abort_by_client_request_id(coordinator: Coordinator, start_engine
     body = {"prompt": "abc", "client_id": "alice", "client_request_id": "q1", "sampling_params": {"max_tokens": 10_000}}
     sub, first = await start_stream(nc, coordinator, body)
     assert first["type"] == "partial"
-    ack = await request_json(nc, subject(coordinator, "abort_request"), {"client_id": "alice", "client_request_id": "q1"})
+    ack = await request_json(
+        nc, subject(coordinator, "abort_request"), {"client_id": "alice", "client_request_id": "q1"}
+    )
     assert ack == {"type": "ack", "signal": "abort_request", "request_id": first["request_id"]}
     final = (await rest_of_stream(sub))[-1]
     assert final["type"] == "final" and final["finish_reason"] == "abort" and final["client_request_id"] == "q1"
@@ -51,8 +53,12 @@ async def test_abort_by_request_id(coordinator: Coordinator, start_engines: Engi
 
 async def test_client_ids_are_namespaces(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
     await start_engines(1, token_delay_ms=20)
-    sub, _ = await start_stream(nc, coordinator, {"prompt": "x", "client_request_id": 1, "sampling_params": {"max_tokens": 10_000}})
-    wrong_client = await request_json(nc, subject(coordinator, "abort_request"), {"client_id": "bob", "client_request_id": 1})
+    sub, _ = await start_stream(
+        nc, coordinator, {"prompt": "x", "client_request_id": 1, "sampling_params": {"max_tokens": 10_000}}
+    )
+    wrong_client = await request_json(
+        nc, subject(coordinator, "abort_request"), {"client_id": "bob", "client_request_id": 1}
+    )
     assert wrong_client["error"]["code"] == 404
     anonymous = await request_json(nc, subject(coordinator, "abort_request"), {"client_request_id": 1})
     assert anonymous["type"] == "ack"
@@ -64,7 +70,9 @@ async def test_abort_of_held_request(coordinator: Coordinator, start_engines: En
     await request_json(nc, subject(coordinator, "pause"), {})
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(subject(coordinator, "submit_request"), b'{"prompt": "held", "client_request_id": "h"}', reply=inbox)
+    await nc.publish(
+        subject(coordinator, "submit_request"), b'{"prompt": "held", "client_request_id": "h"}', reply=inbox
+    )
     ack = await request_json(nc, subject(coordinator, "abort_request"), {"client_request_id": "h"})
     assert ack["type"] == "ack"
     final = decode_reply((await sub.next_msg(timeout=5)).data)

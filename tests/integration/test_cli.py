@@ -87,7 +87,9 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
     env["DPCOORD_BACKEND"] = "echo"
     env["DPCOORD_SUBJECT_PREFIX"] = "clitest"
     log = (tmp_path / "up.log").open("w")
-    stack = subprocess.Popen(DPCOORD + ["up", "--engines", "2"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    stack = subprocess.Popen(
+        DPCOORD + ["up", "--engines", "2"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True
+    )
     try:
         assert stack.stdout is not None
         lines = read_up_banner(stack.stdout)
@@ -103,7 +105,14 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         printed = next(line.removeprefix("Submit: ") for line in lines if line.startswith("Submit: "))
         assert not printed.startswith("dpcoord ")
         as_printed = subprocess.run(
-            printed, shell=True, env=new_shell_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=False
+            printed,
+            shell=True,
+            env=new_shell_env(env),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
         assert as_printed.returncode == 0, as_printed.stderr
         assert json.loads(as_printed.stdout.splitlines()[-1])["generated_text"].startswith("Hello")
@@ -118,7 +127,9 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
 
         # The banner's curl line, as a user pastes it.
         curl = shlex.split(next(line for line in lines if line.strip().startswith("curl ")))
-        request = urllib.request.Request(curl[1], data=curl[curl.index("-d") + 1].encode(), headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            curl[1], data=curl[curl.index("-d") + 1].encode(), headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=10) as response:
             completion = json.loads(response.read())
         assert completion["model"] == "dpcoord-echo" and completion["choices"][0]["text"] == "HelloHelloHelloH"

@@ -14,7 +14,9 @@ from service.protocol.messages import Final, Partial
 from tests.conftest import EngineFactory
 
 
-async def test_submit_stream_abort_and_control(settings: Settings, coordinator: Coordinator, start_engines: EngineFactory) -> None:
+async def test_submit_stream_abort_and_control(
+    settings: Settings, coordinator: Coordinator, start_engines: EngineFactory
+) -> None:
     await start_engines(2, token_delay_ms=10)
     async with await DpcoordClient.connect(settings, client_id="tester") as client:
         assert client.client_id == "tester" and client.coordinator_id == coordinator.id

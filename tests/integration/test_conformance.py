@@ -33,8 +33,12 @@ def settings(nats_url: str, request: pytest.FixtureRequest) -> Settings:
 @pytest.fixture
 async def fleet(coordinator: Coordinator, nc: NATS) -> AsyncIterator[DocEngineFleet]:
     fleet = DocEngineFleet(
-        nc, coordinator.subjects.prefix, ENGINE_IDS, capacity=8,
-        heartbeat_interval_s=coordinator.settings.heartbeat_interval_s, token_delay_s=0.01,
+        nc,
+        coordinator.subjects.prefix,
+        ENGINE_IDS,
+        capacity=8,
+        heartbeat_interval_s=coordinator.settings.heartbeat_interval_s,
+        token_delay_s=0.01,
     )
     await fleet.start()
     await fleet.register()
@@ -112,14 +116,18 @@ async def test_control_signals_are_confirmed_by_every_engine(
 ) -> None:
     control = coordinator.subjects.coordinator
     assert (await request_json(nc, control("pause"), {}))["state"] == "paused"
-    held = asyncio.ensure_future(request_json(nc, submit_subject(coordinator), {"prompt": "later", "sampling_params": {"max_tokens": 1}}))
+    held = asyncio.ensure_future(
+        request_json(nc, submit_subject(coordinator), {"prompt": "later", "sampling_params": {"max_tokens": 1}})
+    )
     ack = await request_json(nc, control("set_generation_epoch"), {"epoch": 5})
     assert ack["epoch"] == 5
     assert not held.done()
     assert (await request_json(nc, control("unpause"), {}))["state"] == "running"
     assert (await held)["generated_text"] == "l"
     confirmed = {(engine_id, signal) for engine_id, signal, _ in fleet.signals}
-    assert confirmed == {(engine_id, signal) for engine_id in ENGINE_IDS for signal in ("pause", "set_generation_epoch", "unpause")}
+    assert confirmed == {
+        (engine_id, signal) for engine_id in ENGINE_IDS for signal in ("pause", "set_generation_epoch", "unpause")
+    }
     # `{epoch?, revision?}`: the epoch as sent, and the control state's revision where replicas share one.
     assert all(payload["epoch"] == 5 for _, signal, payload in fleet.signals if signal == "set_generation_epoch")
 
@@ -128,7 +136,9 @@ async def test_stop_fails_in_flight_requests(coordinator: Coordinator, fleet: Do
     control = coordinator.subjects.coordinator
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(submit_subject(coordinator), b'{"prompt": "y", "sampling_params": {"max_tokens": 100000}}', reply=inbox)
+    await nc.publish(
+        submit_subject(coordinator), b'{"prompt": "y", "sampling_params": {"max_tokens": 100000}}', reply=inbox
+    )
     assert (await request_json(nc, control("pause"), {}))["type"] == "ack"
     ack = await request_json(nc, control("stop"), {})
     assert (ack["type"], ack["state"]) == ("ack", "stopping")

@@ -34,7 +34,11 @@ async def test_paused_submissions_are_held_then_served_after_unpause(
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     for i in range(5):
-        await nc.publish(subject(coordinator, "submit_request"), json.dumps({"prompt": f"p{i}", "client_request_id": i}).encode(), reply=inbox)
+        await nc.publish(
+            subject(coordinator, "submit_request"),
+            json.dumps({"prompt": f"p{i}", "client_request_id": i}).encode(),
+            reply=inbox,
+        )
     await barrier(nc, coordinator)
     assert sub.pending_msgs == 0
     assert len(coordinator.requests) == 5 and all(engine.load == 0 for engine in engines)
@@ -45,7 +49,9 @@ async def test_paused_submissions_are_held_then_served_after_unpause(
     assert all(final["type"] == "final" for final in finals)
 
 
-async def test_suspend_and_resume_hold_submissions(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_suspend_and_resume_hold_submissions(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     for signal, state in [("pause", "paused"), ("suspend", "suspended")]:
         assert (await request_json(nc, subject(coordinator, signal), {}))["state"] == state
@@ -58,7 +64,9 @@ async def test_suspend_and_resume_hold_submissions(coordinator: Coordinator, sta
     assert decode_reply((await sub.next_msg(timeout=5)).data)["generated_text"].startswith("held")
 
 
-async def test_engine_joining_while_paused_starts_paused(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_engine_joining_while_paused_starts_paused(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await request_json(nc, subject(coordinator, "pause"), {})
     [engine] = await start_engines(1)
     assert engine.paused
@@ -70,7 +78,9 @@ async def test_generation_epoch_is_recorded_in_final_replies(
     await start_engines(1)
     ack = await request_json(nc, subject(coordinator, "set_generation_epoch"), {"epoch": 7})
     assert ack == {"type": "ack", "signal": "set_generation_epoch", "state": "running", "epoch": 7, "revision": 2}
-    final = await request_json(nc, subject(coordinator, "submit_request"), {"prompt": "e", "sampling_params": {"max_tokens": 3}})
+    final = await request_json(
+        nc, subject(coordinator, "submit_request"), {"prompt": "e", "sampling_params": {"max_tokens": 3}}
+    )
     assert final["epochs"] == [{"epoch": 7, "start": 0, "end": 3}]
     missing = await request_json(nc, subject(coordinator, "set_generation_epoch"), {})
     assert missing["error"]["code"] == 400
@@ -78,7 +88,9 @@ async def test_generation_epoch_is_recorded_in_final_replies(
     assert wrong["error"]["code"] == 400
 
 
-async def test_epoch_change_mid_request_splits_spans(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_epoch_change_mid_request_splits_spans(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1, token_delay_ms=20)
     await request_json(nc, subject(coordinator, "set_generation_epoch"), {"epoch": 1})
     inbox = nc.new_inbox()
@@ -105,7 +117,9 @@ async def test_profiler_signals_are_acked_by_every_engine(
         assert set(ack["engines"]) == {engine.engine_id for engine in engines}
 
 
-async def test_control_in_msgpack_is_answered_in_msgpack(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_control_in_msgpack_is_answered_in_msgpack(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     msg = await nc.request(subject(coordinator, "pause"), msgpack.packb({}), timeout=5)
     assert msgpack.unpackb(msg.data) == {"type": "ack", "signal": "pause", "state": "paused", "revision": 2}
@@ -130,7 +144,9 @@ async def test_stop_fails_in_flight_requests_and_engines_exit(
     assert terminal["type"] == "error" and terminal["error"]["code"] == 503
     assert (await request_json(nc, subject(coordinator, "submit_request"), {"prompt": "x"}))["error"]["code"] == 503
     [fresh] = await start_engines(1)
-    assert (await request_json(nc, subject(coordinator, "submit_request"), {"prompt": "x"}))["engine_id"] == fresh.engine_id
+    assert (await request_json(nc, subject(coordinator, "submit_request"), {"prompt": "x"}))[
+        "engine_id"
+    ] == fresh.engine_id
 
 
 async def test_unconfirmed_signal_gets_504_naming_the_engine_and_state_stands(
@@ -145,7 +161,9 @@ async def test_unconfirmed_signal_gets_504_naming_the_engine_and_state_stands(
     assert coordinator.state is CoordinatorState.PAUSED
 
 
-async def test_shutdown_acks_and_fails_open_requests(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_shutdown_acks_and_fails_open_requests(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     await request_json(nc, subject(coordinator, "pause"), {})
     inbox = nc.new_inbox()
@@ -160,7 +178,9 @@ async def test_shutdown_acks_and_fails_open_requests(coordinator: Coordinator, s
     assert decode_reply(messages[0].data)["error"]["code"] == 503 and messages[1].data == b""
 
 
-async def test_control_ack_json_stream_of_replies(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_control_ack_json_stream_of_replies(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     """A control reply is a single message, never followed by an empty one."""
     await start_engines(1)
     inbox = nc.new_inbox()

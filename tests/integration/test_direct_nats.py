@@ -26,7 +26,14 @@ async def direct(nats_url: str) -> AsyncIterator[DirectClient]:
 
 
 def test_nats_py_still_has_the_hook_and_the_sid() -> None:
-    assert list(inspect.signature(NATS._process_msg).parameters) == ["self", "sid", "subject", "reply", "data", "headers"]
+    assert list(inspect.signature(NATS._process_msg).parameters) == [
+        "self",
+        "sid",
+        "subject",
+        "reply",
+        "data",
+        "headers",
+    ]
     assert "self._id = id" in inspect.getsource(Subscription.__init__)
 
 
@@ -95,7 +102,9 @@ async def test_unsubscribed_direct_handler_hears_nothing_more(direct: DirectClie
     assert heard == [b"before"]
 
 
-async def test_ordinary_subscriptions_on_a_direct_client_behave_as_in_nats_py(direct: DirectClient, nats_url: str) -> None:
+async def test_ordinary_subscriptions_on_a_direct_client_behave_as_in_nats_py(
+    direct: DirectClient, nats_url: str
+) -> None:
     async def handler(subject: str, reply: str, body: bytes) -> None:
         await direct.publish(reply, b"direct:" + body)
 

@@ -39,16 +39,30 @@ def sdk(served: Served, api_key: str = "unused") -> openai.AsyncOpenAI:
 
 @pytest.mark.parametrize(
     ("code", "status", "kind"),
-    [(400, 400, "invalid_request_error"), (403, 403, "permission_error"), (404, 404, "not_found_error"),
-     (409, 409, "conflict_error"), (413, 413, "invalid_request_error"), (429, 429, "rate_limit_error"),
-     (500, 500, "internal_error"), (503, 503, "service_unavailable"), (504, 504, "timeout_error"),
-     (418, 500, "internal_error")],
+    [
+        (400, 400, "invalid_request_error"),
+        (403, 403, "permission_error"),
+        (404, 404, "not_found_error"),
+        (409, 409, "conflict_error"),
+        (413, 413, "invalid_request_error"),
+        (429, 429, "rate_limit_error"),
+        (500, 500, "internal_error"),
+        (503, 503, "service_unavailable"),
+        (504, 504, "timeout_error"),
+        (418, 500, "internal_error"),
+    ],
 )
 def test_wire_codes_map_to_http_statuses(code: int, status: int, kind: str) -> None:
     err = from_wire(code, "something")
     assert (err.status, err.type) == (status, kind)
-    assert json.loads(err.body()) == {"error": {"message": "something", "type": kind, "param": None,
-                                                "code": "payload_too_large" if code == 413 else None}}
+    assert json.loads(err.body()) == {
+        "error": {
+            "message": "something",
+            "type": kind,
+            "param": None,
+            "code": "payload_too_large" if code == 413 else None,
+        }
+    }
     assert err.headers() == ({"Retry-After": "1"} if status == 429 else {})
 
 
@@ -101,7 +115,9 @@ async def test_unknown_model_is_404_and_no_engine_is_503(
         await client.completions.create(model="gpt-4", prompt="Hi")
     assert unknown.value.body == {  # type: ignore[comparison-overlap]
         "message": "model 'gpt-4' is not served by any engine (served: dpcoord-echo)",
-        "type": "not_found_error", "param": "model", "code": "model_not_found",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
     }
     with pytest.raises(openai.BadRequestError) as missing:
         await client.completions.create(model="", prompt="Hi")
@@ -199,8 +215,10 @@ async def test_a_stream_whose_client_hangs_up_is_aborted_at_the_engine(
     [engine] = await start_engines(1, token_delay_ms=20)
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     body = json.dumps({"model": ECHO, "prompt": "Hi", "max_tokens": 100_000, "stream": True}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     received = b""
     while received.count(b"data: ") < 3:
         received += await reader.read(4096)
@@ -218,8 +236,10 @@ async def test_a_request_whose_client_hangs_up_is_aborted_at_the_engine(
     [engine] = await start_engines(1, token_delay_ms=20)
     _, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     body = json.dumps({"model": ECHO, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100_000}).encode()
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     await wait_until(lambda: engine.load == 1)
     writer.close()
     await wait_until(lambda: engine.load == 0 and len(coordinator.requests) == 0)
@@ -231,7 +251,12 @@ async def test_an_error_after_the_stream_began_is_an_event_then_done(
     """The engine stops (control ``stop``) mid-stream: its 503 arrives as a data event, then [DONE]."""
     [engine] = await start_engines(1, token_delay_ms=20)
     stream = asyncio.ensure_future(
-        http(gateway.port, "POST", "/v1/completions", {"model": ECHO, "prompt": "Hi", "max_tokens": 100_000, "stream": True})
+        http(
+            gateway.port,
+            "POST",
+            "/v1/completions",
+            {"model": ECHO, "prompt": "Hi", "max_tokens": 100_000, "stream": True},
+        )
     )
     await wait_until(lambda: engine.load == 1)
     async with await DpcoordClient.connect(coordinator.settings) as admin:

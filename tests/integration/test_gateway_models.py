@@ -42,7 +42,8 @@ class RecordingEcho(EchoBackend):
 async def two_models(settings: Settings, coordinator: Coordinator) -> AsyncIterator[dict[str, RecordingEcho]]:
     backends = {"alpha": RecordingEcho(), "beta": RecordingEcho()}
     engines = [
-        EngineRuntime(settings.model_copy(update={"served_model_name": name}), backend) for name, backend in backends.items()
+        EngineRuntime(settings.model_copy(update={"served_model_name": name}), backend)
+        for name, backend in backends.items()
     ]
     for engine in engines:
         await engine.start()
@@ -58,10 +59,13 @@ async def test_two_models_are_routed_apart_through_the_gateway(
     async with serve_gateway(settings) as served:
         client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
         assert sorted(model.id for model in (await client.models.list()).data) == ["alpha", "beta"]
-        completions = await asyncio.gather(*(
-            client.completions.create(model=model, prompt=f"{model}-{i}", max_tokens=1)
-            for i in range(10) for model in ("alpha", "beta")
-        ))
+        completions = await asyncio.gather(
+            *(
+                client.completions.create(model=model, prompt=f"{model}-{i}", max_tokens=1)
+                for i in range(10)
+                for model in ("alpha", "beta")
+            )
+        )
         assert all(completion.model in ("alpha", "beta") for completion in completions)
         await client.close()
     for model, backend in two_models.items():
@@ -74,7 +78,10 @@ async def test_the_coordinator_lists_models_and_refuses_unknown_ones(
 ) -> None:
     async with await DpcoordClient.connect(settings, nc=nc) as client:
         listing = await client.list_models()
-        assert [(m.name, m.engines, m.capacity, m.in_flight) for m in listing.models] == [("alpha", 1, 256, 0), ("beta", 1, 256, 0)]
+        assert [(m.name, m.engines, m.capacity, m.in_flight) for m in listing.models] == [
+            ("alpha", 1, 256, 0),
+            ("beta", 1, 256, 0),
+        ]
         final = await client.submit(messages=[ChatMessage("user", "Hi")], model="beta", max_tokens=4)
         assert final.generated_text == "user" and final.prompt_tokens == len(b"user: Hi\nassistant:")
         assert two_models["beta"].prompts == ["user: Hi\nassistant:"] and two_models["alpha"].prompts == []
@@ -83,14 +90,20 @@ async def test_the_coordinator_lists_models_and_refuses_unknown_ones(
             await client.submit("Hi", model="gamma")
         assert unknown.value.code == 404 and "served: alpha, beta" in unknown.value.message
     subject = coordinator.subjects.coordinator("submit_request")
-    reply = await request_json(nc, subject, {"messages": [{"role": "user", "content": "Yo"}], "model": "alpha",
-                                             "sampling_params": {"max_tokens": 3}})
+    reply = await request_json(
+        nc,
+        subject,
+        {"messages": [{"role": "user", "content": "Yo"}], "model": "alpha", "sampling_params": {"max_tokens": 3}},
+    )
     assert (reply["type"], reply["generated_text"], reply["prompt_tokens"]) == ("final", "use", 19)
     models = await request_json(nc, coordinator.subjects.coordinator("list_models"), {})
-    assert models == {"type": "models", "models": [
-        {"name": "alpha", "engines": 1, "capacity": 256, "in_flight": 0},
-        {"name": "beta", "engines": 1, "capacity": 256, "in_flight": 0},
-    ]}
+    assert models == {
+        "type": "models",
+        "models": [
+            {"name": "alpha", "engines": 1, "capacity": 256, "in_flight": 0},
+            {"name": "beta", "engines": 1, "capacity": 256, "in_flight": 0},
+        ],
+    }
 
 
 async def test_a_new_replica_learns_model_names_from_heartbeats(
@@ -132,14 +145,22 @@ async def test_200_concurrent_streams_each_end_with_one_done(
     await start_engines(2)
     async with serve_gateway(settings) as served:
         bodies = [
-            {"model": "dpcoord-echo", "prompt": f"s{i}", "max_tokens": 8, "stream": True} if i % 2 else
-            {"model": "dpcoord-echo", "messages": [{"role": "user", "content": f"s{i}"}], "max_tokens": 8, "stream": True}
+            {"model": "dpcoord-echo", "prompt": f"s{i}", "max_tokens": 8, "stream": True}
+            if i % 2
+            else {
+                "model": "dpcoord-echo",
+                "messages": [{"role": "user", "content": f"s{i}"}],
+                "max_tokens": 8,
+                "stream": True,
+            }
             for i in range(200)
         ]
-        responses = await asyncio.gather(*(
-            http(served.port, "POST", "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
-            for body in bodies
-        ))
+        responses = await asyncio.gather(
+            *(
+                http(served.port, "POST", "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
+                for body in bodies
+            )
+        )
     for response in responses:
         events = sse_data(response.body)
         assert response.status == 200 and events.count("[DONE]") == 1 and events[-1] == "[DONE]"

@@ -51,15 +51,24 @@ async def test_sync_completion_with_usage(start_engines: EngineFactory, gateway:
     [choice] = completion.choices
     assert (choice.index, choice.text, choice.finish_reason) == (0, "HelloHe", "length")
     assert completion.usage is not None
-    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (5, 7, 12)
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (
+        5,
+        7,
+        12,
+    )
 
 
-async def test_async_completion_of_several_prompts_and_n(start_engines: EngineFactory, aclient: openai.AsyncOpenAI) -> None:
+async def test_async_completion_of_several_prompts_and_n(
+    start_engines: EngineFactory, aclient: openai.AsyncOpenAI
+) -> None:
     """Choice ``i * n + j`` is sample ``j`` of prompt ``i``; token-id prompts are used as they are."""
     await start_engines(2)
     completion = await aclient.completions.create(model=ECHO, prompt=["ab", "xyz"], n=2, max_tokens=3, stop=["z"])
     assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [
-        (0, "aba", "length"), (1, "aba", "length"), (2, "xyz", "stop"), (3, "xyz", "stop"),
+        (0, "aba", "length"),
+        (1, "aba", "length"),
+        (2, "xyz", "stop"),
+        (3, "xyz", "stop"),
     ]
     assert completion.usage is not None and completion.usage.prompt_tokens == 2 * 2 + 3 * 2
     by_ids = await aclient.completions.create(model=ECHO, prompt=[104, 105], max_tokens=3)
@@ -87,8 +96,12 @@ async def test_sync_chat_renders_the_plain_fallback(start_engines: EngineFactory
     def create() -> openai.types.chat.ChatCompletion:
         with openai.OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0) as client:
             return client.chat.completions.create(
-                model=ECHO, max_completion_tokens=len(prompt),
-                messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                model=ECHO,
+                max_completion_tokens=len(prompt),
+                messages=[
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                ],
             )
 
     chat = await asyncio.to_thread(create)
@@ -101,7 +114,10 @@ async def test_sync_chat_renders_the_plain_fallback(start_engines: EngineFactory
 async def test_async_streamed_chat(start_engines: EngineFactory, aclient: openai.AsyncOpenAI) -> None:
     await start_engines(1)
     stream = await aclient.chat.completions.create(
-        model=ECHO, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, stream=True,
+        model=ECHO,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        stream=True,
     )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
@@ -111,25 +127,40 @@ async def test_async_streamed_chat(start_engines: EngineFactory, aclient: openai
 
 async def test_async_chat_with_n(start_engines: EngineFactory, aclient: openai.AsyncOpenAI) -> None:
     await start_engines(2)
-    chat = await aclient.chat.completions.create(model=ECHO, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, n=3)
+    chat = await aclient.chat.completions.create(
+        model=ECHO, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, n=3
+    )
     assert [(c.index, c.message.content) for c in chat.choices] == [(0, "us"), (1, "us"), (2, "us")]
     assert chat.usage is not None and chat.usage.completion_tokens == 6
 
 
-async def test_the_torch_engine_through_the_sdk(settings: Settings, coordinator: Coordinator, aclient: openai.AsyncOpenAI) -> None:
+async def test_the_torch_engine_through_the_sdk(
+    settings: Settings, coordinator: Coordinator, aclient: openai.AsyncOpenAI
+) -> None:
     """The torch engine's random default model (tiny, on CPU) behind the gateway: a completion and a chat stream."""
     pytest.importorskip("torch")
     from engines.factory import make_backend
 
-    engine_settings = settings.model_copy(update={"backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005})
+    engine_settings = settings.model_copy(
+        update={"backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005}
+    )
     async with EngineRuntime(engine_settings, make_backend(engine_settings)) as engine:
         await engine.registered.wait()
         assert [model.id for model in (await aclient.models.list()).data] == ["dpcoord-random"]
-        completion = await aclient.completions.create(model="dpcoord-random", prompt="Hello", max_tokens=6, temperature=0)
+        completion = await aclient.completions.create(
+            model="dpcoord-random", prompt="Hello", max_tokens=6, temperature=0
+        )
         assert completion.choices[0].finish_reason == "length"
-        assert completion.usage is not None and (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (5, 6)
+        assert completion.usage is not None and (
+            completion.usage.prompt_tokens,
+            completion.usage.completion_tokens,
+        ) == (5, 6)
         stream = await aclient.chat.completions.create(
-            model="dpcoord-random", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True,
+            model="dpcoord-random",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = [chunk async for chunk in stream]

@@ -37,7 +37,9 @@ def inner(prompt: object, max_tokens: int = 3, **fields: object) -> bytes:
     return msgpack.packb({"prompt": prompt, "sampling_params": {"max_tokens": max_tokens}, **fields})
 
 
-async def test_envelope_is_routed_and_answered_in_msgpack(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_envelope_is_routed_and_answered_in_msgpack(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     [engine] = await start_engines(1)
     body = envelope(inner([7, 8]), client_request_id="e-1", client_id="lib")
     msg = await nc.request(submit_subject(coordinator), body, timeout=5)
@@ -46,7 +48,9 @@ async def test_envelope_is_routed_and_answered_in_msgpack(coordinator: Coordinat
     assert reply["generated_tokens"] == [7, 8, 7]
 
 
-async def test_streamed_envelope_ends_with_final_then_empty(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_streamed_envelope_ends_with_final_then_empty(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     body = envelope(inner("abcd", max_tokens=4, stream=True), stream=True, client_request_id=3)
     messages = await request_stream(nc, submit_subject(coordinator), body)
@@ -56,7 +60,9 @@ async def test_streamed_envelope_ends_with_final_then_empty(coordinator: Coordin
     assert messages[-1].data == b""
 
 
-async def test_envelope_body_is_validated_by_the_engine(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_envelope_body_is_validated_by_the_engine(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     """The coordinator does not decode an envelope's body: a bad prompt is refused by the
     engine, whose error (unlike a coordinator refusal) carries the request_id it was routed under."""
     await start_engines(1)
@@ -169,15 +175,23 @@ async def test_large_requests_are_split_across_routed_messages(
 
     await nc.subscribe(coordinator.subjects.engine(engine.engine_id, "submit_request"), cb=spy)
     prompt = "p" * (nc.max_payload // 3)
-    results = await asyncio.gather(*(
-        nc.request(submit_subject(coordinator), json.dumps({"prompt": prompt, "sampling_params": {"max_tokens": 1}}).encode(), timeout=10)
-        for _ in range(5)
-    ))
+    results = await asyncio.gather(
+        *(
+            nc.request(
+                submit_subject(coordinator),
+                json.dumps({"prompt": prompt, "sampling_params": {"max_tokens": 1}}).encode(),
+                timeout=10,
+            )
+            for _ in range(5)
+        )
+    )
     assert all(json.loads(msg.data)["type"] == "final" for msg in results)
     assert len(sizes) >= 3 and max(sizes) <= nc.max_payload
 
 
-async def test_request_that_cannot_fit_once_routed_gets_413(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_request_that_cannot_fit_once_routed_gets_413(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     prefix, suffix = b'{"prompt": "', b'"}'
     body = prefix + b"x" * (nc.max_payload - len(prefix) - len(suffix) - 8) + suffix
@@ -200,9 +214,13 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
-    decoded = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, "future", 42]), Encoding.MSGPACK)
+    decoded = _decoder.decode(
+        msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, "future", 42]), Encoding.MSGPACK
+    )
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
-    with_model = _decoder.decode(msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], "future"]), Encoding.MSGPACK)
+    with_model = _decoder.decode(
+        msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], "future"]), Encoding.MSGPACK
+    )
     assert with_model == SubmitEnvelope(1, b"{}", True, 9, "c", model="m", prefix_hashes=[7])
 
 

@@ -60,7 +60,9 @@ async def test_nats_request_bytes(nats_url: str, coordinator: Coordinator, start
     try:
         body = b'{"prompt":"hi","sampling_params":{"max_tokens":2}}'
         await client.send(b"SUB _INBOX.cli1 1")
-        await client.send(b"PUB %s _INBOX.cli1 %d" % (coordinator.subjects.coordinator("submit_request").encode(), len(body)), body)
+        await client.send(
+            b"PUB %s _INBOX.cli1 %d" % (coordinator.subjects.coordinator("submit_request").encode(), len(body)), body
+        )
         reply = json.loads(await client.next_payload())
         assert reply["type"] == "final" and reply["generated_text"] == "hi"
     finally:
@@ -77,7 +79,9 @@ async def test_nats_request_with_header_and_wait_for_empty(
         headers = b"NATS/1.0\r\nTrace-Id: abc\r\n\r\n"
         subject = coordinator.subjects.coordinator("submit_request").encode()
         await client.send(b"SUB _INBOX.cli2 2")
-        await client.send(b"HPUB %s _INBOX.cli2 %d %d" % (subject, len(headers), len(headers) + len(body)), headers + body)
+        await client.send(
+            b"HPUB %s _INBOX.cli2 %d %d" % (subject, len(headers), len(headers) + len(body)), headers + body
+        )
         payloads = []
         while payload := await client.next_payload():
             payloads.append(json.loads(payload))
@@ -86,13 +90,20 @@ async def test_nats_request_with_header_and_wait_for_empty(
         client.close()
 
 
-async def test_nats_request_control_with_empty_body(nats_url: str, coordinator: Coordinator, start_engines: EngineFactory) -> None:
+async def test_nats_request_control_with_empty_body(
+    nats_url: str, coordinator: Coordinator, start_engines: EngineFactory
+) -> None:
     """`nats request dpcoord.pause ''`: an empty body is {} and is answered in JSON."""
     await start_engines(1)
     client = await RawNatsClient.connect(nats_url)
     try:
         await client.send(b"SUB _INBOX.cli3 3")
         await client.send(b"PUB %s _INBOX.cli3 0" % coordinator.subjects.coordinator("pause").encode(), b"")
-        assert json.loads(await client.next_payload()) == {"type": "ack", "signal": "pause", "state": "paused", "revision": 2}
+        assert json.loads(await client.next_payload()) == {
+            "type": "ack",
+            "signal": "pause",
+            "state": "paused",
+            "revision": 2,
+        }
     finally:
         client.close()

@@ -250,7 +250,9 @@ async def test_nats_micro_lists_coordinator_and_engines(
 
         status = await request_json(nc, endpoint["subject"], {})
         assert status["state"] == "running"
-        assert status["engines"] == [{"engine_id": engine.engine_id, "in_flight": 0, "capacity": 256, "model": "dpcoord-echo"}]
+        assert status["engines"] == [
+            {"engine_id": engine.engine_id, "in_flight": 0, "capacity": 256, "model": "dpcoord-echo"}
+        ]
 
         # The service answers on its own subjects; the coordinator keeps serving its own.
         reply = await request_json(nc, coordinator.subjects.coordinator("submit_request"), {"prompt": "ok"})
@@ -280,18 +282,26 @@ async def test_cli_services_serve_probes_on_their_configured_ports(nats_url: str
     settings = make_settings(nats_url)
     ports = {"coordinator": free_port(), "engine": free_port()}
     env = os.environ | {
-        "DPCOORD_NATS_URL": nats_url, "DPCOORD_SUBJECT_PREFIX": settings.subject_prefix, "DPCOORD_HTTP_HOST": "127.0.0.1",
+        "DPCOORD_NATS_URL": nats_url,
+        "DPCOORD_SUBJECT_PREFIX": settings.subject_prefix,
+        "DPCOORD_HTTP_HOST": "127.0.0.1",
     }
     processes = {
         role: await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "service", role, env=env | {"DPCOORD_HTTP_PORT": str(port)},
+            sys.executable,
+            "-m",
+            "service",
+            role,
+            env=env | {"DPCOORD_HTTP_PORT": str(port)},
             stderr=asyncio.subprocess.PIPE,
         )
         for role, port in ports.items()
     }
     try:
         await wait_for_lines(processes["coordinator"], f"health and metrics on http://127.0.0.1:{ports['coordinator']}")
-        await wait_for_lines(processes["engine"], "registered NATS service dpcoord-engine", "registered with coordinator")
+        await wait_for_lines(
+            processes["engine"], "registered NATS service dpcoord-engine", "registered with coordinator"
+        )
         for port in ports.values():
             assert (await http_get(port, HEALTH_PATH))[0] == 200
             assert (await http_get(port, READY_PATH))[0] == 200

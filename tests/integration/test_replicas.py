@@ -68,7 +68,9 @@ async def engines(settings: Settings) -> AsyncIterator[Engines]:
         await engine.stop()
 
 
-async def fleet(replicas: ReplicaSet, engines: Engines, ids: tuple[str, ...] = IDS, count: int = 2) -> list[EngineRuntime]:
+async def fleet(
+    replicas: ReplicaSet, engines: Engines, ids: tuple[str, ...] = IDS, count: int = 2
+) -> list[EngineRuntime]:
     """Replicas ``ids`` and ``count`` engines, once every replica knows every engine."""
     await replicas.start(*ids)
     started = await engines(count)
@@ -106,7 +108,12 @@ async def test_pause_suspend_resume_unpause_cycles(
 ) -> None:
     fleet_engines = await fleet(replicas, engines)
     for _ in range(4):
-        for header, state in (("pause", "paused"), ("suspend", "suspended"), ("resume", "paused"), ("unpause", "running")):
+        for header, state in (
+            ("pause", "paused"),
+            ("suspend", "suspended"),
+            ("resume", "paused"),
+            ("unpause", "running"),
+        ):
             ack = await signal(nc, settings, header)
             assert ack["type"] == "ack" and ack["state"] == state, ack
             await replicas.all_report(STATUS_WITHIN_S, state=state)
@@ -124,7 +131,10 @@ async def test_forbidden_signal_is_refused_by_every_replica(
     refused_before = {coordinator_id: s["counters"].get("error_409", 0) for coordinator_id, s in statuses.items()}
     for _ in range(200):
         reply = await signal(nc, settings, "resume")
-        assert reply["type"] == "error" and reply["error"] == {"code": 409, "message": "resume is not allowed in state paused"}
+        assert reply["type"] == "error" and reply["error"] == {
+            "code": 409,
+            "message": "resume is not allowed in state paused",
+        }
         statuses = await replicas.statuses()
         if all(s["counters"].get("error_409", 0) > refused_before[i] for i, s in statuses.items()):
             break
@@ -147,8 +157,10 @@ async def test_submissions_held_by_every_replica_complete_after_unpause(
             body = {"prompt": f"held {submitted}", "client_request_id": submitted, "sampling_params": {"max_tokens": 3}}
             await nc.publish(f"{settings.subject_prefix}.submit_request", json.dumps(body).encode(), reply=inbox)
             submitted += 1
+        expected = submitted
         statuses = await replicas.wait_for(
-            lambda statuses: sum(s["requests_in_flight"] for s in statuses.values()) == submitted, 5  # noqa: B023
+            lambda statuses, expected=expected: sum(s["requests_in_flight"] for s in statuses.values()) == expected,
+            5,
         )
         if all(s["requests_in_flight"] > 0 for s in statuses.values()) or submitted >= 120:
             break
@@ -171,10 +183,12 @@ async def test_epoch_set_through_one_replica_reaches_requests_routed_by_all(
     await replicas.all_report(STATUS_WITHIN_S, epoch=7)
     routed_by: set[str] = set()
     for batch in range(20):
-        finals = await asyncio.gather(*(
-            signal(nc, settings, "submit_request", {"prompt": f"e{batch}{i}", "sampling_params": {"max_tokens": 2}})
-            for i in range(6)
-        ))
+        finals = await asyncio.gather(
+            *(
+                signal(nc, settings, "submit_request", {"prompt": f"e{batch}{i}", "sampling_params": {"max_tokens": 2}})
+                for i in range(6)
+            )
+        )
         assert all(final["epochs"] == [{"epoch": 7, "start": 0, "end": 2}] for final in finals), finals
         routed_by |= {final["request_id"].rpartition("-")[0] for final in finals}
         if routed_by == set(IDS):
@@ -296,7 +310,9 @@ def wrote_it(before: CoordinatorState, ack: dict[str, Any], after: CoordinatorSt
     return decision.changes and decision.new_state is after
 
 
-async def test_shutdown_stops_every_replica(settings: Settings, replicas: ReplicaSet, engines: Engines, nc: NATS) -> None:
+async def test_shutdown_stops_every_replica(
+    settings: Settings, replicas: ReplicaSet, engines: Engines, nc: NATS
+) -> None:
     fleet_engines = await fleet(replicas, engines, count=1)
     await replicas.wait_for(lambda statuses: all(len(s["peers"]) == 2 for s in statuses.values()), 5)
     assert (await signal(nc, settings, "connect"))["type"] == "connect_ack"  # shutdown needs a client that connected

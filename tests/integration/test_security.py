@@ -258,7 +258,9 @@ async def test_admin_can_pause_and_unpause(fleet: Fleet) -> None:
     assert fleet.coordinator.state is CoordinatorState.RUNNING and not fleet.engine.paused
 
 
-@pytest.mark.parametrize("subject", ["dpcoord.pause", "dpcoord.shutdown", "dpcoord.engines.stop", "dpcoord.submit_request"])
+@pytest.mark.parametrize(
+    "subject", ["dpcoord.pause", "dpcoord.shutdown", "dpcoord.engines.stop", "dpcoord.submit_request"]
+)
 async def test_engine_cannot_send_control_or_submit(fleet: Fleet, subject: str) -> None:
     async with connected(role_settings(fleet.url, "engine")) as (nc, violations):
         await nc.publish(subject, msgpack.packb({}), reply=nc.new_inbox())
@@ -314,10 +316,15 @@ async def test_a_client_cannot_write_the_bucket_through_jetstream(fleet: Fleet) 
     await assert_still_running(fleet)
 
 
-@pytest.mark.parametrize("subject", [
-    "$KV.other_control.other", "$JS.API.STREAM.INFO.KV_other_control", "$JS.API.STREAM.DELETE.KV_dpcoord_control",
-    "$JS.API.STREAM.PURGE.KV_dpcoord_control",
-])
+@pytest.mark.parametrize(
+    "subject",
+    [
+        "$KV.other_control.other",
+        "$JS.API.STREAM.INFO.KV_other_control",
+        "$JS.API.STREAM.DELETE.KV_dpcoord_control",
+        "$JS.API.STREAM.PURGE.KV_dpcoord_control",
+    ],
+)
 async def test_coordinator_reaches_its_bucket_only(fleet: Fleet, subject: str) -> None:
     async with connected(role_settings(fleet.url, "coordinator")) as (nc, violations):
         await nc.publish(subject, b"{}")
@@ -349,7 +356,9 @@ async def test_coordinator_refuses_to_reply_onto_dpcoord_subjects(fleet: Fleet) 
     await assert_still_running(fleet)
 
 
-async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engine(secured_nats: EmbeddedNatsServer) -> None:
+async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engine(
+    secured_nats: EmbeddedNatsServer,
+) -> None:
     """A reply whose coordinator is gone (an orphan) is delivered by a survivor along the route
     the engine sends with it. A compromised engine that sends an orphan routed to
     dpcoord.engines.stop (which the coordinator may publish to) must not get it broadcast."""
@@ -454,11 +463,15 @@ async def test_creds_file_authentication(tmp_path: Path) -> None:
     with EmbeddedNatsServer(extra_args=("-c", str(operator.server_config())), jetstream=False) as server:
         fleet_settings = make_settings(server.url, subject_prefix=PREFIX, nats_creds_file=str(operator.user("fleet")))
         client_settings = make_settings(
-            server.url, subject_prefix=PREFIX, nats_inbox_prefix="_INBOX_client",
+            server.url,
+            subject_prefix=PREFIX,
+            nats_inbox_prefix="_INBOX_client",
             nats_creds_file=str(operator.user("client", client_permissions)),
         )
         watcher_settings = make_settings(
-            server.url, subject_prefix=PREFIX, nats_inbox_prefix="_INBOX_watcher",
+            server.url,
+            subject_prefix=PREFIX,
+            nats_inbox_prefix="_INBOX_watcher",
             nats_creds_file=str(operator.user("watcher", watcher_permissions)),
         )
         async with running_fleet(fleet_settings, fleet_settings, server.url) as fleet:
@@ -477,7 +490,9 @@ async def test_creds_file_authentication(tmp_path: Path) -> None:
             assert fleet.coordinator.state is CoordinatorState.RUNNING
         elsewhere = tmp_path / "elsewhere"
         elsewhere.mkdir()
-        stranger = await refused_connection(make_settings(server.url, nats_creds_file=str(Operator(elsewhere).user("stranger"))))
+        stranger = await refused_connection(
+            make_settings(server.url, nats_creds_file=str(Operator(elsewhere).user("stranger")))
+        )
     assert "authorization violation" in str(stranger).lower()
 
 
@@ -502,8 +517,21 @@ def pki(tmp_path: Path) -> Pki:
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     ca, ca_key = tmp_path / "ca.pem", tmp_path / "ca.key"
     _openssl(
-        "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", "/CN=dpcoord test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=dpcoord test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
     )
 
     def issue(name: str, extensions: str) -> tuple[Path, Path]:
@@ -511,8 +539,21 @@ def pki(tmp_path: Path) -> Pki:
         ext.write_text(extensions + "basicConstraints=CA:FALSE\nauthorityKeyIdentifier=keyid,issuer\n")
         _openssl("req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
         _openssl(
-            "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-            "-out", str(cert), "-days", "2", "-extfile", str(ext),
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
         )
         return cert, key
 
@@ -531,7 +572,15 @@ def tls_settings(pki: Pki) -> dict[str, object]:
 
 
 async def test_mutual_tls_with_the_example_users(server_env: None, pki: Pki) -> None:
-    tls_flags = ("--tlsverify", "--tlscert", str(pki.server_cert), "--tlskey", str(pki.server_key), "--tlscacert", str(pki.ca))
+    tls_flags = (
+        "--tlsverify",
+        "--tlscert",
+        str(pki.server_cert),
+        "--tlskey",
+        str(pki.server_key),
+        "--tlscacert",
+        str(pki.ca),
+    )
     with EmbeddedNatsServer(extra_args=("-c", str(EXAMPLE_CONFIG), *tls_flags)) as server:
         url, tls = server.url, tls_settings(pki)
         async with running_fleet(role_settings(url, "coordinator", **tls), role_settings(url, "engine", **tls), url):
@@ -561,7 +610,9 @@ async def test_tls_handshake_first(server_env: None, pki: Pki, tmp_path: Path) -
                 assert (await admin.pause()).state == "paused"
                 assert (await admin.unpause()).state == "running"
         # A client that waits for the server's greeting first gets none: TLS must come first.
-        late = await refused_connection(role_settings(url, "client", **{**tls_settings(pki), "nats_connect_timeout_s": 1.0}))
+        late = await refused_connection(
+            role_settings(url, "client", **{**tls_settings(pki), "nats_connect_timeout_s": 1.0})
+        )
     assert isinstance(late, TimeoutError)
 
 
@@ -585,11 +636,15 @@ def test_settings_refuse_ambiguous_authentication(overrides: dict[str, str], com
 
 def test_settings_map_onto_nats_options() -> None:
     nc = NATS()
-    creds = connect_options(Settings(nats_creds_file="/etc/dpcoord/user.creds", nats_inbox_prefix="_INBOX_a"), "x", nc, None, None)
+    creds = connect_options(
+        Settings(nats_creds_file="/etc/dpcoord/user.creds", nats_inbox_prefix="_INBOX_a"), "x", nc, None, None
+    )
     assert creds["user_credentials"] == "/etc/dpcoord/user.creds" and creds["inbox_prefix"] == "_INBOX_a"
     nkey = connect_options(Settings(nats_nkey_seed_file="/etc/dpcoord/user.nk"), "x", nc, None, None)
     assert nkey["nkeys_seed"] == "/etc/dpcoord/user.nk" and "user" not in nkey and "token" not in nkey
-    tls = connect_options(Settings(nats_tls_hostname="nats.example", nats_tls_handshake_first=True), "x", nc, None, None)
+    tls = connect_options(
+        Settings(nats_tls_hostname="nats.example", nats_tls_handshake_first=True), "x", nc, None, None
+    )
     assert tls["tls_hostname"] == "nats.example" and tls["tls_handshake_first"] is True and "tls" not in tls
 
 

@@ -20,10 +20,13 @@ def submit_subject(coordinator: Coordinator) -> str:
     return coordinator.subjects.coordinator("submit_request")
 
 
-async def test_json_submission_gets_one_json_final(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_json_submission_gets_one_json_final(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     [engine] = await start_engines(1)
     reply = await request_json(
-        nc, submit_subject(coordinator),
+        nc,
+        submit_subject(coordinator),
         {"prompt": "hello", "sampling_params": {"max_tokens": 7}, "client_request_id": "r-1", "unknown_key": [1, 2]},
     )
     assert reply == {
@@ -39,10 +42,13 @@ async def test_json_submission_gets_one_json_final(coordinator: Coordinator, sta
     }
 
 
-async def test_msgpack_submission_gets_msgpack_reply(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_msgpack_submission_gets_msgpack_reply(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     msg = await nc.request(
-        submit_subject(coordinator), msgpack.packb({"prompt": [5, 6], "client_request_id": 9, "sampling_params": {"max_tokens": 3}}),
+        submit_subject(coordinator),
+        msgpack.packb({"prompt": [5, 6], "client_request_id": 9, "sampling_params": {"max_tokens": 3}}),
         timeout=5,
     )
     assert msg.data[:1] != b"{"
@@ -54,7 +60,9 @@ async def test_msgpack_submission_gets_msgpack_reply(coordinator: Coordinator, s
 
 async def test_stop_string_finishes_with_stop(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
     await start_engines(1)
-    reply = await request_json(nc, submit_subject(coordinator), {"prompt": "abcdef", "sampling_params": {"stop": ["cd"]}})
+    reply = await request_json(
+        nc, submit_subject(coordinator), {"prompt": "abcdef", "sampling_params": {"stop": ["cd"]}}
+    )
     assert (reply["generated_text"], reply["finish_reason"]) == ("abcd", "stop")
 
 
@@ -74,7 +82,9 @@ async def test_stream_ends_with_final_then_one_empty_message(
     assert {reply["request_id"] for reply in replies} == {final["request_id"]}
 
 
-async def test_stream_interval_groups_tokens(settings: Settings, coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_stream_interval_groups_tokens(
+    settings: Settings, coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1, stream_interval=4)
     body = json.dumps({"prompt": "abcdefghij", "stream": True, "sampling_params": {"max_tokens": 10}}).encode()
     messages = await request_stream(nc, submit_subject(coordinator), body)
@@ -82,11 +92,15 @@ async def test_stream_interval_groups_tokens(settings: Settings, coordinator: Co
     assert [len(partial["new_tokens"]) for partial in partials] == [4, 4, 2]
 
 
-async def test_non_streamed_request_gets_exactly_one_reply(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_non_streamed_request_gets_exactly_one_reply(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(submit_subject(coordinator), b'{"prompt": "xy", "sampling_params": {"max_tokens": 4}}', reply=inbox)
+    await nc.publish(
+        submit_subject(coordinator), b'{"prompt": "xy", "sampling_params": {"max_tokens": 4}}', reply=inbox
+    )
     final = decode_reply((await sub.next_msg(timeout=5)).data)
     assert final["type"] == "final"
     # A second request through the same subscription and engine: anything extra for the first
@@ -96,11 +110,15 @@ async def test_non_streamed_request_gets_exactly_one_reply(coordinator: Coordina
     assert sub.pending_msgs == 0
 
 
-async def test_reply_to_takes_precedence_over_nats_reply(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_reply_to_takes_precedence_over_nats_reply(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     nats_inbox, reply_to = nc.new_inbox(), "_INBOX.results.client-a"
     nats_sub, reply_sub = await nc.subscribe(nats_inbox), await nc.subscribe(reply_to)
-    await nc.publish(submit_subject(coordinator), json.dumps({"prompt": "p", "reply_to": reply_to}).encode(), reply=nats_inbox)
+    await nc.publish(
+        submit_subject(coordinator), json.dumps({"prompt": "p", "reply_to": reply_to}).encode(), reply=nats_inbox
+    )
     assert decode_reply((await reply_sub.next_msg(timeout=5)).data)["type"] == "final"
     await request_json(nc, submit_subject(coordinator), {"prompt": "barrier"})
     assert nats_sub.pending_msgs == 0
@@ -187,7 +205,9 @@ async def test_full_engines_and_queue_give_429(nats_url: str, nc: NATS) -> None:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         for client_request_id in ("routed", "held"):
-            body = json.dumps({"prompt": "slow", "client_request_id": client_request_id, "sampling_params": {"max_tokens": 3}})
+            body = json.dumps(
+                {"prompt": "slow", "client_request_id": client_request_id, "sampling_params": {"max_tokens": 3}}
+            )
             await nc.publish(submit_subject(coordinator), body.encode(), reply=inbox)
         refused = await request_json(nc, submit_subject(coordinator), {"prompt": "x", "client_request_id": "third"})
         assert refused["error"]["code"] == 429 and refused["client_request_id"] == "third"
@@ -209,7 +229,9 @@ async def test_deadline_gives_504_and_late_engine_reply_is_dropped(
     assert len(coordinator.requests) == 0
 
 
-async def test_anonymous_duplicate_in_flight_gets_409(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_anonymous_duplicate_in_flight_gets_409(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1, token_delay_ms=50)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -226,7 +248,9 @@ async def test_named_resubmission_in_flight_moves_the_reply_and_runs_once(
     await start_engines(1, token_delay_ms=30)
     first_inbox, second_inbox = nc.new_inbox(), nc.new_inbox()
     first, second = await nc.subscribe(first_inbox), await nc.subscribe(second_inbox)
-    body = json.dumps({"prompt": "a", "client_id": "c", "client_request_id": 1, "sampling_params": {"max_tokens": 3}}).encode()
+    body = json.dumps(
+        {"prompt": "a", "client_id": "c", "client_request_id": 1, "sampling_params": {"max_tokens": 3}}
+    ).encode()
     await nc.publish(submit_subject(coordinator), body, reply=first_inbox)
     await nc.publish(submit_subject(coordinator), body, reply=second_inbox)
     final = decode_reply((await second.next_msg(timeout=5)).data)
@@ -240,7 +264,13 @@ async def test_named_resubmission_after_completion_replays_the_result(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     await start_engines(1)
-    body = {"prompt": "once", "client_id": "c", "client_request_id": "k", "stream": True, "sampling_params": {"max_tokens": 4}}
+    body = {
+        "prompt": "once",
+        "client_id": "c",
+        "client_request_id": "k",
+        "stream": True,
+        "sampling_params": {"max_tokens": 4},
+    }
     original = await request_stream(nc, submit_subject(coordinator), json.dumps(body).encode())
     replayed = await request_stream(nc, submit_subject(coordinator), json.dumps(body).encode())
     assert [msg.data for msg in replayed] == [original[-2].data, b""]
@@ -254,7 +284,10 @@ async def test_request_ids_unique_across_coordinator_replicas(
     async with Coordinator(settings, HANDLERS) as second:
         await second.wait_for_engines(2)
         replies = await asyncio.gather(
-            *(request_json(nc, submit_subject(coordinator), {"prompt": "r", "client_request_id": i}) for i in range(200))
+            *(
+                request_json(nc, submit_subject(coordinator), {"prompt": "r", "client_request_id": i})
+                for i in range(200)
+            )
         )
     assert sorted(reply["client_request_id"] for reply in replies) == list(range(200))
     assert len({reply["request_id"] for reply in replies}) == 200

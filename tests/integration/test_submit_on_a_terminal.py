@@ -19,8 +19,15 @@ from tests.unit.cli.test_terminal import ESCAPED, HOSTILE
 
 def submit_args(settings: Settings, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "service", "submit", *args,
-        "--nats-url", settings.nats_url, "--subject-prefix", settings.subject_prefix,
+        sys.executable,
+        "-m",
+        "service",
+        "submit",
+        *args,
+        "--nats-url",
+        settings.nats_url,
+        "--subject-prefix",
+        settings.subject_prefix,
     ]
 
 
@@ -58,7 +65,9 @@ async def test_streamed_text_is_escaped_on_a_terminal_and_raw_with_raw_or_in_a_p
 ) -> None:
     await start_engines(1)
     tokens = str(len(HOSTILE.encode()))
-    code, written = await asyncio.to_thread(on_terminal, submit_args(settings, HOSTILE, "--stream", "--max-tokens", tokens))
+    code, written = await asyncio.to_thread(
+        on_terminal, submit_args(settings, HOSTILE, "--stream", "--max-tokens", tokens)
+    )
     assert code == 0, written
     assert "\x1b" not in written and "\x07" not in written and "\u202e" not in written
     streamed, final = written.replace("\r\n", "\n").rstrip("\n").split("\n")
@@ -70,7 +79,9 @@ async def test_streamed_text_is_escaped_on_a_terminal_and_raw_with_raw_or_in_a_p
     )
     assert code == 0 and HOSTILE.replace("\r", "") in written.replace("\r", "")
 
-    code, stdout, _ = await asyncio.to_thread(in_pipe, submit_args(settings, HOSTILE, "--stream", "--max-tokens", tokens))
+    code, stdout, _ = await asyncio.to_thread(
+        in_pipe, submit_args(settings, HOSTILE, "--stream", "--max-tokens", tokens)
+    )
     assert code == 0 and stdout.split("\n")[0] == HOSTILE
 
 

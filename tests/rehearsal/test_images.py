@@ -75,7 +75,10 @@ def test_the_gateway_image_starts_without_torch(images: dict[Path, ImageEnvironm
     assert image.dockerfile.final.entrypoint == ["dpcoord"] and image.dockerfile.final.cmd == ["gateway"]
     helped = run_in(image, ["dpcoord", "gateway", "--help"])
     assert helped.returncode == 0, helped.stderr
-    probe = run_in(image, [str(image.python()), "-c", "import service.gateway.server, importlib.util as u; print(u.find_spec('torch'))"])
+    probe = run_in(
+        image,
+        [str(image.python()), "-c", "import service.gateway.server, importlib.util as u; print(u.find_spec('torch'))"],
+    )
     assert (probe.returncode, probe.stdout.strip()) == (0, "None"), probe.stderr
 
 

@@ -19,8 +19,14 @@ from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.weights import build_model, random_weights
 
 TINY = ModelConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
-    head_dim=16, max_position_embeddings=512,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
 )
 
 
@@ -28,8 +34,14 @@ def tiny(**changes: Any) -> ModelConfig:
     return dataclasses.replace(TINY, **changes)
 
 
-LLAMA3_ROPE = RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                         original_max_position_embeddings=64)
+LLAMA3_ROPE = RopeConfig(
+    theta=500000.0,
+    type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
 
 
 def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
@@ -61,14 +73,20 @@ class Harness:
         config = model.config
         self.model = model
         self.block_size = block_size
-        self.scheduler = Scheduler(BlockManager(num_blocks, block_size, prefix_caching=False), max_batch, max_prefill_tokens=4096)
+        self.scheduler = Scheduler(
+            BlockManager(num_blocks, block_size, prefix_caching=False), max_batch, max_prefill_tokens=4096
+        )
         self.cache = torch.zeros(config.num_layers, num_blocks, block_size, 2, config.num_kv_heads, config.head_dim)
-        self.rotary = rotary_table(config.rope, config.head_dim, config.max_position_embeddings, torch.float32, torch.device("cpu"))
+        self.rotary = rotary_table(
+            config.rope, config.head_dim, config.max_position_embeddings, torch.float32, torch.device("cpu")
+        )
 
     @torch.inference_mode()
     def step(self) -> dict[str, torch.Tensor]:
         scheduled = self.scheduler.schedule()
-        batch = build_batch(scheduled, self.block_size, self.model.config.group_size, torch.float32, torch.device("cpu"))
+        batch = build_batch(
+            scheduled, self.block_size, self.model.config.group_size, torch.float32, torch.device("cpu")
+        )
         logits = self.model(batch, self.rotary, self.cache)
         return {sequence.request_id: row for sequence, row in zip(scheduled.sequences, logits, strict=True)}
 
@@ -94,11 +112,25 @@ class Harness:
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-__all__ = ["LLAMA3_ROPE", "TINY", "Harness", "engine_model", "engine_options", "hf_greedy", "hf_model", "random_weights", "tiny"]
+__all__ = [
+    "LLAMA3_ROPE",
+    "TINY",
+    "Harness",
+    "engine_model",
+    "engine_options",
+    "hf_greedy",
+    "hf_model",
+    "random_weights",
+    "tiny",
+]

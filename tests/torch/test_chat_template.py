@@ -53,7 +53,9 @@ def build_tokenizer() -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(["héllo wörld, the engine streams tokens to the user"] * 20, trainer)
@@ -80,11 +82,24 @@ def test_the_saved_template_renders_as_transformers_does(tmp_path: Path) -> None
 def test_a_template_inside_tokenizer_config_with_added_token_objects(tmp_path: Path) -> None:
     """The older layout: ``chat_template`` in tokenizer_config.json (here a list of named
     templates), special tokens written as AddedToken objects."""
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False},
-        "eos_token": "</s>",
-        "chat_template": [{"name": "tool_use", "template": "unused"}, {"name": "default", "template": TEMPLATE}],
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {
+                    "content": "<s>",
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                },
+                "eos_token": "</s>",
+                "chat_template": [
+                    {"name": "tool_use", "template": "unused"},
+                    {"name": "default", "template": TEMPLATE},
+                ],
+            }
+        )
+    )
     template = ChatTemplate.from_dir(tmp_path)
     assert template is not None and template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
     assert template.render(CONVERSATION) == transformers_text(build_tokenizer(), CONVERSATION)

@@ -27,7 +27,7 @@ DPCOORD = ".venv/bin/dpcoord"
 def first_five_minutes() -> list[tuple[str, str]]:
     """The section's fenced blocks as (language, text)."""
     readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index(SECTION):]
+    section = readme[readme.index(SECTION) :]
     section = section[: section.find("\n## ", len(SECTION))]
     return re.findall(r"```(\w+)\n(.*?)```", section, flags=re.DOTALL)
 
@@ -53,7 +53,9 @@ async def nats_cli(url: str, lines: list[list[str]]) -> list[Any]:
             assert words[:2] == ["nats", "request"]
             subject, body, flags = words[2], words[3].encode(), words[4:]
             if flags == ["--replies", "0", "--wait-for-empty"]:
-                answered.append([decode_reply(msg.data) if msg.data else {} for msg in await request_stream(nc, subject, body)])
+                answered.append(
+                    [decode_reply(msg.data) if msg.data else {} for msg in await request_stream(nc, subject, body)]
+                )
             else:
                 assert flags == []
                 answered.append(decode_reply((await nc.request(subject, body, timeout=30)).data))
@@ -74,8 +76,12 @@ def test_first_five_minutes_runs_as_written() -> None:
     # A smaller KV cache than an idle laptop would size: this machine runs other tests too.
     up_env = env | {"DPCOORD_KV_CACHE_GB": "0.02", "DPCOORD_MAX_CONTEXT": "256"}
     stack = subprocess.Popen(
-        [sys.executable, "-m", "service", *shlex.split(MAKE_UP)[1:]], env=up_env, cwd=REPO_ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [sys.executable, "-m", "service", *shlex.split(MAKE_UP)[1:]],
+        env=up_env,
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         assert stack.stdout is not None
@@ -88,7 +94,13 @@ def test_first_five_minutes_runs_as_written() -> None:
 
         script = terminal_2.replace(shown_url, url).replace(DPCOORD, dpcoord)
         ran = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", script], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False
+            ["bash", "-euo", "pipefail", "-c", script],
+            env=env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
         assert ran.returncode == 0, ran.stderr
         answers = replies(ran.stdout)

@@ -82,8 +82,14 @@ def test_sampler_respects_top_k_and_top_p() -> None:
     rows = logits.shape[0]
 
     def draw(top_k: int, top_p: float) -> torch.Tensor:
-        params = SamplingParams.build([1.0] * rows, [top_k] * rows, [top_p] * rows, [request_key(9)] * rows,
-                                      list(range(rows)), torch.device("cpu"))
+        params = SamplingParams.build(
+            [1.0] * rows,
+            [top_k] * rows,
+            [top_p] * rows,
+            [request_key(9)] * rows,
+            list(range(rows)),
+            torch.device("cpu"),
+        )
         return sample(logits, params)
 
     full = torch.bincount(draw(0, 1.0), minlength=4) / rows

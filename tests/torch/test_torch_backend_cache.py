@@ -26,7 +26,9 @@ def outputs_of(backend: TorchBackend, *requests: GenerationRequest) -> dict[str,
 
 
 def tokens_of(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[int]]:
-    return {rid: [t for output in outs for t in output.new_tokens] for rid, outs in outputs_of(backend, *requests).items()}
+    return {
+        rid: [t for output in outs for t in output.new_tokens] for rid, outs in outputs_of(backend, *requests).items()
+    }
 
 
 def greedy(rid: str, prompt: list[int], max_tokens: int = 10) -> GenerationRequest:
@@ -112,7 +114,10 @@ def _mixed_requests(stop: str) -> list[GenerationRequest]:
 
 def test_overlapped_steps_give_the_same_outputs() -> None:
     plain = TorchBackend(engine_options(model_seed=SEED, overlap_steps=False))
-    free = "".join(output.text for output in outputs_of(plain, GenerationRequest("f", "Once upon a time", max_tokens=30, seed=4))["f"])
+    free = "".join(
+        output.text
+        for output in outputs_of(plain, GenerationRequest("f", "Once upon a time", max_tokens=30, seed=4))["f"]
+    )
     start = next(i for i in range(6, len(free) - 1) if "\ufffd" not in free[i : i + 2])
     stop = free[start : start + 2]
     expected = outputs_of(plain, *_mixed_requests(stop))

@@ -24,13 +24,33 @@ def test_torch_is_the_default_backend() -> None:
 
 def test_engine_flags_reach_the_settings() -> None:
     args = build_parser().parse_args(
-        ["engine", "--model", "/models/llama", "--dtype", "bfloat16", "--max-batch", "8", "--kv-cache-gb", "0.5",
-         "--max-context", "1024", "--model-seed", "3", "--device", "cpu"]
+        [
+            "engine",
+            "--model",
+            "/models/llama",
+            "--dtype",
+            "bfloat16",
+            "--max-batch",
+            "8",
+            "--kv-cache-gb",
+            "0.5",
+            "--max-context",
+            "1024",
+            "--model-seed",
+            "3",
+            "--device",
+            "cpu",
+        ]
     )
     settings = settings_from(args)
     assert args.model == "/models/llama"
     assert (settings.dtype, settings.max_batch, settings.kv_cache_gb, settings.max_context, settings.model_seed) == (
-        "bfloat16", 8, 0.5, 1024, 3)
+        "bfloat16",
+        8,
+        0.5,
+        1024,
+        3,
+    )
     submit = build_parser().parse_args(["submit", "Hello", "--stream", "--seed", "4"])
     assert submit.seed == 4  # a request's seed, not the model's
 
@@ -51,16 +71,26 @@ def test_up_then_submit_streams_tokens_from_torch_engines(tmp_path: Path) -> Non
     """The issue's acceptance check: `dpcoord up`, then `dpcoord submit "Hello" --stream`."""
     dpcoord = [sys.executable, "-m", "service"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("DPCOORD_")}
-    env.update(DPCOORD_SUBJECT_PREFIX="torchup", DPCOORD_KV_CACHE_GB="0.01", DPCOORD_MAX_CONTEXT="256", DPCOORD_CPU_THREADS="1")
+    env.update(
+        DPCOORD_SUBJECT_PREFIX="torchup", DPCOORD_KV_CACHE_GB="0.01", DPCOORD_MAX_CONTEXT="256", DPCOORD_CPU_THREADS="1"
+    )
     with (tmp_path / "up.log").open("w") as log:
-        stack = subprocess.Popen(dpcoord + ["up", "--engines", "1"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        stack = subprocess.Popen(
+            dpcoord + ["up", "--engines", "1"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True
+        )
         try:
             assert stack.stdout is not None
             lines = read_up_banner(stack.stdout)
             assert "1 torch engine(s)" in lines[0]
             url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
-            submit = subprocess.run(dpcoord + ["submit", "Hello", "--stream", "--max-tokens", "6", "--seed", "1"],
-                                    env=dict(env, DPCOORD_NATS_URL=url), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+            submit = subprocess.run(
+                dpcoord + ["submit", "Hello", "--stream", "--max-tokens", "6", "--seed", "1"],
+                env=dict(env, DPCOORD_NATS_URL=url),
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert submit.returncode == 0, submit.stderr
             streamed, final_line = submit.stdout.rstrip("\n").rsplit("\n", 1)  # JSON escapes its own newlines
             final = json.loads(final_line)

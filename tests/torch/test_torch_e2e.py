@@ -25,9 +25,15 @@ from tests.integration.test_observability import http_get, port_of, samples, val
 
 @pytest.fixture
 async def torch_engine(settings: Settings, coordinator: Coordinator, tmp_path: Path) -> AsyncIterator[EngineRuntime]:
-    engine_settings = settings.model_copy(update={
-        "backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005, "profile_dir": str(tmp_path),
-    })
+    engine_settings = settings.model_copy(
+        update={
+            "backend": "torch",
+            "device": "cpu",
+            "max_context": 128,
+            "kv_cache_gb": 0.005,
+            "profile_dir": str(tmp_path),
+        }
+    )
     engine = EngineRuntime(engine_settings, TorchBackend(torch_options(engine_settings)))
     await engine.start()
     await coordinator.wait_for_engines(1)
@@ -55,8 +61,12 @@ async def test_stream_a_request_through_the_coordinator(torch_engine: EngineRunt
     assert again.generated_tokens == final.generated_tokens
 
 
-async def test_a_json_request_like_the_nats_cli_with_defaults(torch_engine: EngineRuntime, coordinator: Coordinator, nc: NATS) -> None:
-    reply = await request_json(nc, coordinator.subjects.coordinator(Header.SUBMIT_REQUEST), {"prompt": [72, 105]}, timeout=30)
+async def test_a_json_request_like_the_nats_cli_with_defaults(
+    torch_engine: EngineRuntime, coordinator: Coordinator, nc: NATS
+) -> None:
+    reply = await request_json(
+        nc, coordinator.subjects.coordinator(Header.SUBMIT_REQUEST), {"prompt": [72, 105]}, timeout=30
+    )
     assert reply["type"] == "final" and len(reply["generated_tokens"]) == 16 and reply["finish_reason"] == "length"
 
 
@@ -86,7 +96,9 @@ async def test_suspend_and_resume_keep_requests_in_flight(torch_engine: EngineRu
     assert isinstance(final, Final) and final.generated_tokens == expected.generated_tokens
 
 
-async def test_profiler_ack_carries_the_trace_path(torch_engine: EngineRuntime, client: DpcoordClient, tmp_path: Path) -> None:
+async def test_profiler_ack_carries_the_trace_path(
+    torch_engine: EngineRuntime, client: DpcoordClient, tmp_path: Path
+) -> None:
     await client.start_profiler()
     await client.submit("profile me", max_tokens=3, timeout=30)
     ack = await client.stop_profiler()
@@ -95,7 +107,9 @@ async def test_profiler_ack_carries_the_trace_path(torch_engine: EngineRuntime, 
     assert trace.parent == tmp_path and trace.stat().st_size > 0
 
 
-async def test_prefix_cache_hits_show_in_metrics_and_status(torch_engine: EngineRuntime, client: DpcoordClient, nc: NATS) -> None:
+async def test_prefix_cache_hits_show_in_metrics_and_status(
+    torch_engine: EngineRuntime, client: DpcoordClient, nc: NATS
+) -> None:
     system = "You are a terse assistant; answer in one word. "  # 47 byte tokens: two full 16-token pages
     assert len(system) == 47
     await client.submit(system + "Sky?", max_tokens=2, timeout=30)

@@ -46,12 +46,20 @@ def test_float32_greedy_on_cuda_matches_transformers_on_cuda() -> None:
     backend = TorchBackend(cuda_settings(dtype="float32", model_seed=4))
     reference = hf_model(config, random_weights(config, seed=4)).cuda()
     prompts = [[5, 6, 7, 8], list(range(40, 90))]
-    ours = generate(backend, *[GenerationRequest(f"p{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(prompts)])
+    ours = generate(
+        backend, *[GenerationRequest(f"p{i}", p, max_tokens=16, temperature=0.0) for i, p in enumerate(prompts)]
+    )
     for i, prompt in enumerate(prompts):
         with torch.inference_mode():
-            expected = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, min_new_tokens=16,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert ours[f"p{i}"] == expected[0, len(prompt):].tolist()
+            expected = reference.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert ours[f"p{i}"] == expected[0, len(prompt) :].tolist()
 
 
 async def test_suspend_gives_the_cache_memory_back_to_the_device() -> None:

@@ -69,9 +69,15 @@ def test_float32_greedy_with_graphs_equals_transformers() -> None:
     ours = generate(backend, *[greedy(rid, prompt) for rid, prompt in chosen.items()])
     for rid, prompt in chosen.items():
         with torch.inference_mode():
-            expected = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, min_new_tokens=16,
-                                          do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert ours[rid] == expected[0, len(prompt):].tolist(), rid
+            expected = reference.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert ours[rid] == expected[0, len(prompt) :].tolist(), rid
 
 
 @pytest.mark.parametrize("count", [1, 3, 17, 32])
@@ -84,8 +90,10 @@ def test_every_bucket_gives_the_tokens_of_the_slow_path(count: int) -> None:
 
 def test_bf16_sampled_requests_finish_with_their_counts_and_stop_strings() -> None:
     backend = TorchBackend(options())
-    requests = [GenerationRequest(f"s{i}", f"request {i}: once upon a time", max_tokens=5 + i, seed=i, top_k=50)
-                for i in range(24)]
+    requests = [
+        GenerationRequest(f"s{i}", f"request {i}: once upon a time", max_tokens=5 + i, seed=i, top_k=50)
+        for i in range(24)
+    ]
     counts = {rid: len(tokens) for rid, tokens in generate(backend, *requests).items()}
     assert counts == {f"s{i}": 5 + i for i in range(24)}
     assert generate(backend, *requests[:3]) == generate(backend, *requests[:3])  # seeded: repeatable

@@ -28,7 +28,9 @@ from tests.torch.reference import TINY, engine_model, random_weights, tiny
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton, or a CUDA build of torch)")
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="Triton is not installed (pip install triton, or a CUDA build of torch)"
+)
 
 
 def paged_decode_kernel() -> Kernels:
@@ -47,7 +49,9 @@ def test_decode_buckets() -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 32, 16), (4, 4, 24, 3), (6, 1, 16, 5)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 32, 16), (4, 4, 24, 3), (6, 1, 16, 5)]
+)
 def test_paged_decode_equals_gathered_attention(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
     kernel = paged_decode_kernel().paged_decode
     assert kernel is not None
@@ -113,7 +117,9 @@ def test_the_load_time_check_passes_the_kernels_and_catches_a_wrong_one() -> Non
     assert kernels.paged_decode is not None
     kernel = kernels.paged_decode
 
-    def off_by_one(query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def off_by_one(
+        query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
         return kernel(query, cache, tables, (lengths - 1).clamp(min=1))
 
     with pytest.raises(AssertionError):
@@ -135,7 +141,9 @@ def test_a_padded_static_decode_batch_gives_the_unpadded_rows_and_touches_only_t
         count = -(-(len(sequence.token_ids) + 1) // block_size)
         sequence.block_table = list(range(next_page, next_page + count))
         next_page += count
-    cache = torch.zeros(config.num_layers, pages + 1, block_size, 2, config.num_kv_heads, config.head_dim, device=DEVICE)
+    cache = torch.zeros(
+        config.num_layers, pages + 1, block_size, 2, config.num_kv_heads, config.head_dim, device=DEVICE
+    )
     static = StaticDecodeBatch(8, max_pages=10, block_size=block_size, scratch_page=scratch, device=DEVICE)
     with torch.inference_mode():
         prefill = build_batch(ScheduledBatch([], sequences), block_size, config.group_size, torch.float32, DEVICE)
@@ -143,8 +151,11 @@ def test_a_padded_static_decode_batch_gives_the_unpadded_rows_and_touches_only_t
             sequence.append(token)
         model.kernels = paged_decode_kernel()
         for chosen in (sequences, sequences[:3]):  # five rows, then three: rows 3..7 are padding the second time
-            expected = model(build_batch(ScheduledBatch(chosen, []), block_size, config.group_size, torch.float32, DEVICE),
-                             rotary, cache.clone())
+            expected = model(
+                build_batch(ScheduledBatch(chosen, []), block_size, config.group_size, torch.float32, DEVICE),
+                rotary,
+                cache.clone(),
+            )
             before = cache.clone()
             static.load(GraphInputs.of(chosen, 8, block_size, scratch))
             logits = model(static.batch(8), rotary, cache)

@@ -44,17 +44,22 @@ def test_logits_match_transformers(name: str) -> None:
     weights = random_weights(config, seed=7)
     if config.attention_bias:  # transformers initialises biases at zero too; make them matter
         generator = torch.Generator().manual_seed(1)
-        weights = {key: torch.randn(value.shape, generator=generator) * 0.1 if key.endswith(".bias") else value
-                   for key, value in weights.items()}
+        weights = {
+            key: torch.randn(value.shape, generator=generator) * 0.1 if key.endswith(".bias") else value
+            for key, value in weights.items()
+        }
     reference = hf_model(config, weights)
     harness = Harness(engine_model(config, weights))
     # Prefill part of each sequence, decode the rest through the paged cache, all in one batch.
     full = {f"s{i}": prompt + [(7 * i + j) % 256 for j in range(12)] for i, prompt in enumerate(PROMPTS)}
-    split = {rid: (tokens[: len(PROMPTS[int(rid[1:])])], tokens[len(PROMPTS[int(rid[1:])]):]) for rid, tokens in full.items()}
+    split = {
+        rid: (tokens[: len(PROMPTS[int(rid[1:])])], tokens[len(PROMPTS[int(rid[1:])]) :])
+        for rid, tokens in full.items()
+    }
     ours = harness.forced_logits(split)
     with torch.inference_mode():
         for rid, tokens in full.items():
-            expected = reference(torch.tensor([tokens])).logits[0, len(split[rid][0]) - 1:]
+            expected = reference(torch.tensor([tokens])).logits[0, len(split[rid][0]) - 1 :]
             torch.testing.assert_close(ours[rid], expected, atol=2e-5, rtol=1e-4)
 
 
@@ -95,15 +100,24 @@ def test_loads_a_save_pretrained_directory_with_its_tokenizer(tmp_path: Path) ->
 
     torch.manual_seed(0)
     hf_config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
     )
     reference = LlamaForCausalLM(hf_config).eval()
     reference.save_pretrained(tmp_path)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tokenizer.train_from_iterator(["héllo wörld, the engine streams tokens"] * 20, trainer)
     tokenizer.save(str(tmp_path / "tokenizer.json"))
 
@@ -135,8 +149,14 @@ def test_transformers_4_config_layout_loads(tmp_path: Path) -> None:
     assert _run(backend)["r"] == hf_greedy(hf_model(config, weights), PROMPTS[0], 10)
 
 
-@pytest.mark.parametrize("rope_scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-                                          {"type": "dynamic", "factor": 2.0}, {"rope_type": "longrope"}])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"type": "dynamic", "factor": 2.0},
+        {"rope_type": "longrope"},
+    ],
+)
 def test_an_unimplemented_rope_type_is_refused_at_load(tmp_path: Path, rope_scaling: dict[str, object]) -> None:
     config = tiny().to_hf() | {"rope_scaling": rope_scaling}
     del config["rope_parameters"]

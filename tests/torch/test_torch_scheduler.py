@@ -14,8 +14,13 @@ from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks: int = 8, block_size: int = 4, max_batch: int = 4, max_prefill_tokens: int = 64,
-         prefix_caching: bool = False) -> Scheduler:
+def make(
+    num_blocks: int = 8,
+    block_size: int = 4,
+    max_batch: int = 4,
+    max_prefill_tokens: int = 64,
+    prefix_caching: bool = False,
+) -> Scheduler:
     """Prefix caching off unless asked: these sequences share their leading tokens."""
     return Scheduler(BlockManager(num_blocks, block_size, prefix_caching), max_batch, max_prefill_tokens)
 
@@ -31,7 +36,10 @@ def advance(batch_sequences: list[Sequence]) -> None:
 
 def test_the_module_does_not_import_torch() -> None:
     code = "import sys, engines.torch_backend.scheduler; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
 def test_new_requests_are_prefilled_then_decoded_together() -> None:

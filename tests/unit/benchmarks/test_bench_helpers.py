@@ -48,7 +48,10 @@ def test_round_ratios_divide_within_the_round_and_report_cpu_as_is() -> None:
 
 
 def test_summary_takes_medians_of_per_round_ratios_and_judges_targets() -> None:
-    rounds = [{"measured": m, "ratios": round_ratios(m)} for m in (_measured(40_000, 50_000), _measured(30_000, 60_000), _measured(45_000, 50_000))]
+    rounds = [
+        {"measured": m, "ratios": round_ratios(m)}
+        for m in (_measured(40_000, 50_000), _measured(30_000, 60_000), _measured(45_000, 50_000))
+    ]
     summary = summarise(rounds)
     assert summary["ratios"]["pipelined_vs_raw_2hop"] == 0.8
     assert summary["ratio_range"]["pipelined_vs_raw_2hop"] == [0.5, 0.9]
@@ -61,7 +64,11 @@ def test_summary_takes_medians_of_per_round_ratios_and_judges_targets() -> None:
 
 def test_percentile_of_sorted_values() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert (percentile(values, 50), percentile(values, 99), percentile([], 50) != percentile([], 50)) == (50.0, 99.0, True)
+    assert (percentile(values, 50), percentile(values, 99), percentile([], 50) != percentile([], 50)) == (
+        50.0,
+        99.0,
+        True,
+    )
 
 
 def test_fold_counts_self_and_inclusive_time_per_function() -> None:
@@ -93,13 +100,35 @@ def test_bench_command_line_parses_the_documented_flags() -> None:
 # ---------------------------------------------------------------- the fleet-size benchmark
 
 
-def _fleet(engines: int, cpu_ratio: float, rate_ratio: float, per_message: float, registration_cpu: float = 0.01,
-           idle: float = 1.0) -> FleetResult:
+def _fleet(
+    engines: int,
+    cpu_ratio: float,
+    rate_ratio: float,
+    per_message: float,
+    registration_cpu: float = 0.01,
+    idle: float = 1.0,
+) -> FleetResult:
     return FleetResult(
-        policy="least_loaded", engines=engines, registration_s=0.1, registration_cpu_s=registration_cpu,
-        idle_core_pct=idle, offered_per_s=1000.0, achieved_per_s=1000.0 * rate_ratio, p50_ms=1.0, p99_ms=2.0,
-        cpu_us_per_request=20.0 * cpu_ratio, coordinator_core_pct=50.0, requests_per_routed_message=per_message,
-        others_cores=0.5, sent=1000, lost=0, duplicated=0, errors=0, engines_lost=0, log_lines=6, cpu_ratio=cpu_ratio,
+        policy="least_loaded",
+        engines=engines,
+        registration_s=0.1,
+        registration_cpu_s=registration_cpu,
+        idle_core_pct=idle,
+        offered_per_s=1000.0,
+        achieved_per_s=1000.0 * rate_ratio,
+        p50_ms=1.0,
+        p99_ms=2.0,
+        cpu_us_per_request=20.0 * cpu_ratio,
+        coordinator_core_pct=50.0,
+        requests_per_routed_message=per_message,
+        others_cores=0.5,
+        sent=1000,
+        lost=0,
+        duplicated=0,
+        errors=0,
+        engines_lost=0,
+        log_lines=6,
+        cpu_ratio=cpu_ratio,
         rate_ratio=rate_ratio,
     )
 
@@ -108,7 +137,11 @@ def test_fleet_targets_are_ratios_to_the_smallest_fleet_and_misses_say_why() -> 
     results = [_fleet(2, 1.0, 1.0, 10.0), _fleet(1000, 1.3, 0.99, 2.0), _fleet(3000, 1.45, 0.9, 2.0, 0.2, 6.0)]
     verdicts = judge(results)
     assert [(round(v["value"], 3), v["met"]) for v in verdicts] == [
-        (1.3, False), (1.45, True), (0.99, True), (0.2, False), (6.0, False),
+        (1.3, False),
+        (1.45, True),
+        (0.99, True),
+        (0.2, False),
+        (6.0, False),
     ]
     assert "requests per routed message 10.0 -> 2.0" in verdicts[0]["why"]
     assert verdicts[0]["name"] == "coordinator CPU per request vs 2 engines (1000 / 2 engines)"
@@ -116,14 +149,29 @@ def test_fleet_targets_are_ratios_to_the_smallest_fleet_and_misses_say_why() -> 
 
 def test_fleet_summary_takes_medians_and_per_round_ratios(tmp_path: Path) -> None:
     def window(cpu: float, rate: float) -> dict[str, float]:
-        return {"achieved_per_s": rate, "p50_ms": 1.0, "p99_ms": 2.0, "cpu_us_per_request": cpu, "coordinator_core_pct": 50.0,
-                "requests_per_routed_message": 4.0, "others_cores": 0.1, "sent": 10, "lost": 0, "duplicated": 0, "errors": 0,
-                "engines_lost": 0}
+        return {
+            "achieved_per_s": rate,
+            "p50_ms": 1.0,
+            "p99_ms": 2.0,
+            "cpu_us_per_request": cpu,
+            "coordinator_core_pct": 50.0,
+            "requests_per_routed_message": 4.0,
+            "others_cores": 0.1,
+            "sent": 10,
+            "lost": 0,
+            "duplicated": 0,
+            "errors": 0,
+            "engines_lost": 0,
+        }
 
     log = tmp_path / "coordinator.log"
     log.write_text("one\ntwo\n")
-    small = RunningFleet("p2c", 2, Subjects("x"), None, None, log, windows=[window(10, 100), window(20, 100), window(30, 100)])  # type: ignore[arg-type]
-    large = RunningFleet("p2c", 9, Subjects("y"), None, None, log, windows=[window(11, 90), window(40, 100), window(30, 95)])  # type: ignore[arg-type]
+    small = RunningFleet(
+        "p2c", 2, Subjects("x"), None, None, log, windows=[window(10, 100), window(20, 100), window(30, 100)]
+    )  # type: ignore[arg-type]
+    large = RunningFleet(
+        "p2c", 9, Subjects("y"), None, None, log, windows=[window(11, 90), window(40, 100), window(30, 95)]
+    )  # type: ignore[arg-type]
     _, result = summarise_fleets([small, large], 100.0)
     assert (result.cpu_us_per_request, result.achieved_per_s, result.sent, result.log_lines) == (30, 95, 30, 2)
     assert result.cpu_ratio == pytest.approx(1.1)  # median of 1.1, 2.0 and 1.0

@@ -168,7 +168,12 @@ async def test_a_burst_of_removals_is_summed_by_reason(lines: Lines) -> None:
 
 def test_each_model_has_its_own_group_kept_in_step_with_the_fleet() -> None:
     pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=60.0)
-    a1, a2, b1, anon = pool.add("a1", 2, "alpha"), pool.add("a2", 2, "alpha"), pool.add("b1", 2, "beta"), pool.add("x", 2)
+    a1, a2, b1, anon = (
+        pool.add("a1", 2, "alpha"),
+        pool.add("a2", 2, "alpha"),
+        pool.add("b1", 2, "beta"),
+        pool.add("x", 2),
+    )
     alpha = pool.group("alpha")
     assert alpha is not None and set(alpha) == {a1, a2} and set(pool.everyone) == {a1, a2, b1, anon}
     assert pool.group("gamma") is None and pool.models() == ["alpha", "beta"]
@@ -176,7 +181,10 @@ def test_each_model_has_its_own_group_kept_in_step_with_the_fleet() -> None:
     pool.assign(a1, "r2")  # a1 is full now, in every group it belongs to
     assert alpha.least_loaded() is a2 and a1 not in {alpha.next_in_turn(), alpha.next_in_turn()}
     assert pool.everyone.least_loaded() is not a1
-    assert [(m.name, m.engines, m.capacity, m.in_flight) for m in pool.served()] == [("alpha", 2, 4, 2), ("beta", 1, 2, 0)]
+    assert [(m.name, m.engines, m.capacity, m.in_flight) for m in pool.served()] == [
+        ("alpha", 2, 4, 2),
+        ("beta", 1, 2, 0),
+    ]
     pool.release("a1", "r1")
     assert a1 in {alpha.next_in_turn(), alpha.next_in_turn()}
     pool.remove("b1", departed=True)
@@ -188,7 +196,9 @@ async def test_a_stopping_coordinator_logs_what_it_was_summing(lines: Lines) -> 
     for index in range(3):
         fleet_log.removed(f"e{index}", "shutdown", 0, 2 - index)
     fleet_log.flush()
-    assert lines.lines[1:] == ["2 more engines removed in the last 0.2 s (2 shutdown), the last engine_id=e2; 0 requests in flight; 0 engines"]
+    assert lines.lines[1:] == [
+        "2 more engines removed in the last 0.2 s (2 shutdown), the last engine_id=e2; 0 requests in flight; 0 engines"
+    ]
     past_the_interval = asyncio.Event()  # set after the flushed interval's own timer has fired
     asyncio.get_running_loop().call_later(0.25, past_the_interval.set)
     await asyncio.wait_for(past_the_interval.wait(), 5)

@@ -9,7 +9,9 @@ from service.protocol.messages import ReturnPath
 
 
 def entry(request_id: str, client: tuple[str | None, str | int] | None = None) -> InflightRequest:
-    path = ReturnPath(request_id, "c1", "_INBOX.x", "json", False, client[1] if client else None, client[0] if client else None)
+    path = ReturnPath(
+        request_id, "c1", "_INBOX.x", "json", False, client[1] if client else None, client[0] if client else None
+    )
     return InflightRequest(path, Encoding.JSON, b"{}", client)
 
 

@@ -246,7 +246,9 @@ def test_owners_per_prefix_are_bounded() -> None:
     pool = pool_of(*[0] * 10)
     for record in pool:
         table.record([7], record, now=0.0)
-    assert [record.engine_id for record in table.owners(7, now=0.0)] == [f"e{i}" for i in range(10 - OWNERS_PER_PREFIX, 10)]
+    assert [record.engine_id for record in table.owners(7, now=0.0)] == [
+        f"e{i}" for i in range(10 - OWNERS_PER_PREFIX, 10)
+    ]
 
 
 def test_prefix_table_is_bounded_in_count_and_age() -> None:

@@ -48,7 +48,9 @@ async def test_signals_follow_the_table_and_name_their_writer(
     unpaused = await shared.apply_signal(Header.UNPAUSE, None)
     assert (unpaused.record.state, unpaused.record.epoch) == (S.RUNNING, 4)  # the epoch stays
     assert [(previous.state, current.state) for previous, current in changes] == [
-        (S.RUNNING, S.PAUSED), (S.PAUSED, S.PAUSED), (S.PAUSED, S.RUNNING)
+        (S.RUNNING, S.PAUSED),
+        (S.PAUSED, S.PAUSED),
+        (S.PAUSED, S.RUNNING),
     ]
 
 

@@ -59,7 +59,11 @@ def test_wrong_types_and_missing_fields_are_400_naming_the_field(payload: dict, 
 
 def test_undecodable_bodies_are_400() -> None:
     decoder = PayloadDecoder(SubmitRequest)
-    for body, encoding in [(b"{not json", Encoding.JSON), (b"\xc1", Encoding.MSGPACK), (msgpack.packb([1]), Encoding.MSGPACK)]:
+    for body, encoding in [
+        (b"{not json", Encoding.JSON),
+        (b"\xc1", Encoding.MSGPACK),
+        (msgpack.packb([1]), Encoding.MSGPACK),
+    ]:
         with pytest.raises(WireError) as caught:
             decoder.decode(body, encoding)
         assert caught.value.code == 400
