@@ -146,7 +146,9 @@ class DocEngineFleet:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         for engine_id in self.engines:
-            await self.nc.publish(f"{self.prefix}.disconnect.{engine_id}", msgpack.packb({"engine_id": engine_id, "reason": reason}))
+            await self.nc.publish(
+                f"{self.prefix}.disconnect.{engine_id}", msgpack.packb({"engine_id": engine_id, "reason": reason})
+            )
         await self.nc.flush()
 
     async def _heartbeats(self) -> None:
@@ -159,8 +161,12 @@ class DocEngineFleet:
                 for engine in part:
                     if not engine.registered:
                         continue
-                    beat = {"engine_id": engine.engine_id, "load": len(engine.active), "capacity": self.capacity,
-                            "active": list(engine.active)}
+                    beat = {
+                        "engine_id": engine.engine_id,
+                        "load": len(engine.active),
+                        "capacity": self.capacity,
+                        "active": list(engine.active),
+                    }
                     await self.nc.publish(f"{self.prefix}.heartbeat.{engine.engine_id}", msgpack.packb(beat))
                 await asyncio.sleep(max(0.0, self.heartbeat_interval_s / 10 - (time.monotonic() - started)))
 

@@ -21,9 +21,13 @@ def check_limits(submit: SubmitRequest, settings: Settings, max_context: int | N
     stop = params.stop
     if stop:
         if len(stop) > settings.max_stop_strings:
-            raise WireError(ErrorCode.MALFORMED, f"{len(stop)} stop strings exceed max_stop_strings ({settings.max_stop_strings})")
+            raise WireError(
+                ErrorCode.MALFORMED, f"{len(stop)} stop strings exceed max_stop_strings ({settings.max_stop_strings})"
+            )
         limit = settings.max_stop_string_bytes
         if any(len(text) > limit or utf8_length(text) > limit for text in stop):
             raise WireError(ErrorCode.MALFORMED, f"a stop string is longer than max_stop_string_bytes ({limit})")
     if max_context is not None and params.max_tokens is not None and params.max_tokens > max_context:
-        raise WireError(ErrorCode.MALFORMED, f"max_tokens {params.max_tokens} exceeds the engine's context of {max_context} tokens")
+        raise WireError(
+            ErrorCode.MALFORMED, f"max_tokens {params.max_tokens} exceeds the engine's context of {max_context} tokens"
+        )

@@ -102,15 +102,25 @@ def reply_size(reply: RoutedReply) -> int:
     msgpack carries them (a character may take four bytes)."""
     return_path = reply.return_path
     return (
-        len(reply.body) + utf8_length(return_path.reply_to) + utf8_length(return_path.request_id)
-        + utf8_length(return_path.coordinator_id) + utf8_length(str(return_path.client_request_id))
-        + utf8_length(return_path.client_id or "") + utf8_length(return_path.encoding) + ITEM_OVERHEAD
+        len(reply.body)
+        + utf8_length(return_path.reply_to)
+        + utf8_length(return_path.request_id)
+        + utf8_length(return_path.coordinator_id)
+        + utf8_length(str(return_path.client_request_id))
+        + utf8_length(return_path.client_id or "")
+        + utf8_length(return_path.encoding)
+        + ITEM_OVERHEAD
     )
 
 
 class ReplyPublisher:
     def __init__(
-        self, engine_id: str, nc: DirectClient, subjects: Subjects, counters: Counter[str], recent_bytes: int = 64 * 1024 * 1024
+        self,
+        engine_id: str,
+        nc: DirectClient,
+        subjects: Subjects,
+        counters: Counter[str],
+        recent_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self._engine_id = engine_id
         self._nc = nc
@@ -161,11 +171,17 @@ class ReplyPublisher:
             return reply
         return_path = reply.return_path
         err = WireError(ErrorCode.TOO_LARGE, f"reply of {len(reply.body)} bytes exceeds NATS max_payload {max_payload}")
-        body = encode(error_reply(err, return_path.client_request_id, return_path.request_id), Encoding(return_path.encoding))
+        body = encode(
+            error_reply(err, return_path.client_request_id, return_path.request_id), Encoding(return_path.encoding)
+        )
         error = RoutedReply(return_path, body, reply.seq)
         if fits_alone(reply_size(error), max_payload):
             return error
         self._counters["replies_undeliverable"] += 1
-        log.warning("engine_id=%s request_id=%s: reply dropped, its return path alone exceeds NATS max_payload %d",
-                    self._engine_id, return_path.request_id[:64], max_payload)
+        log.warning(
+            "engine_id=%s request_id=%s: reply dropped, its return path alone exceeds NATS max_payload %d",
+            self._engine_id,
+            return_path.request_id[:64],
+            max_payload,
+        )
         return None

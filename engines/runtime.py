@@ -88,7 +88,9 @@ class EngineRuntime:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._steps = 0
         self._nc = DirectClient()
-        self._replies = ReplyPublisher(self.engine_id, self._nc, self.subjects, self.counters, settings.recent_replies_bytes)
+        self._replies = ReplyPublisher(
+            self.engine_id, self._nc, self.subjects, self.counters, settings.recent_replies_bytes
+        )
 
     # ------------------------------------------------------------ lifecycle
 
@@ -135,7 +137,8 @@ class EngineRuntime:
         if self._nc.is_connected or self._nc.is_reconnecting:
             if self._nc.is_connected:
                 await self.nc.publish(
-                    self.subjects.sent_by(Header.DISCONNECT, self.engine_id), encode_msgpack(EngineDisconnect(self.engine_id, reason))
+                    self.subjects.sent_by(Header.DISCONNECT, self.engine_id),
+                    encode_msgpack(EngineDisconnect(self.engine_id, reason)),
                 )
             await close_nats(self._nc)
         await self.backend.close()
@@ -192,7 +195,12 @@ class EngineRuntime:
     async def _heartbeat_once(self) -> None:
         if self._connected.is_set():
             beat = Heartbeat(
-                self.engine_id, self.load, self.settings.engine_capacity, list(self._active), self.served_model_name, self._steps
+                self.engine_id,
+                self.load,
+                self.settings.engine_capacity,
+                list(self._active),
+                self.served_model_name,
+                self._steps,
             )
             await self.nc.publish(self.subjects.sent_by(Header.HEARTBEAT, self.engine_id), encode_msgpack(beat))
         await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -239,14 +247,20 @@ class EngineRuntime:
             submit = _submit_decoder.decode(routed.body, encoding)
             check_limits(submit, self.settings, self.backend.max_context)
             prompt = submit.prompt if submit.prompt is not None else self.backend.render_chat(submit.messages or ())
-            active.prompt_tokens = self.backend.add(GenerationRequest.from_submit(return_path.request_id, submit, prompt))
+            active.prompt_tokens = self.backend.add(
+                GenerationRequest.from_submit(return_path.request_id, submit, prompt)
+            )
         except Exception as exc:
             if isinstance(exc, WireError):
                 err = exc
-                self._malformed_log.warning("engine_id=%s request_id=%s refused: %s", self.engine_id, return_path.request_id, err)
+                self._malformed_log.warning(
+                    "engine_id=%s request_id=%s refused: %s", self.engine_id, return_path.request_id, err
+                )
             else:
                 err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not start the request")
-                self._malformed_log.exception("engine_id=%s request_id=%s: starting it failed", self.engine_id, return_path.request_id)
+                self._malformed_log.exception(
+                    "engine_id=%s request_id=%s: starting it failed", self.engine_id, return_path.request_id
+                )
             await self._replies.publish(Header.ENGINE_REPLY, [active.error(err)])
             return
         self._active[return_path.request_id] = active
@@ -302,7 +316,9 @@ class EngineRuntime:
                 await self._publish_outputs(outputs)
             except Exception:
                 # Tokens of this step may be lost: its requests end with an error rather than a gap.
-                log.exception("engine_id=%s: replies of a step failed; failing its %d requests", self.engine_id, len(outputs))
+                log.exception(
+                    "engine_id=%s: replies of a step failed; failing its %d requests", self.engine_id, len(outputs)
+                )
                 err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not send a step's replies")
                 await self._fail([output.request_id for output in outputs], err)
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not

@@ -100,4 +100,3 @@ class EngineContext(Replier, Protocol):
 
     def peer_seen(self, coordinator_id: str) -> None:
         """Note a live coordinator replica; raises WireError 400 for an invalid id."""
-

@@ -29,7 +29,10 @@ def sender(incoming: Incoming, claimed: str) -> str:
     """The engine ``incoming`` is from: the one its subject names, which must be the one its
     body claims (403 otherwise)."""
     if incoming.sender != claimed:
-        raise WireError(ErrorCode.FORBIDDEN, f"engine {str(incoming.sender)[:64]!r} sent a {incoming.header} for engine {claimed[:64]!r}")
+        raise WireError(
+            ErrorCode.FORBIDDEN,
+            f"engine {str(incoming.sender)[:64]!r} sent a {incoming.header} for engine {claimed[:64]!r}",
+        )
     return claimed
 
 
@@ -66,7 +69,9 @@ async def handle_engine_reply(coordinator: EngineContext, incoming: Incoming, pa
 
 
 @message_handler(Header.ENGINE_REPLY_PARTIAL, fanout=True, direct=True, per_sender=True)
-async def handle_engine_reply_partial(coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch) -> None:
+async def handle_engine_reply_partial(
+    coordinator: EngineContext, incoming: Incoming, payload: EngineReplyBatch
+) -> None:
     """Sent by an engine after each step: streamed tokens of requests with ``stream``.
 
     Each is sent to its client in order, if its request was routed to this engine; the requests

@@ -80,7 +80,12 @@ class Operator:
     def server_config(self) -> Path:
         operator_jwt = _jwt(self.operator, self.operator.public, "dpcoord-test", {"type": "operator", "version": 2})
         signing_keys = [
-            {"kind": "user_scope", "key": key.public, "role": role, "template": {"subs": -1, "data": -1, "payload": -1, **template}}
+            {
+                "kind": "user_scope",
+                "key": key.public,
+                "role": role,
+                "template": {"subs": -1, "data": -1, "payload": -1, **template},
+            }
             for role, (key, template) in self.scopes.items()
         ]
         account_claims = {"limits": _UNLIMITED, "type": "account", "version": 2, "signing_keys": signing_keys}

@@ -107,7 +107,9 @@ class Admission:
             body, encoding, timeout_s = incoming.body, incoming.encoding, submit.sampling_params.timeout_s
         self._check_ids(submit.client_request_id, submit.client_id)
         if timeout_s is not None and not timeout_s <= self._max_timeout:  # also catches NaN
-            raise WireError(ErrorCode.MALFORMED, f"timeout_s {timeout_s} exceeds max_request_timeout_s ({self._max_timeout:g})")
+            raise WireError(
+                ErrorCode.MALFORMED, f"timeout_s {timeout_s} exceeds max_request_timeout_s ({self._max_timeout:g})"
+            )
         client_key = None
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
@@ -126,12 +128,18 @@ class Admission:
             if len(queue) >= settings.max_queued_requests:
                 raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_requests} held)")
             if self._requests.queued_bytes + len(body) > settings.max_queued_bytes:
-                raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_bytes} bytes held)")
+                raise WireError(
+                    ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_bytes} bytes held)"
+                )
 
         request_id = self._ids.new()
-        return_path = ReturnPath(request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id)
+        return_path = ReturnPath(
+            request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id
+        )
         entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
-        entry.deadline = self._deadlines.call_later(timeout_s or self._settings.request_timeout_s, self._expire, request_id)
+        entry.deadline = self._deadlines.call_later(
+            timeout_s or self._settings.request_timeout_s, self._expire, request_id
+        )
         self._requests.add(entry)
         self._counters["submitted"] += 1
         if engine is not None:
@@ -152,10 +160,13 @@ class Admission:
             raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to!r} {problem}")
         owner = self._inboxes.owner(reply_to)
         if owner is None:
-            raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to!r} is not under an inbox prefix ({self._inboxes.describe()})")
+            raise WireError(
+                ErrorCode.MALFORMED, f"reply_to {reply_to!r} is not under an inbox prefix ({self._inboxes.describe()})"
+            )
         if incoming.owner is not None and owner != incoming.owner:
             raise WireError(
-                ErrorCode.MALFORMED, f"reply_to {reply_to!r} is not under the sender's own inbox prefix {incoming.owner!r}"
+                ErrorCode.MALFORMED,
+                f"reply_to {reply_to!r} is not under the sender's own inbox prefix {incoming.owner!r}",
             )
         return reply_to, owner
 
@@ -224,7 +235,11 @@ class Admission:
                     if not self._peers.warmed_up:
                         break  # heartbeats are about to introduce the fleet
                     queue.pop(entry)
-                    err = WireError(ErrorCode.NO_ENGINE, "no engine available") if model is None else self._unknown_model(model)
+                    err = (
+                        WireError(ErrorCode.NO_ENGINE, "no engine available")
+                        if model is None
+                        else self._unknown_model(model)
+                    )
                     await self._relay.fail(entry.return_path.request_id, err)
                     continue
                 engine = self._policy.choose(group, entry.routing_key)
@@ -265,9 +280,11 @@ def _same_submission(client_key: ClientKey, owner: str, body: bytes | None, new_
     client_id, client_request_id = client_key
     if new_owner != owner:
         raise WireError(
-            ErrorCode.FORBIDDEN, f"client_request_id {client_request_id!r} of client_id {client_id!r} belongs to another owner"
+            ErrorCode.FORBIDDEN,
+            f"client_request_id {client_request_id!r} of client_id {client_id!r} belongs to another owner",
         )
     if body is not None and new_body != body:
         raise WireError(
-            ErrorCode.CONFLICT, f"client_request_id {client_request_id!r} of client_id {client_id!r} was submitted with another body"
+            ErrorCode.CONFLICT,
+            f"client_request_id {client_request_id!r} of client_id {client_id!r} was submitted with another body",
         )

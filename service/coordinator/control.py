@@ -205,7 +205,8 @@ class Control:
             return
         record = self.shared.record
         if (
-            record.state is CoordinatorState.STOPPING and not self._finishing_stop
+            record.state is CoordinatorState.STOPPING
+            and not self._finishing_stop
             and time.monotonic() - self._stopping_since > 2 * self._settings.control_timeout_s
             and self._peers.should_adopt(record.coordinator_id)
         ):

@@ -89,8 +89,18 @@ class Coordinator:
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
         self._relay = ReplyRelay(
-            self.id, self.nc, self.subjects, self.requests, self.engines, self.peers, self.results, self._deliveries,
-            self.counters, self.spawn, self.inboxes, settings.max_buffered_bytes,
+            self.id,
+            self.nc,
+            self.subjects,
+            self.requests,
+            self.engines,
+            self.peers,
+            self.results,
+            self._deliveries,
+            self.counters,
+            self.spawn,
+            self.inboxes,
+            settings.max_buffered_bytes,
         )
         policy = make_policy(settings)
         self._outbox = Outbox(
@@ -113,9 +123,16 @@ class Coordinator:
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._fleet = Fleet(
-            settings, self.nc, self.subjects, self.engines, self.requests, self._admission, self._relay,
+            settings,
+            self.nc,
+            self.subjects,
+            self.engines,
+            self.requests,
+            self._admission,
+            self._relay,
             self.control_state,
-            self.counters, self.spawn,
+            self.counters,
+            self.spawn,
         )
         self._control = Control(
             self.id,
@@ -276,7 +293,9 @@ class Coordinator:
             problem = self._reply_problem(reply, owner)
             if problem is not None:
                 self.counters["unsafe_reply_subject"] += 1
-                self._refusal_log.warning("dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), reply[:256], problem)
+                self._refusal_log.warning(
+                    "dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), reply[:256], problem
+                )
                 return
         sender = subject[len(self.subjects.prefix) + len(spec.header) + 2 :] if spec.per_sender else None
         incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner)
@@ -365,7 +384,9 @@ class Coordinator:
 
     async def shut_down(self, incoming: Incoming) -> None:
         if incoming.owner is None or incoming.owner not in self._known_clients:
-            raise WireError(ErrorCode.FORBIDDEN, "shutdown is honoured only from a client that connected (send connect first)")
+            raise WireError(
+                ErrorCode.FORBIDDEN, "shutdown is honoured only from a client that connected (send connect first)"
+            )
         written, replicas = await self._control.shut_down_all()
         await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state, revision=written.revision, replicas=replicas))
         await self.nc.flush()

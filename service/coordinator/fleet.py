@@ -174,7 +174,9 @@ class Fleet:
             return
         now = time.monotonic()
         for record in self.pool.silent_since(now - timeout):
-            await self._guarded(self.remove(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False), record.engine_id)
+            await self._guarded(
+                self.remove(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False), record.engine_id
+            )
         for record in self._stalled(now):
             await self._guarded(self.suspect(record), record.engine_id)
         self._suspects = {engine_id: heard for engine_id, heard in self._suspects.items() if now - heard < timeout}
@@ -184,7 +186,9 @@ class Fleet:
             await step
         except Exception:
             self._counters["watchdog_errors"] += 1
-            self._refusals.warning("engine_id=%s: the watchdog could not handle this engine; next round tries again", engine_id)
+            self._refusals.warning(
+                "engine_id=%s: the watchdog could not handle this engine; next round tries again", engine_id
+            )
 
     def _stalled(self, now: float) -> list[EngineRecord]:
         """Engines holding requests that made no progress within ``engine_progress_timeout_s``.
@@ -251,7 +255,9 @@ class Fleet:
                 continue
             self.pool.release(record.engine_id, request_id)
             if entry.streamed or entry.attempts > self._settings.max_retries:
-                await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request"))
+                await self._relay.fail(
+                    request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request")
+                )
                 continue
             self._counters["redispatched"] += 1
             self._admission.requeue(entry)

@@ -38,8 +38,12 @@ def routed_size(entry: InflightRequest) -> int:
     path, counted in UTF-8 as msgpack carries them."""
     return_path = entry.return_path
     return (
-        len(entry.body) + utf8_length(return_path.reply_to) + utf8_length(str(return_path.client_request_id))
-        + utf8_length(return_path.client_id or "") + len(return_path.request_id) + len(return_path.coordinator_id)
+        len(entry.body)
+        + utf8_length(return_path.reply_to)
+        + utf8_length(str(return_path.client_request_id))
+        + utf8_length(return_path.client_id or "")
+        + len(return_path.request_id)
+        + len(return_path.coordinator_id)
         + ITEM_OVERHEAD
     )
 

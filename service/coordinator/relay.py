@@ -92,7 +92,12 @@ class ReplyRelay:
         return entry
 
     async def reply(
-        self, return_path: ReturnPath, body: bytes, terminal: bool, owner: str | None = None, request_body: bytes | None = None
+        self,
+        return_path: ReturnPath,
+        body: bytes,
+        terminal: bool,
+        owner: str | None = None,
+        request_body: bytes | None = None,
     ) -> None:
         """Send one reply along ``return_path``: this replica's own (its reply subject was checked on
         admission), or an orphan's that :meth:`_on_orphan` checked, since an engine wrote it.

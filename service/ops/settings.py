@@ -82,8 +82,12 @@ class Settings(BaseSettings):
     nats_connect_timeout_s: NatsSetting[float] = Field(5.0, gt=0, description="Timeout of one connection attempt")
 
     # Coordinator
-    coordinator_id: CoordinatorSetting[str | None] = Field(None, pattern=ID_PATTERN, description="Coordinator replica id; random when unset")
-    queue_group: CoordinatorSetting[str] = Field("dpcoord-coordinators", description="Queue group shared by coordinator replicas")
+    coordinator_id: CoordinatorSetting[str | None] = Field(
+        None, pattern=ID_PATTERN, description="Coordinator replica id; random when unset"
+    )
+    queue_group: CoordinatorSetting[str] = Field(
+        "dpcoord-coordinators", description="Queue group shared by coordinator replicas"
+    )
     routing_policy: CoordinatorSetting[Literal["least_loaded", "p2c", "round_robin", "prefix"]] = Field(
         "least_loaded",
         description="How a request picks an engine: least_loaded, p2c (less loaded of two drawn at random), round_robin, "
@@ -131,43 +135,68 @@ class Settings(BaseSettings):
         60.0, ge=0, description="How long named clients' results are kept for resubmissions"
     )
     result_cache_size: CoordinatorSetting[int] = Field(100_000, ge=0, description="Most results kept for resubmissions")
-    reconnect_grace_s: CoordinatorSetting[float] = Field(1.5, ge=0, description="After a NATS reconnect, hold replies this long so clients resubscribe first")
+    reconnect_grace_s: CoordinatorSetting[float] = Field(
+        1.5, ge=0, description="After a NATS reconnect, hold replies this long so clients resubscribe first"
+    )
     # Limits on what peers may send or make the coordinator hold (docs/security.md)
     reply_inbox_prefixes: CoordinatorSetting[str] = Field(
-        "_INBOX", pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*(,[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*)*$",
+        "_INBOX",
+        pattern=r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*(,[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*)*$",
         description="Comma-separated inbox prefixes replies may go to, each also covering itself plus _ and a name "
         "(_INBOX covers _INBOX_client); the prefix a reply subject is under owns the request",
     )
     max_id_bytes: CoordinatorSetting[int] = Field(
-        256, ge=16, description="Longest client_id, client_request_id, engine or coordinator id and reply subject, in UTF-8 bytes (400 beyond)"
+        256,
+        ge=16,
+        description="Longest client_id, client_request_id, engine or coordinator id and reply subject, in UTF-8 bytes (400 beyond)",
     )
-    max_request_timeout_s: CoordinatorSetting[float] = Field(3600.0, gt=0, description="Longest deadline a request may ask for in timeout_s (400 beyond)")
-    max_queued_bytes: CoordinatorSetting[int] = Field(256 * 1024 * 1024, ge=0, description="Bytes of request bodies the coordinator queue holds before 429")
+    max_request_timeout_s: CoordinatorSetting[float] = Field(
+        3600.0, gt=0, description="Longest deadline a request may ask for in timeout_s (400 beyond)"
+    )
+    max_queued_bytes: CoordinatorSetting[int] = Field(
+        256 * 1024 * 1024, ge=0, description="Bytes of request bodies the coordinator queue holds before 429"
+    )
     max_client_share: CoordinatorSetting[float] = Field(
-        0.5, gt=0, le=1,
+        0.5,
+        gt=0,
+        le=1,
         description="Most of the fleet's slots one client (inbox prefix) holds while others wait; 1: no limit",
     )
-    max_engines: CoordinatorSetting[int] = Field(4096, ge=1, description="Engines the coordinator admits (register beyond: 429)")
+    max_engines: CoordinatorSetting[int] = Field(
+        4096, ge=1, description="Engines the coordinator admits (register beyond: 429)"
+    )
     engine_progress_timeout_s: CoordinatorSetting[float] = Field(
-        10.0, gt=0,
+        10.0,
+        gt=0,
         description="An engine holding requests that sends no reply and takes no step this long is suspected: "
         "its requests are retried elsewhere and it gets no new work until it answers",
     )
-    result_cache_bytes: CoordinatorSetting[int] = Field(256 * 1024 * 1024, ge=0, description="Bytes of results kept for resubmissions (oldest dropped first)")
+    result_cache_bytes: CoordinatorSetting[int] = Field(
+        256 * 1024 * 1024, ge=0, description="Bytes of results kept for resubmissions (oldest dropped first)"
+    )
     max_buffered_bytes: CoordinatorSetting[int] = Field(
-        64 * 1024 * 1024, ge=0,
+        64 * 1024 * 1024,
+        ge=0,
         description="Bytes of replies held for later delivery (across a NATS reconnect; orphans while a replica starts); oldest dropped first",
     )
 
     # Engine
-    engine_id: EngineSetting[str | None] = Field(None, pattern=ID_PATTERN, description="Engine id (letters, digits, '_', '-'); random when unset")
-    backend: EngineSetting[Literal["echo", "torch"]] = Field("torch", description="Engine backend: torch runs a model, echo is the protocol test double")
+    engine_id: EngineSetting[str | None] = Field(
+        None, pattern=ID_PATTERN, description="Engine id (letters, digits, '_', '-'); random when unset"
+    )
+    backend: EngineSetting[Literal["echo", "torch"]] = Field(
+        "torch", description="Engine backend: torch runs a model, echo is the protocol test double"
+    )
     token_delay_ms: EngineSetting[float] = Field(0.0, ge=0, description="Echo backend: delay per generated token")
     engine_capacity: EngineSetting[int] = Field(256, ge=1, description="Requests an engine accepts at once")
     heartbeat_interval_s: EngineSetting[float] = Field(1.0, gt=0, description="Engine heartbeat period")
     stream_interval: EngineSetting[int] = Field(1, ge=1, description="Tokens per streamed partial")
-    max_stop_strings: EngineSetting[int] = Field(16, ge=0, description="Most stop strings a request may give (400 beyond)")
-    max_stop_string_bytes: EngineSetting[int] = Field(256, ge=1, description="Longest stop string, in UTF-8 bytes (400 beyond)")
+    max_stop_strings: EngineSetting[int] = Field(
+        16, ge=0, description="Most stop strings a request may give (400 beyond)"
+    )
+    max_stop_string_bytes: EngineSetting[int] = Field(
+        256, ge=1, description="Longest stop string, in UTF-8 bytes (400 beyond)"
+    )
     recent_replies_bytes: EngineSetting[int] = Field(
         64 * 1024 * 1024, ge=0, description="Bytes of terminal replies an engine remembers to send again after a loss"
     )

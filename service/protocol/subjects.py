@@ -185,7 +185,11 @@ class InboxPrefixes:
             for prefix in self._multi:
                 count = len(prefix)
                 last = tokens[count - 1] if len(tokens) > count else ""
-                if last and tokens[: count - 1] == prefix[:-1] and (last == prefix[-1] or last.startswith(prefix[-1] + "_")):
+                if (
+                    last
+                    and tokens[: count - 1] == prefix[:-1]
+                    and (last == prefix[-1] or last.startswith(prefix[-1] + "_"))
+                ):
                     return ".".join(tokens[:count])
         return None
 

@@ -250,7 +250,9 @@ async def test_engines_and_coordinators_stay_in_their_lanes(secured: Any, connec
         assert f'permissions violation for publish to "{forbidden.lower()}"' in await engine_user.refused(forbidden)
     coordinator_user = await connect(url, "coordinator", auth.passwords["coordinator"])
     for forbidden in ("dpcoord.shutdown", "dpcoord.submit_request", "dpcoord.engine_reply.e1", "billing.charge"):
-        assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(forbidden)
+        assert f'permissions violation for publish to "{forbidden.lower()}"' in await coordinator_user.refused(
+            forbidden
+        )
 
 
 async def test_wrong_password_is_refused(secured: Any) -> None:

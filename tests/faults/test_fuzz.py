@@ -139,9 +139,12 @@ def subjects_of(target: FuzzTarget) -> list[str]:
     engine_id = target.engines[0].engine_id
     coordinator = [
         f"{prefix}.{header}.{engine_id}" if header in ENGINE_HEADERS else f"{prefix}.{header}"
-        for header in Header if header is not Header.SHUTDOWN
+        for header in Header
+        if header is not Header.SHUTDOWN
     ]
-    routed = [f"{prefix}.engine.{engine_id}.{header}" for header in (Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, "bogus")]
+    routed = [
+        f"{prefix}.engine.{engine_id}.{header}" for header in (Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, "bogus")
+    ]
     broadcast = [f"{prefix}.engines.{header}" for header in Header if header not in (Header.STOP, Header.SHUTDOWN)]
     return coordinator + routed + broadcast
 

@@ -63,7 +63,9 @@ async def submit(nc: NATS, coordinator: Coordinator, prompt: str = "alive") -> d
 
 async def test_coordinator_watchdog_survives_a_failed_round(coordinator: Coordinator, nc: NATS) -> None:
     coordinator.engines.silent_since = fails_once(coordinator.engines.silent_since)  # type: ignore[method-assign]
-    await nc.request(coordinator.subjects.sent_by("register", "mute"), encode_msgpack(EngineRegister("mute")), timeout=5)
+    await nc.request(
+        coordinator.subjects.sent_by("register", "mute"), encode_msgpack(EngineRegister("mute")), timeout=5
+    )
     await engines_become(coordinator, 0, timeout_s=5)  # the silent engine is still removed
     assert coordinator.counters["loop_errors_watchdog"] == 1
 
@@ -126,7 +128,9 @@ async def test_engine_heartbeat_survives_a_failed_beat(coordinator: Coordinator,
         assert coordinator.engines.get(engine.engine_id) is not None
 
 
-async def test_engine_step_loop_survives_a_failed_iteration(coordinator: Coordinator, settings: Settings, nc: NATS) -> None:
+async def test_engine_step_loop_survives_a_failed_iteration(
+    coordinator: Coordinator, settings: Settings, nc: NATS
+) -> None:
     backend = EchoBackend()
     backend.has_work = fails_once(backend.has_work)  # type: ignore[method-assign]
     async with EngineRuntime(settings, backend) as engine:
@@ -144,7 +148,9 @@ async def test_a_step_whose_replies_fail_ends_its_requests_with_an_error(
     async with engine:
         await asyncio.wait_for(engine.registered.wait(), 10)
         first = await request_json(
-            nc, coordinator.subjects.coordinator("submit_request"), {"prompt": "lost", "sampling_params": {"max_tokens": 3}}
+            nc,
+            coordinator.subjects.coordinator("submit_request"),
+            {"prompt": "lost", "sampling_params": {"max_tokens": 3}},
         )
         assert first["type"] == "error" and first["error"]["code"] == 500
         assert (await submit(nc, coordinator))["generated_text"] == "ali"

@@ -29,14 +29,20 @@ async def test_unstreamed_request_of_a_departed_engine_is_retried_elsewhere(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
     """An engine registered by hand, alone in the pool, takes the request and leaves without answering."""
-    await nc.request(coordinator.subjects.sent_by("register", "doomed"), encode_msgpack(EngineRegister("doomed", capacity=1000)), timeout=5)
+    await nc.request(
+        coordinator.subjects.sent_by("register", "doomed"),
+        encode_msgpack(EngineRegister("doomed", capacity=1000)),
+        timeout=5,
+    )
     doomed_inbox = await nc.subscribe(coordinator.subjects.engine("doomed", "submit_request"))
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     await nc.publish(subject(coordinator, "submit_request"), b'{"prompt": "retry me"}', reply=inbox)
     await doomed_inbox.next_msg(timeout=5)
     [real] = await start_engines(1)
-    await nc.publish(coordinator.subjects.sent_by("disconnect", "doomed"), encode_msgpack(EngineDisconnect("doomed", "test")))
+    await nc.publish(
+        coordinator.subjects.sent_by("disconnect", "doomed"), encode_msgpack(EngineDisconnect("doomed", "test"))
+    )
     final = decode_reply((await sub.next_msg(timeout=5)).data)
     assert final["type"] == "final" and final["engine_id"] == real.engine_id
     assert coordinator.counters["retried"] == 1
@@ -52,7 +58,8 @@ async def test_streamed_request_of_a_departed_engine_fails_with_503(
     await nc.publish(subject(coordinator, "submit_request"), json.dumps(body).encode(), reply=inbox)
     assert decode_reply((await sub.next_msg(timeout=5)).data)["type"] == "partial"
     await nc.publish(
-        coordinator.subjects.sent_by("disconnect", engine.engine_id), encode_msgpack(EngineDisconnect(engine.engine_id, "test"))
+        coordinator.subjects.sent_by("disconnect", engine.engine_id),
+        encode_msgpack(EngineDisconnect(engine.engine_id, "test")),
     )
     while (msg := await sub.next_msg(timeout=5)).data:
         last = decode_reply(msg.data)
@@ -60,7 +67,9 @@ async def test_streamed_request_of_a_departed_engine_fails_with_503(
 
 
 async def test_silent_engine_is_removed_after_heartbeat_timeout(coordinator: Coordinator, nc: NATS) -> None:
-    await nc.request(coordinator.subjects.sent_by("register", "mute"), encode_msgpack(EngineRegister("mute")), timeout=5)
+    await nc.request(
+        coordinator.subjects.sent_by("register", "mute"), encode_msgpack(EngineRegister("mute")), timeout=5
+    )
     assert coordinator.engines.get("mute") is not None
     loop = asyncio.get_running_loop()
     registered_at = loop.time()
@@ -70,7 +79,9 @@ async def test_silent_engine_is_removed_after_heartbeat_timeout(coordinator: Coo
 
 
 async def test_heartbeat_from_unknown_engine_adopts_it(coordinator: Coordinator, nc: NATS) -> None:
-    await nc.publish(coordinator.subjects.sent_by("heartbeat", "stranger"), encode_msgpack(Heartbeat("stranger", load=3, capacity=8)))
+    await nc.publish(
+        coordinator.subjects.sent_by("heartbeat", "stranger"), encode_msgpack(Heartbeat("stranger", load=3, capacity=8))
+    )
     await engines_become(coordinator, 1)
     record = coordinator.engines.get("stranger")
     assert record is not None and record.capacity == 8 and record.load == 0
@@ -79,7 +90,9 @@ async def test_heartbeat_from_unknown_engine_adopts_it(coordinator: Coordinator,
 async def test_engine_registering_again_starts_with_zero_load(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
-    await nc.request(coordinator.subjects.sent_by("register", "phoenix"), encode_msgpack(EngineRegister("phoenix")), timeout=5)
+    await nc.request(
+        coordinator.subjects.sent_by("register", "phoenix"), encode_msgpack(EngineRegister("phoenix")), timeout=5
+    )
     sink = await nc.subscribe(coordinator.subjects.engine("phoenix", "submit_request"))
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -87,7 +100,9 @@ async def test_engine_registering_again_starts_with_zero_load(
     await sink.next_msg(timeout=5)
     assert coordinator.engines.get("phoenix").load == 1  # type: ignore[union-attr]
     coordinator.settings.max_retries = 0
-    await nc.request(coordinator.subjects.sent_by("register", "phoenix"), encode_msgpack(EngineRegister("phoenix")), timeout=5)
+    await nc.request(
+        coordinator.subjects.sent_by("register", "phoenix"), encode_msgpack(EngineRegister("phoenix")), timeout=5
+    )
     assert coordinator.engines.get("phoenix").load == 0  # type: ignore[union-attr]
     error = decode_reply((await sub.next_msg(timeout=5)).data)
     assert error["error"]["code"] == 503

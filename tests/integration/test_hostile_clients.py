@@ -102,7 +102,9 @@ async def test_abort_from_another_owner_is_refused(
     await start_engines(1, token_delay_ms=30)
     inbox = alice.new_inbox()
     sub = await alice.subscribe(inbox)
-    await alice.publish(submit(coordinator), body("long", 20, stream=True, client_id="alice", client_request_id="r2"), reply=inbox)
+    await alice.publish(
+        submit(coordinator), body("long", 20, stream=True, client_id="alice", client_request_id="r2"), reply=inbox
+    )
     first = decode_reply((await sub.next_msg(timeout=5)).data)
     abort = coordinator.subjects.coordinator("abort_request")
     by_id = await request_json(mallory, abort, {"request_id": first["request_id"]})
@@ -117,7 +119,9 @@ async def test_abort_from_another_owner_is_refused(
     assert ack["type"] == "ack"  # the owner may
 
 
-async def test_shutdown_is_honoured_only_from_a_client_that_connected(coordinator: Coordinator, alice: NATS, mallory: NATS) -> None:
+async def test_shutdown_is_honoured_only_from_a_client_that_connected(
+    coordinator: Coordinator, alice: NATS, mallory: NATS
+) -> None:
     shutdown = coordinator.subjects.coordinator("shutdown")
     assert (await request_json(mallory, shutdown, {}))["error"]["code"] == 403
     assert (await request_json(alice, coordinator.subjects.coordinator("connect"), {}))["type"] == "connect_ack"
@@ -144,7 +148,9 @@ async def test_reply_to_is_an_inbox_and_the_senders_own(
     assert victim.pending_msgs == 0
 
 
-async def test_reply_subjects_outside_inboxes_are_dropped(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_reply_subjects_outside_inboxes_are_dropped(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     elsewhere = await nc.subscribe("billing.charge")
     await nc.publish(submit(coordinator), body("x"), reply="billing.charge")
@@ -162,7 +168,9 @@ async def test_reply_subjects_outside_inboxes_are_dropped(coordinator: Coordinat
 @pytest.mark.parametrize("field", ["client_request_id", "client_id", "reply_to"])
 async def test_oversized_ids_are_refused_naming_the_cap(coordinator: Coordinator, nc: NATS, field: str) -> None:
     value = "_INBOX." + "x" * 300_000 if field == "reply_to" else "x" * 300_000
-    refused = await request(nc, submit(coordinator), body(**{field: value, "client_id": "c"} if field != "client_id" else {field: value}))
+    refused = await request(
+        nc, submit(coordinator), body(**{field: value, "client_id": "c"} if field != "client_id" else {field: value})
+    )
     assert refused["error"]["code"] == 400 and "max_id_bytes (256)" in refused["error"]["message"]
     multibyte = "\u00e9" * 200  # 200 characters, 400 bytes
     refused = await request(nc, submit(coordinator), body(client_id="c", client_request_id=multibyte))
@@ -180,11 +188,21 @@ async def test_engine_reply_batches_count_every_byte(nats_url: str, nc: NATS) ->
         await nc.flush()
         wide = "\U0001f642" * 60_000  # 60,000 characters, 240,000 bytes in UTF-8
         routed = [
-            RoutedRequest(ReturnPath(f"wide-{index}", "c0", "_INBOX.x", "json", False, wide), b'{"prompt": "a", "sampling_params": {"max_tokens": 1}}')
+            RoutedRequest(
+                ReturnPath(f"wide-{index}", "c0", "_INBOX.x", "json", False, wide),
+                b'{"prompt": "a", "sampling_params": {"max_tokens": 1}}',
+            )
             for index in range(3)
         ]
-        routed.append(RoutedRequest(ReturnPath("neighbour", "c0", "_INBOX.y", "json", False, "n"), b'{"prompt": "b", "sampling_params": {"max_tokens": 1}}'))
-        await nc.publish(engine.subjects.engine(engine.engine_id, "submit_request"), encode_msgpack(RoutedRequestBatch(routed)))
+        routed.append(
+            RoutedRequest(
+                ReturnPath("neighbour", "c0", "_INBOX.y", "json", False, "n"),
+                b'{"prompt": "b", "sampling_params": {"max_tokens": 1}}',
+            )
+        )
+        await nc.publish(
+            engine.subjects.engine(engine.engine_id, "submit_request"), encode_msgpack(RoutedRequestBatch(routed))
+        )
         seen: set[str] = set()
 
         async def collect() -> None:
@@ -237,7 +255,9 @@ async def test_huge_deadlines_and_token_counts_are_400(
     assert reply["type"] == "error" and reply["error"]["code"] == 400 and complaint in reply["error"]["message"]
 
 
-async def test_infinite_or_nan_deadline_is_400_not_500(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_infinite_or_nan_deadline_is_400_not_500(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     await start_engines(1)
     for timeout_s in (math.inf, math.nan):
         plain = msgpack.packb({"prompt": "x", "sampling_params": {"timeout_s": timeout_s}})
@@ -276,7 +296,9 @@ async def test_queue_is_bounded_by_bytes(nats_url: str, nc: NATS) -> None:
         assert all(final["type"] == "final" for final in finals)
 
 
-async def test_a_client_holds_no_more_than_its_share_while_others_wait(nats_url: str, alice: NATS, mallory: NATS) -> None:
+async def test_a_client_holds_no_more_than_its_share_while_others_wait(
+    nats_url: str, alice: NATS, mallory: NATS
+) -> None:
     """520 requests of one client held every engine slot; requests of others waited behind them."""
     settings = make_settings(nats_url, max_inflight_per_engine=4, max_client_share=0.5)
     async with Coordinator(settings, HANDLERS) as coordinator, EngineRuntime(settings, EchoBackend(token_delay_ms=20)):
@@ -319,8 +341,13 @@ async def test_deep_nesting_is_400_per_request_and_spares_its_batch_neighbours(
     sub = await nc.subscribe(inbox)
     good = msgpack.packb({"prompt": "ok", "sampling_params": {"max_tokens": 2}})
     for index, inner in enumerate([good, nested, good, good]):
-        await nc.publish(submit(coordinator), encode_msgpack(SubmitEnvelope(1, inner, client_request_id=index)), reply=inbox)
-    replies = {reply["client_request_id"]: reply for reply in [decode_reply((await sub.next_msg(timeout=5)).data) for _ in range(4)]}
+        await nc.publish(
+            submit(coordinator), encode_msgpack(SubmitEnvelope(1, inner, client_request_id=index)), reply=inbox
+        )
+    replies = {
+        reply["client_request_id"]: reply
+        for reply in [decode_reply((await sub.next_msg(timeout=5)).data) for _ in range(4)]
+    }
     assert replies[1]["type"] == "error" and replies[1]["error"]["code"] == 400
     assert all(replies[index]["type"] == "final" for index in (0, 2, 3))
     assert coordinator.counters["error_500"] == 0 and coordinator.counters["redispatched"] == 0
@@ -328,7 +355,11 @@ async def test_deep_nesting_is_400_per_request_and_spares_its_batch_neighbours(
 
 @pytest.mark.parametrize(
     ("stop", "complaint"),
-    [(["s"] * 17, "max_stop_strings (16)"), (["x" * 257], "max_stop_string_bytes (256)"), (["\u00e9" * 129], "max_stop_string_bytes")],
+    [
+        (["s"] * 17, "max_stop_strings (16)"),
+        (["x" * 257], "max_stop_string_bytes (256)"),
+        (["\u00e9" * 129], "max_stop_string_bytes"),
+    ],
 )
 async def test_stop_strings_are_capped(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS, stop: list[str], complaint: str

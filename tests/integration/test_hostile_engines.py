@@ -79,13 +79,17 @@ async def heartbeating(nc: NATS, coordinator: Coordinator, engine_id: str, capac
         task.cancel()
 
 
-def forged_final(coordinator: Coordinator, request_id: str, reply_to: str, engine_id: str, text: str = "forged") -> bytes:
+def forged_final(
+    coordinator: Coordinator, request_id: str, reply_to: str, engine_id: str, text: str = "forged"
+) -> bytes:
     return_path = ReturnPath(request_id, coordinator.id, reply_to, "json", False, None)
     body = msgspec.json.encode(Final(request_id, None, engine_id, [1], text, "length"))
     return encode_msgpack(EngineReplyBatch(engine_id, [RoutedReply(return_path, body)]))
 
 
-async def publish_everywhere(nc: NATS, coordinator: Coordinator, header: str, body: bytes, engine_ids: list[str]) -> None:
+async def publish_everywhere(
+    nc: NATS, coordinator: Coordinator, header: str, body: bytes, engine_ids: list[str]
+) -> None:
     """On the plain subject and as each of ``engine_ids``: wherever an attacker could try."""
     await nc.publish(plain(coordinator, header), body)
     for engine_id in engine_ids:
@@ -141,7 +145,11 @@ async def test_registration_flood_is_capped_with_429_and_real_engines_stay(nats_
         await publish_everywhere(nc, coordinator, "heartbeat", encode_msgpack(Heartbeat("adopt-me")), ["adopt-me"])
         assert coordinator.engines.get("adopt-me") is None
         await engines_become(coordinator, 1, timeout_s=5)  # the silent flood is dropped; the real engine stays
-        reply = await request_json(nc, coordinator.subjects.coordinator("submit_request"), {"prompt": "hi", "sampling_params": {"max_tokens": 2}})
+        reply = await request_json(
+            nc,
+            coordinator.subjects.coordinator("submit_request"),
+            {"prompt": "hi", "sampling_params": {"max_tokens": 2}},
+        )
         assert reply["type"] == "final"
 
 
@@ -156,7 +164,10 @@ async def test_black_hole_engine_is_suspected_and_its_requests_run_elsewhere(nat
     from tests.conftest import make_settings
 
     settings = make_settings(nats_url, engine_progress_timeout_s=0.5, request_timeout_s=60)
-    async with Coordinator(settings, HANDLERS) as coordinator, heartbeating(nc, coordinator, "black-hole", capacity=1000):
+    async with (
+        Coordinator(settings, HANDLERS) as coordinator,
+        heartbeating(nc, coordinator, "black-hole", capacity=1000),
+    ):
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         submit = coordinator.subjects.coordinator("submit_request")
@@ -172,7 +183,11 @@ async def test_black_hole_engine_is_suspected_and_its_requests_run_elsewhere(nat
             assert coordinator.engines.get("black-hole") is None  # its heartbeats do not bring it back
             # It answers (the abort it was sent, say): its next heartbeat takes it back.
             await publish_everywhere(
-                nc, coordinator, "engine_reply", forged_final(coordinator, "gone", nc.new_inbox(), "black-hole"), ["black-hole"]
+                nc,
+                coordinator,
+                "engine_reply",
+                forged_final(coordinator, "gone", nc.new_inbox(), "black-hole"),
+                ["black-hole"],
             )
             await engines_become(coordinator, 2, timeout_s=5)
 
@@ -185,7 +200,10 @@ async def test_a_busy_engine_with_long_requests_is_not_suspected(nats_url: str, 
     from tests.conftest import make_settings
 
     settings = make_settings(nats_url, engine_progress_timeout_s=0.5)
-    async with Coordinator(settings, HANDLERS) as coordinator, EngineRuntime(settings, EchoBackend(token_delay_ms=20)) as engine:
+    async with (
+        Coordinator(settings, HANDLERS) as coordinator,
+        EngineRuntime(settings, EchoBackend(token_delay_ms=20)) as engine,
+    ):
         await asyncio.wait_for(engine.registered.wait(), 10)
         body = {"prompt": "long", "sampling_params": {"max_tokens": 80}}  # about 1.6 s of steps
         final = await request_json(nc, coordinator.subjects.coordinator("submit_request"), body, timeout=10)
@@ -209,7 +227,9 @@ async def test_a_reply_counts_only_from_the_engine_its_request_was_routed_to(
     await register(nc, coordinator, "intruder")  # joins after the request went to the real engine
     request_id = entry.return_path.request_id
     # As itself, and claiming to be the engine the request went to, on every subject it could.
-    await publish_everywhere(nc, coordinator, "engine_reply", forged_final(coordinator, request_id, inbox, "intruder"), ["intruder"])
+    await publish_everywhere(
+        nc, coordinator, "engine_reply", forged_final(coordinator, request_id, inbox, "intruder"), ["intruder"]
+    )
     await publish_everywhere(
         nc, coordinator, "engine_reply", forged_final(coordinator, request_id, inbox, engine.engine_id), ["intruder"]
     )
@@ -224,7 +244,11 @@ async def test_request_ids_cannot_be_guessed(coordinator: Coordinator, start_eng
     [engine] = await start_engines(1, token_delay_ms=100)
     victim_inbox = nc.new_inbox()
     victim = await nc.subscribe(victim_inbox)
-    await nc.publish(coordinator.subjects.coordinator("submit_request"), b'{"prompt": "mine", "sampling_params": {"max_tokens": 4}}', reply=victim_inbox)
+    await nc.publish(
+        coordinator.subjects.coordinator("submit_request"),
+        b'{"prompt": "mine", "sampling_params": {"max_tokens": 4}}',
+        reply=victim_inbox,
+    )
     await nc.flush()
     for guess in range(8):
         forged = forged_final(coordinator, f"{coordinator.id}-{guess}", victim_inbox, engine.engine_id)
@@ -248,7 +272,12 @@ async def test_an_orphan_naming_a_coordinator_never_seen_is_not_cached(
     batch = encode_msgpack(EngineReplyBatch("forger", [RoutedReply(return_path, body)]))
     await publish_everywhere(nc, coordinator, "engine_reply", batch, ["forger"])
     await attacker.next_msg(timeout=5)  # delivered once the coordinator has heard its peers: an orphan
-    submit = {"prompt": "honest", "client_id": "victim", "client_request_id": "victim-request", "sampling_params": {"max_tokens": 6}}
+    submit = {
+        "prompt": "honest",
+        "client_id": "victim",
+        "client_request_id": "victim-request",
+        "sampling_params": {"max_tokens": 6},
+    }
     final = await request_json(nc, coordinator.subjects.coordinator("submit_request"), submit)
     assert final["generated_text"] == "honest"
 
@@ -259,7 +288,9 @@ async def test_disconnect_counts_only_from_the_engine_itself(
     [victim] = await start_engines(1)
     spoof = encode_msgpack(EngineDisconnect(victim.engine_id, "spoofed"))
     await publish_everywhere(nc, coordinator, "disconnect", spoof, ["intruder"])
-    reply = await request_json(nc, coordinator.subjects.coordinator("submit_request"), {"prompt": "ok", "sampling_params": {"max_tokens": 2}})
+    reply = await request_json(
+        nc, coordinator.subjects.coordinator("submit_request"), {"prompt": "ok", "sampling_params": {"max_tokens": 2}}
+    )
     assert reply["type"] == "final" and coordinator.engines.get(victim.engine_id) is not None
     assert coordinator.counters["error_403"] >= 1
 
@@ -272,7 +303,11 @@ async def test_an_engine_cannot_heartbeat_or_register_for_another(
     [victim] = await start_engines(1, token_delay_ms=50)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.publish(coordinator.subjects.coordinator("submit_request"), b'{"prompt": "keep", "sampling_params": {"max_tokens": 6}}', reply=inbox)
+    await nc.publish(
+        coordinator.subjects.coordinator("submit_request"),
+        b'{"prompt": "keep", "sampling_params": {"max_tokens": 6}}',
+        reply=inbox,
+    )
     await nc.flush()
     message = EngineRegister(victim.engine_id) if header == "register" else Heartbeat(victim.engine_id, active=[])
     await nc.publish(sent_by(coordinator, header, "intruder"), encode_msgpack(message), reply=nc.new_inbox())

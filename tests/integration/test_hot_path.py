@@ -99,7 +99,8 @@ async def test_envelope_reply_to_and_stream_are_honoured_on_refusal(coordinator:
     sub = await nc.subscribe("_INBOX.results.envelope")
     await nc.flush()
     await nc.publish(
-        submit_subject(coordinator), envelope(inner("x"), stream=True, client_request_id=5, reply_to="_INBOX.results.envelope")
+        submit_subject(coordinator),
+        envelope(inner("x"), stream=True, client_request_id=5, reply_to="_INBOX.results.envelope"),
     )
     error, empty = await sub.next_msg(timeout=5), await sub.next_msg(timeout=5)
     assert msgpack.unpackb(error.data)["error"]["code"] == 503

@@ -277,10 +277,16 @@ async def test_engine_user_gets_403_from_the_client_library(fleet: Fleet) -> Non
 @pytest.mark.parametrize(
     "subject",
     [
-        "dpcoord.pause", "dpcoord.register", "dpcoord.engine_reply", "dpcoord.engine_reply.e1", "dpcoord.heartbeat.e1",
+        "dpcoord.pause",
+        "dpcoord.register",
+        "dpcoord.engine_reply",
+        "dpcoord.engine_reply.e1",
+        "dpcoord.heartbeat.e1",
         "$SYS.REQ.SERVER.PING",
         # Replies go only to inboxes: nothing else, whatever a client names.
-        "billing.charge", "_INBOX.elsewhere", "dpcoord.status.coordinator.c1",
+        "billing.charge",
+        "_INBOX.elsewhere",
+        "dpcoord.status.coordinator.c1",
     ],
 )
 async def test_coordinator_cannot_forge_client_admin_or_engine_messages(fleet: Fleet, subject: str) -> None:

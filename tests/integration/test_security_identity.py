@@ -53,7 +53,9 @@ ENGINE_PASSWORDS = {engine: f"{engine}-test-password" for engine in ENGINES}
 @pytest.fixture
 async def slow_fleet(secured_nats: EmbeddedNatsServer) -> AsyncIterator[Fleet]:  # noqa: F811
     url = secured_nats.url
-    async with running_fleet(role_settings(url, "coordinator"), role_settings(url, "engine"), url, token_delay_ms=30) as fleet:
+    async with running_fleet(
+        role_settings(url, "coordinator"), role_settings(url, "engine"), url, token_delay_ms=30
+    ) as fleet:
         yield fleet
 
 
@@ -69,9 +71,13 @@ async def test_another_user_can_neither_take_over_nor_abort_a_request(slow_fleet
         first = await anext(stream)
         async with connected(role_settings(url, "admin")) as (admin, violations):
             resubmit = {"prompt": "private", "stream": True, "client_id": client.client_id, "client_request_id": "mine"}
-            stolen = decode_reply((await admin.request("dpcoord.submit_request", json.dumps(resubmit).encode(), timeout=5)).data)
+            stolen = decode_reply(
+                (await admin.request("dpcoord.submit_request", json.dumps(resubmit).encode(), timeout=5)).data
+            )
             by_id = {"request_id": first.request_id}
-            aborted = decode_reply((await admin.request("dpcoord.abort_request", json.dumps(by_id).encode(), timeout=5)).data)
+            aborted = decode_reply(
+                (await admin.request("dpcoord.abort_request", json.dumps(by_id).encode(), timeout=5)).data
+            )
             assert violations.errors == []
         replies = [first, *[reply async for reply in stream]]
     assert stolen["error"]["code"] == 403 and aborted["error"]["code"] == 403
@@ -89,7 +95,9 @@ async def test_reply_to_under_another_users_inbox_is_refused(slow_fleet: Fleet) 
                 body = json.dumps({"prompt": "injected", "reply_to": reply_to}).encode()
                 refused = decode_reply((await client.request("dpcoord.submit_request", body, timeout=5)).data)
                 assert refused["error"]["code"] == 400 and reply_to in refused["error"]["message"]
-            body = json.dumps({"prompt": "mine", "reply_to": "_INBOX_client.results", "sampling_params": {"max_tokens": 2}}).encode()
+            body = json.dumps(
+                {"prompt": "mine", "reply_to": "_INBOX_client.results", "sampling_params": {"max_tokens": 2}}
+            ).encode()
             results = await client.subscribe("_INBOX_client.results")
             await client.publish("dpcoord.submit_request", body, reply=client.new_inbox())
             assert decode_reply((await results.next_msg(timeout=5)).data)["generated_text"] == "mi"
@@ -146,10 +154,17 @@ async def test_each_engine_user_speaks_only_as_itself(per_engine_nats: EmbeddedN
                     first = await anext(stream)
                     # As itself, in engine-0's name or for engine-0's request: the coordinator refuses.
                     route = ReturnPath(first.request_id, coordinator.id, "_INBOX_client.x", "msgpack", False, None)
-                    forged = RoutedReply(route, msgspec.msgpack.encode(Final(first.request_id, None, "engine-1", [1], "forged", "length")))
+                    forged = RoutedReply(
+                        route,
+                        msgspec.msgpack.encode(Final(first.request_id, None, "engine-1", [1], "forged", "length")),
+                    )
                     for claimed in ("engine-0", "engine-1"):
-                        await rogue.publish("dpcoord.engine_reply.engine-1", encode_msgpack(EngineReplyBatch(claimed, [forged])))
-                    await rogue.publish("dpcoord.disconnect.engine-1", encode_msgpack(EngineDisconnect("engine-0", "spoofed")))
+                        await rogue.publish(
+                            "dpcoord.engine_reply.engine-1", encode_msgpack(EngineReplyBatch(claimed, [forged]))
+                        )
+                    await rogue.publish(
+                        "dpcoord.disconnect.engine-1", encode_msgpack(EngineDisconnect("engine-0", "spoofed"))
+                    )
                     await rogue.publish("dpcoord.heartbeat.engine-1", encode_msgpack(Heartbeat("engine-0")))
                     replies = [first, *[reply async for reply in stream]]
             assert isinstance(replies[-1], Final) and replies[-1].generated_text == "honesthone"
@@ -194,7 +209,10 @@ async def test_client_error_is_raised_for_403(slow_fleet: Fleet) -> None:
 def engine_template() -> dict[str, object]:
     """One permission template for every engine user of an account (a scoped signing key's):
     NATS puts each user's JWT name, its engine id, where the template says {{name()}}."""
-    sent = [f"dpcoord.{header}.{{{{name()}}}}" for header in ("register", "heartbeat", "engine_reply", "engine_reply_partial", "disconnect")]
+    sent = [
+        f"dpcoord.{header}.{{{{name()}}}}"
+        for header in ("register", "heartbeat", "engine_reply", "engine_reply_partial", "disconnect")
+    ]
     return {
         "pub": {"allow": sent},
         "sub": {"allow": ["dpcoord.engine.{{name()}}.*", "dpcoord.engines.*", "_INBOX_engine.>"]},
@@ -210,12 +228,18 @@ async def test_jwt_name_templates_let_each_engine_speak_only_as_itself(tmp_path:
         fleet = make_settings(server.url, subject_prefix="dpcoord", nats_creds_file=str(operator.user("fleet")))
         engines = {
             engine_id: make_settings(
-                server.url, subject_prefix="dpcoord", engine_id=engine_id, nats_inbox_prefix="_INBOX_engine",
+                server.url,
+                subject_prefix="dpcoord",
+                engine_id=engine_id,
+                nats_inbox_prefix="_INBOX_engine",
                 nats_creds_file=str(operator.scoped_user(engine_id, "engine")),
             )
             for engine_id in ("engine-7", "engine-8")
         }
-        async with Coordinator(fleet, HANDLERS) as coordinator, EngineRuntime(engines["engine-7"], EchoBackend()) as engine:
+        async with (
+            Coordinator(fleet, HANDLERS) as coordinator,
+            EngineRuntime(engines["engine-7"], EchoBackend()) as engine,
+        ):
             await asyncio.wait_for(engine.registered.wait(), 10)
             async with await DpcoordClient.connect(fleet) as client:
                 assert (await client.submit("jwt", max_tokens=3)).engine_id == "engine-7"

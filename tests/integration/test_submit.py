@@ -124,11 +124,15 @@ async def test_reply_to_takes_precedence_over_nats_reply(
     assert nats_sub.pending_msgs == 0
 
 
-async def test_nats_pub_with_reply_to_and_nats_sub(coordinator: Coordinator, start_engines: EngineFactory, nc: NATS) -> None:
+async def test_nats_pub_with_reply_to_and_nats_sub(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
     """`nats sub _INBOX.results` in one terminal, `nats pub dpcoord.submit_request '{...reply_to...}'` in another."""
     await start_engines(1)
     sub = await nc.subscribe("_INBOX.results.manual")
-    await nc.publish(submit_subject(coordinator), b'{"prompt": "hi", "stream": true, "reply_to": "_INBOX.results.manual"}')
+    await nc.publish(
+        submit_subject(coordinator), b'{"prompt": "hi", "stream": true, "reply_to": "_INBOX.results.manual"}'
+    )
     replies = []
     while (msg := await sub.next_msg(timeout=5)).data:
         replies.append(decode_reply(msg.data))

@@ -37,8 +37,19 @@ def test_an_empty_list_of_prefixes_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("value", "allowed"),
-    [("e0", True), ("release-dpcoord-engine-3", True), ("gpu_0", True), ("gpu 0", False), ("a.b", False),
-     ("a*", False), ("a>", False), ("", False), ("é", False), ("x" * 64, True), ("x" * 65, False)],
+    [
+        ("e0", True),
+        ("release-dpcoord-engine-3", True),
+        ("gpu_0", True),
+        ("gpu 0", False),
+        ("a.b", False),
+        ("a*", False),
+        ("a>", False),
+        ("", False),
+        ("é", False),
+        ("x" * 64, True),
+        ("x" * 65, False),
+    ],
 )
 def test_ids_that_become_subject_tokens(value: str, allowed: bool) -> None:
     assert (id_problem(value, 64) is None) is allowed
