@@ -242,6 +242,26 @@ class RecordingEcho(EchoBackend):
         return super().add(request)
 
 
+async def submit_counted(client: DpcoordClient, prompt: str, index: int, outcomes: Counter[str]) -> None:
+    """One request through the client library, odd ones whole and even ones streamed; its
+    outcome is counted: final, empty, duplicated (more than one final), error_<code> or lost."""
+    try:
+        if index % 2:
+            final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
+            outcomes["final" if final.generated_text else "empty"] += 1
+            return
+        finals = [
+            reply
+            async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
+            if reply.__class__.__name__ == "Final"
+        ]
+        outcomes["final" if len(finals) == 1 else "duplicated"] += 1
+    except ClientError as exc:
+        outcomes[f"error_{exc.code}"] += 1
+    except TimeoutError:
+        outcomes["lost"] += 1
+
+
 async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: EmbeddedNatsServer) -> None:
     settings = fault_settings(private_nats, heartbeat_timeout_s=3.0)
     runs: Counter[str] = Counter()
@@ -259,22 +279,7 @@ async def test_client_library_loses_nothing_across_a_nats_restart(private_nats: 
                 async with slots:
                     if index == REQUESTS // 2:
                         restart_at.set()
-                    prompt = f"library request {index}"
-                    try:
-                        if index % 2:
-                            final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
-                            outcomes["final" if final.generated_text else "empty"] += 1
-                            return
-                        finals = [
-                            reply
-                            async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
-                            if reply.__class__.__name__ == "Final"
-                        ]
-                        outcomes["final" if len(finals) == 1 else "duplicated"] += 1
-                    except ClientError as exc:
-                        outcomes[f"error_{exc.code}"] += 1
-                    except TimeoutError:
-                        outcomes["lost"] += 1
+                    await submit_counted(client, f"library request {index}", index, outcomes)
 
             async def restart() -> None:
                 await restart_at.wait()
@@ -326,22 +331,7 @@ async def test_three_replicas_lose_nothing_through_an_engine_kill_and_a_nats_res
                         kill_now.set()
                     if index == requests // 2:
                         restart_now.set()
-                    prompt = f"replicated request {index}"
-                    try:
-                        if index % 2:
-                            final = await client.submit(prompt, max_tokens=4 + index % 9, timeout=40)
-                            outcomes["final" if final.generated_text else "empty"] += 1
-                            return
-                        finals = [
-                            reply
-                            async for reply in client.stream(prompt, max_tokens=4 + index % 9, timeout=40)
-                            if reply.__class__.__name__ == "Final"
-                        ]
-                        outcomes["final" if len(finals) == 1 else "duplicated"] += 1
-                    except ClientError as exc:
-                        outcomes[f"error_{exc.code}"] += 1
-                    except TimeoutError:
-                        outcomes["lost"] += 1
+                    await submit_counted(client, f"replicated request {index}", index, outcomes)
 
             async def chaos() -> None:
                 await kill_now.wait()
