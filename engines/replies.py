@@ -34,7 +34,7 @@ from service.protocol.messages import (
     RoutedReply,
     error_reply,
 )
-from service.protocol.subjects import Header, Subjects, utf8_length
+from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +99,16 @@ class ActiveRequest:
 
 def reply_size(reply: RoutedReply) -> int:
     """Bytes a reply takes in a batch: its body and the strings of its return path, in UTF-8 as
-    msgpack carries them (a character may take four bytes)."""
+    msgpack carries them (a character may take four bytes; an integer ``client_request_id`` fits
+    ``ITEM_OVERHEAD``)."""
     return_path = reply.return_path
+    text = return_path.reply_to + return_path.request_id + return_path.coordinator_id + (return_path.client_id or "")
+    client_request_id = return_path.client_request_id
+    if isinstance(client_request_id, str):
+        text += client_request_id
+    text += return_path.encoding
     return (
-        len(reply.body)
-        + utf8_length(return_path.reply_to)
-        + utf8_length(return_path.request_id)
-        + utf8_length(return_path.coordinator_id)
-        + utf8_length(str(return_path.client_request_id))
-        + utf8_length(return_path.client_id or "")
-        + utf8_length(return_path.encoding)
-        + ITEM_OVERHEAD
+        len(reply.body) + (len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))) + ITEM_OVERHEAD
     )
 
 

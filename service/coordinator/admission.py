@@ -88,6 +88,7 @@ class Admission:
         self._deadlines = CoarseTimers()
         self._ids = RequestIds(coordinator_id)
         self._max_id = settings.max_id_bytes
+        self._short_id = settings.max_id_bytes // 4  # a character takes at most 4 bytes in UTF-8
         self._max_timeout = settings.max_request_timeout_s
 
     @property
@@ -96,7 +97,10 @@ class Admission:
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
         """Route or queue a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
-        reply_to, owner = self._reply_subject(incoming, submit.reply_to)
+        if submit.reply_to is None:
+            reply_to, owner = incoming.reply, incoming.owner
+        else:
+            reply_to, owner = self._reply_subject(incoming, submit.reply_to)
         if reply_to is None or owner is None:
             self._counters["submit_without_reply"] += 1
             log.warning("submission without reply subject dropped (client_request_id=%s)", submit.client_request_id)
@@ -105,7 +109,12 @@ class Admission:
             body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
         else:
             body, encoding, timeout_s = incoming.body, incoming.encoding, submit.sampling_params.timeout_s
-        self._check_ids(submit.client_request_id, submit.client_id)
+        client_request_id, client_id = submit.client_request_id, submit.client_id
+        short = self._short_id  # ids at most this many characters fit max_id_bytes whatever they hold: no check
+        if (isinstance(client_request_id, str) and len(client_request_id) > short) or (
+            client_id is not None and len(client_id) > short
+        ):
+            self._check_ids(client_request_id, client_id)
         if timeout_s is not None and not timeout_s <= self._max_timeout:  # also catches NaN
             raise WireError(
                 ErrorCode.MALFORMED, f"timeout_s {timeout_s} exceeds max_request_timeout_s ({self._max_timeout:g})"
@@ -122,7 +131,9 @@ class Admission:
         queue = self._queue
         group = self._pool.everyone if model is None else self._engines_serving(model)
         key = self._policy.key_of(submit)
-        engine = self._policy.choose(group, key) if running and group is not None and not queue.waiting(model) else None
+        engine = (
+            self._policy.choose(group, key) if running and group is not None and model not in queue.by_model else None
+        )
         if engine is None:
             settings = self._settings
             if len(queue) >= settings.max_queued_requests:
@@ -149,11 +160,9 @@ class Admission:
         if running:
             await self.release_queue()
 
-    def _reply_subject(self, incoming: Incoming, reply_to: str | None) -> tuple[str | None, str | None]:
+    def _reply_subject(self, incoming: Incoming, reply_to: str) -> tuple[str, str]:
         """Where replies go and who owns them: ``reply_to`` under an inbox prefix, the sender's own
         (its NATS reply subject's, which the coordinator checked on arrival) when it gave one."""
-        if reply_to is None:
-            return incoming.reply, incoming.owner
         if utf8_length(reply_to) > self._max_id:
             raise WireError(ErrorCode.MALFORMED, f"reply_to is longer than max_id_bytes ({self._max_id})")
         if (problem := self._subjects.reply_problem(reply_to)) is not None:

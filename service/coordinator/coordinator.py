@@ -83,7 +83,9 @@ class Coordinator:
         self.requests = RequestTable()
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
         self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
-        self.results = ResultCache(settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes)
+        self.results = ResultCache(
+            settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes, settings.max_id_bytes
+        )
         self.control_state = ControlState()
         self.inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
         self._handlers = handlers
@@ -290,11 +292,14 @@ class Coordinator:
         owner = None
         if reply:
             owner = self.inboxes.owner(reply)
-            problem = self._reply_problem(reply, owner)
-            if problem is not None:
+            if owner is None or len(reply) > self._max_reply or self.subjects.reply_problem(reply) is not None:
                 self.counters["unsafe_reply_subject"] += 1
                 self._refusal_log.warning(
-                    "dropped %s (%d bytes): reply subject %r %s", spec.header, len(body), reply[:256], problem
+                    "dropped %s (%d bytes): reply subject %r %s",
+                    spec.header,
+                    len(body),
+                    reply[:256],
+                    self._reply_problem(reply, owner),
                 )
                 return
         sender = subject[len(self.subjects.prefix) + len(spec.header) + 2 :] if spec.per_sender else None

@@ -19,7 +19,7 @@ class HeldRequests:
 
     def __init__(self, requests: RequestTable) -> None:
         self._requests = requests
-        self._queues: dict[str | None, FairQueue] = {}
+        self.by_model: dict[str | None, FairQueue] = {}  # a model in it may have requests waiting
 
     def append(self, entry: InflightRequest) -> None:
         self._queue(entry.model).append(entry)
@@ -29,22 +29,18 @@ class HeldRequests:
         self._queue(entry.model).appendleft(entry)
 
     def _queue(self, model: str | None) -> FairQueue:
-        queue = self._queues.get(model)
+        queue = self.by_model.get(model)
         if queue is None:
-            queue = self._queues[model] = FairQueue(self._requests)
+            queue = self.by_model[model] = FairQueue(self._requests)
         return queue
-
-    def waiting(self, model: str | None) -> bool:
-        """Whether requests for ``model`` may be waiting (answered ones may linger until released)."""
-        return model in self._queues
 
     def queues(self) -> list[tuple[str | None, FairQueue]]:
         """A snapshot: routing a held request may fail another one, which changes the queues."""
-        return list(self._queues.items())
+        return list(self.by_model.items())
 
     def discard(self, model: str | None) -> None:
         """Forget ``model``'s queue, which :meth:`FairQueue.peek` found empty."""
-        self._queues.pop(model, None)
+        self.by_model.pop(model, None)
 
     def __len__(self) -> int:
         """Requests waiting, for every model, not counting those answered while they waited."""

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from operator import itemgetter
 
 from service.bus.batches import ITEM_OVERHEAD, fits_alone, split_batches
 from service.bus.direct import DirectClient
@@ -28,20 +29,23 @@ from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import RoutedRequest, RoutedRequestBatch
-from service.protocol.subjects import Header, Subjects, utf8_length
+from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
 
 
 def routed_size(entry: InflightRequest) -> int:
     """Bytes a routed request takes in a batch: its body and the variable strings of its return
-    path, counted in UTF-8 as msgpack carries them."""
+    path, counted in UTF-8 as msgpack carries them (the ids are ASCII; an integer
+    ``client_request_id`` fits ``ITEM_OVERHEAD``)."""
     return_path = entry.return_path
+    text = return_path.reply_to + (return_path.client_id or "")
+    client_request_id = return_path.client_request_id
+    if isinstance(client_request_id, str):
+        text += client_request_id
     return (
         len(entry.body)
-        + utf8_length(return_path.reply_to)
-        + utf8_length(str(return_path.client_request_id))
-        + utf8_length(return_path.client_id or "")
+        + (len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
         + len(return_path.request_id)
         + len(return_path.coordinator_id)
         + ITEM_OVERHEAD
@@ -78,7 +82,8 @@ class Outbox:
         if not engine.requests:
             engine.last_progress = now  # idle until now: its progress is watched from here (fleet.py)
         self._pool.assign(engine, entry.return_path.request_id)
-        self._requests.routed(entry)
+        held = self._requests.held  # its owner holds one more slot
+        held[entry.owner] = held.get(entry.owner, 0) + 1
         batch = self._pending.get(engine.engine_id)
         if batch is None:
             self._pending[engine.engine_id] = [entry]
@@ -101,11 +106,12 @@ class Outbox:
 
     async def _publish(self, engine_id: str, entries: list[InflightRequest]) -> None:
         max_payload = self._nc.max_payload
-        routable: list[InflightRequest] = []
+        routable: list[tuple[InflightRequest, int]] = []  # with its size, counted once
         for entry in entries:
             if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
                 continue  # answered or routed elsewhere while it waited for this turn
-            if not fits_alone(routed_size(entry), max_payload):
+            size = routed_size(entry)
+            if not fits_alone(size, max_payload):
                 await self._relay.fail(
                     entry.return_path.request_id,
                     WireError(
@@ -114,10 +120,10 @@ class Outbox:
                     ),
                 )
                 continue
-            routable.append(entry)
+            routable.append((entry, size))
         subject = self._subjects.engine(engine_id, Header.SUBMIT_REQUEST)
-        for batch in split_batches(routable, routed_size, max_payload):
-            await self._publish_batch(subject, batch)
+        for batch in split_batches(routable, itemgetter(1), max_payload):
+            await self._publish_batch(subject, [entry for entry, _ in batch])
 
     async def _publish_batch(self, subject: str, batch: list[InflightRequest]) -> None:
         message = RoutedRequestBatch([RoutedRequest(entry.return_path, entry.body) for entry in batch])

@@ -4,8 +4,9 @@ Popping an entry is the right to send its terminal reply: whoever pops it answer
 
 The table also keeps two tallies that admission needs and that must follow every way a request
 leaves: how many requests (and body bytes) wait in the queue, and how many engine slots each
-owner (the inbox prefix its replies go to) holds. ``routed``, ``unrouted``, ``enqueued`` and
-``dequeued`` move an entry between those states; :meth:`RequestTable.pop` settles both.
+owner (the inbox prefix its replies go to) holds (``held``: the outbox counts a request in when
+it routes it). ``unrouted``, ``enqueued`` and ``dequeued`` move an entry between those states;
+:meth:`RequestTable.pop` settles both.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class RequestTable:
     def __init__(self) -> None:
         self._by_id: dict[str, InflightRequest] = {}
         self._by_client: dict[ClientKey, str] = {}
-        self._held: dict[str, int] = {}  # owner -> engine slots its requests hold
+        self.held: dict[str, int] = {}  # owner -> engine slots its requests hold
         self.queued_count = 0
         self.queued_bytes = 0
 
@@ -71,30 +72,31 @@ class RequestTable:
             self._by_client.pop(entry.client_key, None)
         if entry.queued:
             self.dequeued(entry)
-        if entry.engine_id is not None:
-            self._release_slot(entry.owner)
+        if entry.engine_id is not None:  # its slot is free again (as unrouted, inlined: every request passes here)
+            held = self.held
+            owner = entry.owner
+            count = held.get(owner, 0) - 1
+            if count > 0:
+                held[owner] = count
+            else:
+                held.pop(owner, None)
         return entry
 
     # ------------------------------------------------------------ where it is
-
-    def routed(self, entry: InflightRequest) -> None:
-        """``entry`` now holds a slot on an engine."""
-        owner = entry.owner
-        self._held[owner] = self._held.get(owner, 0) + 1
 
     def unrouted(self, entry: InflightRequest) -> None:
         """``entry``'s engine no longer holds it (it goes back to the queue)."""
         self._release_slot(entry.owner)
 
     def held_by(self, owner: str) -> int:
-        return self._held.get(owner, 0)
+        return self.held.get(owner, 0)
 
     def _release_slot(self, owner: str) -> None:
-        held = self._held.get(owner, 0) - 1
+        held = self.held.get(owner, 0) - 1
         if held > 0:
-            self._held[owner] = held
+            self.held[owner] = held
         else:
-            self._held.pop(owner, None)
+            self.held.pop(owner, None)
 
     def enqueued(self, entry: InflightRequest) -> None:
         entry.queued = True

@@ -3,31 +3,32 @@ say) gets the answer again instead of running the request twice.
 
 Each result remembers its owner (the inbox prefix its replies went to) and, for requests this
 replica admitted, the body it was submitted with: a resubmission must match both (see
-admission). The cache is bounded by count and by bytes (bodies and keys), oldest dropped
-first, and expired entries are swept by time (:meth:`ResultCache.sweep`, which the coordinator
+admission). The cache is bounded by count and by bytes (bodies, plus an allowance for the key
+and owner, which admission caps at ``max_id_bytes`` each), oldest dropped first, and expired entries are swept by time (:meth:`ResultCache.sweep`, which the coordinator
 calls every heartbeat), not only when new results arrive.
 
 Every completed request of a named client passes through here, so both calls are kept cheap:
 ``get`` checks only the entry it finds, and ``put`` sweeps expired entries (oldest first, as
-they were stored in time order) at most every ``ttl_s / 16``. Entries are plain tuples of
-atoms, which the garbage collector stops tracking, so a full cache adds nothing to its sweeps.
+they were stored in time order) at most every ``ttl_s / 16``. Entries are msgspec Structs of
+atoms kept out of the garbage collector (``gc=False``), so a full cache adds nothing to its
+sweeps.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import NamedTuple
+
+from msgspec import Struct
 
 from service.coordinator.requests import ClientKey
-from service.protocol.subjects import utf8_length
 
 SWEEPS_PER_TTL = 16
-# Bytes an entry costs besides its bodies and key strings: the tuple, the dict slot, the floats.
+# Bytes an entry costs besides its bodies and ids: the tuple, the dict slot, the floats.
 ENTRY_OVERHEAD = 200
 
 
-class CachedResult(NamedTuple):
+class CachedResult(Struct, frozen=True, gc=False):
     body: bytes
     stored_at: float
     owner: str
@@ -36,8 +37,10 @@ class CachedResult(NamedTuple):
 
 
 class ResultCache:
-    def __init__(self, ttl_s: float, max_entries: int, max_bytes: int) -> None:
+    def __init__(self, ttl_s: float, max_entries: int, max_bytes: int, max_id_bytes: int = 256) -> None:
         self._ttl_s = ttl_s
+        # What an entry costs besides its bodies: its key and owner (each at most max_id_bytes) and the tuple.
+        self._entry_bytes = 3 * max_id_bytes + ENTRY_OVERHEAD
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._results: OrderedDict[ClientKey, CachedResult] = OrderedDict()
@@ -49,7 +52,7 @@ class ResultCache:
             return
         now = time.monotonic()
         results = self._results
-        size = len(body) + len(request_body or b"") + _key_bytes(key) + len(owner) + ENTRY_OVERHEAD
+        size = len(body) + len(request_body or b"") + self._entry_bytes
         if size > self._max_bytes:
             return
         previous = results.pop(key, None)  # stored again: it moves to the young end
@@ -83,9 +86,3 @@ class ResultCache:
     def __len__(self) -> int:
         """Entries held, including expired ones not yet swept (``get`` never returns those)."""
         return len(self._results)
-
-
-def _key_bytes(key: ClientKey) -> int:
-    client_id, client_request_id = key
-    request_part = utf8_length(client_request_id) if isinstance(client_request_id, str) else 8
-    return (utf8_length(client_id) if client_id is not None else 0) + request_part

@@ -164,22 +164,29 @@ class InboxPrefixes:
     spells them: where NATS lets each user subscribe only under its own inbox prefix, a reply
     to one owner reaches no other user."""
 
-    __slots__ = ("_multi", "_single", "prefixes")
+    __slots__ = ("_exact", "_extended", "_multi", "prefixes")
 
     def __init__(self, prefixes: Sequence[str]) -> None:
         if not prefixes:
             raise ValueError("at least one inbox prefix is needed")
         self.prefixes = tuple(prefixes)
-        self._single = tuple((prefix, prefix + "_") for prefix in prefixes if "." not in prefix)
+        single = [prefix for prefix in prefixes if "." not in prefix]
+        # The owner of a subject under a prefix itself is this very string: owners then compare
+        # and hash as the same object (they key per-owner tallies on the hot path).
+        self._exact = {prefix: prefix for prefix in single}
+        self._extended = tuple(prefix + "_" for prefix in single)
         self._multi = tuple(prefix.split(".") for prefix in prefixes if "." in prefix)
 
     def owner(self, subject: str) -> str | None:
         """The inbox prefix ``subject`` is under, as spelled there; None when it is under none."""
-        first, dot, rest = subject.partition(".")
-        if dot and rest:
-            for exact, extended in self._single:
-                if first == exact or first.startswith(extended):
-                    return first
+        end = subject.find(".")
+        if 0 < end < len(subject) - 1:
+            first = subject[:end]
+            owner = self._exact.get(first)
+            if owner is not None:
+                return owner
+            if first.startswith(self._extended):
+                return first
         if self._multi:
             tokens = subject.split(".")
             for prefix in self._multi:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from service.coordinator import results as result_cache
-from service.coordinator.results import ResultCache
+from service.coordinator.results import ENTRY_OVERHEAD, ResultCache
 from service.coordinator.timers import CoarseTimers
 
 
@@ -111,15 +111,14 @@ def test_cache_size_is_bounded_and_zero_disables_it(clock: _Clock) -> None:
 
 
 def test_cache_is_bounded_by_bytes_and_an_entry_over_the_bound_is_not_kept(clock: _Clock) -> None:
-    cache = ResultCache(ttl_s=60, max_entries=1000, max_bytes=10_000)
+    cache = ResultCache(ttl_s=60, max_entries=1000, max_bytes=10_000, max_id_bytes=16)
+    entry = 2000 + len(b"body") + 3 * 16 + ENTRY_OVERHEAD  # bodies, and an allowance for key and owner
     for index in range(10):
         cache.put(("c", index), b"x" * 2000, OWNER, b"body")
-    assert cache.bytes <= 10_000 and len(cache) == 4
+    assert len(cache) == 10_000 // entry and cache.bytes == len(cache) * entry
     assert cache.get(("c", 9)) is not None and cache.get(("c", 5)) is None
     cache.put(("c", "huge"), b"x" * 20_000, OWNER, None)
-    assert cache.get(("c", "huge")) is None and len(cache) == 4
-    cache.put(("c" * 5000, "long id"), b"", OWNER, None)  # its key's 5,000 bytes push out two results
-    assert len(cache) == 3 and cache.get(("c", 7)) is None and cache.get(("c", 8)) is not None
+    assert cache.get(("c", "huge")) is None and len(cache) == 10_000 // entry
 
 
 def test_expired_results_are_swept_by_time_without_a_put(clock: _Clock) -> None:
