@@ -88,6 +88,7 @@ class Coordinator:
         )
         self.control_state = ControlState()
         self.inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
+        self._owner_of = self.inboxes.owner
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
         self._relay = ReplyRelay(
@@ -291,7 +292,7 @@ class Coordinator:
         ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender."""
         owner = None
         if reply:
-            owner = self.inboxes.owner(reply)
+            owner = self._owner_of(reply)
             if owner is None or len(reply) > self._max_reply or self.subjects.reply_problem(reply) is not None:
                 self.counters["unsafe_reply_subject"] += 1
                 self._refusal_log.warning(

@@ -171,22 +171,21 @@ class InboxPrefixes:
             raise ValueError("at least one inbox prefix is needed")
         self.prefixes = tuple(prefixes)
         single = [prefix for prefix in prefixes if "." not in prefix]
-        # The owner of a subject under a prefix itself is this very string: owners then compare
-        # and hash as the same object (they key per-owner tallies on the hot path).
-        self._exact = {prefix: prefix for prefix in single}
+        # A subject under a prefix itself is owned by this very string: owners then hash and
+        # compare as the same object (they key per-owner tallies on the hot path).
+        self._exact = tuple((prefix + ".", prefix) for prefix in single)
         self._extended = tuple(prefix + "_" for prefix in single)
         self._multi = tuple(prefix.split(".") for prefix in prefixes if "." in prefix)
 
     def owner(self, subject: str) -> str | None:
         """The inbox prefix ``subject`` is under, as spelled there; None when it is under none."""
-        end = subject.find(".")
-        if 0 < end < len(subject) - 1:
-            first = subject[:end]
-            owner = self._exact.get(first)
-            if owner is not None:
-                return owner
-            if first.startswith(self._extended):
-                return first
+        for dotted, exact in self._exact:
+            if subject.startswith(dotted) and len(subject) > len(dotted):
+                return exact
+        if subject.startswith(self._extended):
+            end = subject.find(".")
+            if 0 < end < len(subject) - 1:
+                return subject[:end]
         if self._multi:
             tokens = subject.split(".")
             for prefix in self._multi:
