@@ -41,6 +41,7 @@ from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.request_ids import RequestIds
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
+from service.coordinator.results import body_digest
 from service.coordinator.routing import RoutingPolicy
 from service.coordinator.timers import CoarseTimers
 from service.ops.settings import Settings
@@ -207,14 +208,14 @@ class Admission:
                 raise WireError(ErrorCode.CONFLICT, f"client_request_id {client_key[1]!r} is already in flight")
             return False
         if existing is not None:
-            _same_submission(client_key, existing.owner, existing.body, owner, body)
+            _same_submission(client_key, existing.owner, owner, existing.body == body)
             existing.return_path = msgspec.structs.replace(existing.return_path, reply_to=reply_to, stream=stream)
             self._counters["resubmitted"] += 1
             return True
         cached = self._relay.cached(client_key)
         if cached is None:
             return False
-        _same_submission(client_key, cached.owner, cached.request_body, owner, body)
+        _same_submission(client_key, cached.owner, owner, cached.request_digest in (None, body_digest(body)))
         if self._deliveries.repoint(client_key, reply_to):
             self._counters["resubmitted"] += 1
             return True
@@ -284,7 +285,7 @@ def _never(owner: str) -> bool:
     return False
 
 
-def _same_submission(client_key: ClientKey, owner: str, body: bytes | None, new_owner: str, new_body: bytes) -> None:
+def _same_submission(client_key: ClientKey, owner: str, new_owner: str, same_body: bool) -> None:
     """A resubmission must come from the original's owner (403) with the original's body (409)."""
     client_id, client_request_id = client_key
     if new_owner != owner:
@@ -292,7 +293,7 @@ def _same_submission(client_key: ClientKey, owner: str, body: bytes | None, new_
             ErrorCode.FORBIDDEN,
             f"client_request_id {client_request_id!r} of client_id {client_id!r} belongs to another owner",
         )
-    if body is not None and new_body != body:
+    if not same_body:
         raise WireError(
             ErrorCode.CONFLICT,
             f"client_request_id {client_request_id!r} of client_id {client_id!r} was submitted with another body",

@@ -223,8 +223,8 @@ async def test_results_are_bounded_by_bytes_and_swept_by_time(nats_url: str, nc:
     async with Coordinator(settings, HANDLERS) as coordinator, EngineRuntime(settings, EchoBackend()):
         await coordinator.wait_for_engines(1)
         for index in range(20):
-            prompt = "p" * 10_000
-            final = await request(nc, submit(coordinator), body(prompt, 1, client_id="c", client_request_id=index))
+            long_reply = body("p", 10_000, client_id="c", client_request_id=index)  # a 10,000-character text
+            final = await request(nc, submit(coordinator), long_reply)
             assert final["type"] == "final"
         assert 0 < len(coordinator.results) < 20 and coordinator.results.bytes <= 100_000
         stored_at = time.monotonic()

@@ -112,7 +112,7 @@ def test_cache_size_is_bounded_and_zero_disables_it(clock: _Clock) -> None:
 
 def test_cache_is_bounded_by_bytes_and_an_entry_over_the_bound_is_not_kept(clock: _Clock) -> None:
     cache = ResultCache(ttl_s=60, max_entries=1000, max_bytes=10_000, max_id_bytes=16)
-    entry = 2000 + len(b"body") + 3 * 16 + ENTRY_OVERHEAD  # bodies, and an allowance for key and owner
+    entry = 2000 + 3 * 16 + ENTRY_OVERHEAD  # the reply, and an allowance for key, owner and digest
     for index in range(10):
         cache.put(("c", index), b"x" * 2000, OWNER, b"body")
     assert len(cache) == 10_000 // entry and cache.bytes == len(cache) * entry
