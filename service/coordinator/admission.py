@@ -39,7 +39,7 @@ from service.coordinator.outbox import Outbox
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.relay import ReplyRelay
-from service.coordinator.request_ids import RequestIds
+from service.coordinator.request_ids import request_ids
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
 from service.coordinator.results import body_digest
 from service.coordinator.routing import RoutingPolicy
@@ -87,7 +87,7 @@ class Admission:
         self._inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
         self._queue = HeldRequests(requests)
         self._deadlines = CoarseTimers()
-        self._ids = RequestIds(coordinator_id)
+        self._ids = request_ids(coordinator_id)
         self._max_id = settings.max_id_bytes
         self._short_id = settings.max_id_bytes // 4  # a character takes at most 4 bytes in UTF-8
         self._max_timeout = settings.max_request_timeout_s
@@ -144,7 +144,7 @@ class Admission:
                     ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_bytes} bytes held)"
                 )
 
-        request_id = self._ids.new()
+        request_id = next(self._ids)
         return_path = ReturnPath(
             request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id
         )

@@ -65,7 +65,7 @@ from service.protocol.messages import (
     error_reply,
 )
 from service.protocol.state import CoordinatorState, Written
-from service.protocol.subjects import Header, InboxPrefixes, Subjects, id_problem
+from service.protocol.subjects import Header, InboxPrefixes, Subjects, id_problem, publishable
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class Coordinator:
         self.control_state = ControlState()
         self.inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
         self._owner_of = self.inboxes.owner
+        self._first_inbox, self._first_owner = self.inboxes.first
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
         self._relay = ReplyRelay(
@@ -292,8 +293,9 @@ class Coordinator:
         ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender."""
         owner = None
         if reply:
-            owner = self._owner_of(reply)
-            if owner is None or len(reply) > self._max_reply or self.subjects.reply_problem(reply) is not None:
+            owner = self._first_owner if reply.startswith(self._first_inbox) else self._owner_of(reply)
+            # Under an inbox prefix, which settings keep apart from dpcoord's own subjects.
+            if owner is None or len(reply) > self._max_reply or not publishable(reply):
                 self.counters["unsafe_reply_subject"] += 1
                 self._refusal_log.warning(
                     "dropped %s (%d bytes): reply subject %r %s",
@@ -436,8 +438,10 @@ class Coordinator:
     # ------------------------------------------------------------ background
 
     async def _heartbeat_once(self) -> None:
-        """One beat to the other replicas, and housekeeping: expired results are swept by time."""
+        """One beat to the other replicas, and housekeeping: expired results are swept by time,
+        owners that hold no slot forgotten."""
         self.results.sweep()
+        self.requests.forget_idle_owners()
         if self.nc.is_connected:
             await self.nc.publish(self._heartbeat_subject, self._heartbeat_body)
         await asyncio.sleep(self.settings.heartbeat_interval_s)

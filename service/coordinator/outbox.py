@@ -82,8 +82,7 @@ class Outbox:
         if not engine.requests:
             engine.last_progress = now  # idle until now: its progress is watched from here (fleet.py)
         self._pool.assign(engine, entry.return_path.request_id)
-        held = self._requests.held  # its owner holds one more slot
-        held[entry.owner] = held.get(entry.owner, 0) + 1
+        self._requests.held[entry.owner] += 1  # its owner holds one more slot
         batch = self._pending.get(engine.engine_id)
         if batch is None:
             self._pending[engine.engine_id] = [entry]

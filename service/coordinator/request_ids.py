@@ -9,23 +9,15 @@ operating system's CSPRNG, drawn a block at a time so one id costs a slice, not 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 ID_HEX_DIGITS = 24
 _IDS_PER_DRAW = 256
 
 
-class RequestIds:
-    __slots__ = ("_block", "_next", "_prefix")
-
-    def __init__(self, coordinator_id: str) -> None:
-        self._prefix = f"{coordinator_id}-"
-        self._block = ""
-        self._next = 0
-
-    def new(self) -> str:
-        start = self._next
-        if start >= len(self._block):
-            self._block = os.urandom(_IDS_PER_DRAW * ID_HEX_DIGITS // 2).hex()
-            start = 0
-        self._next = start + ID_HEX_DIGITS
-        return self._prefix + self._block[start : start + ID_HEX_DIGITS]
+def request_ids(coordinator_id: str) -> Iterator[str]:
+    """Endless fresh request ids of ``coordinator_id`` (``next`` draws one)."""
+    prefix = f"{coordinator_id}-"
+    while True:
+        block = os.urandom(_IDS_PER_DRAW * ID_HEX_DIGITS // 2).hex()
+        yield from [prefix + block[start : start + ID_HEX_DIGITS] for start in range(0, len(block), ID_HEX_DIGITS)]

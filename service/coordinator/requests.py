@@ -12,6 +12,7 @@ it routes it). ``unrouted``, ``enqueued`` and ``dequeued`` move an entry between
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +47,8 @@ class RequestTable:
     def __init__(self) -> None:
         self._by_id: dict[str, InflightRequest] = {}
         self._by_client: dict[ClientKey, str] = {}
-        self.held: dict[str, int] = {}  # owner -> engine slots its requests hold
+        # owner -> engine slots its requests hold; owners at zero stay until forget_idle_owners
+        self.held: defaultdict[str, int] = defaultdict(int)
         self.queued_count = 0
         self.queued_bytes = 0
 
@@ -73,30 +75,21 @@ class RequestTable:
         if entry.queued:
             self.dequeued(entry)
         if entry.engine_id is not None:  # its slot is free again (as unrouted, inlined: every request passes here)
-            held = self.held
-            owner = entry.owner
-            count = held.get(owner, 0) - 1
-            if count > 0:
-                held[owner] = count
-            else:
-                held.pop(owner, None)
+            self.held[entry.owner] -= 1
         return entry
 
     # ------------------------------------------------------------ where it is
 
     def unrouted(self, entry: InflightRequest) -> None:
         """``entry``'s engine no longer holds it (it goes back to the queue)."""
-        self._release_slot(entry.owner)
+        self.held[entry.owner] -= 1
 
     def held_by(self, owner: str) -> int:
         return self.held.get(owner, 0)
 
-    def _release_slot(self, owner: str) -> None:
-        held = self.held.get(owner, 0) - 1
-        if held > 0:
-            self.held[owner] = held
-        else:
-            self.held.pop(owner, None)
+    def forget_idle_owners(self) -> None:
+        """Drop the tallies of owners holding no slot (housekeeping: the hot path leaves them)."""
+        self.held = defaultdict(int, {owner: count for owner, count in self.held.items() if count})
 
     def enqueued(self, entry: InflightRequest) -> None:
         entry.queued = True

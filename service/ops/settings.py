@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.protocol.subjects import ID_PATTERN
+from service.protocol.subjects import ID_PATTERN, InboxPrefixes, Subjects
 
 T = TypeVar("T")
 
@@ -309,6 +309,15 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if value is not None and len(value) > self.max_id_bytes:
                 raise ValueError(f"{name} is longer than max_id_bytes ({self.max_id_bytes})")
+        return self
+
+    @model_validator(mode="after")
+    def _inboxes_apart(self) -> Settings:
+        """Replies go only under inbox prefixes (the coordinator's hot path relies on it): none
+        may reach the subjects dpcoord serves."""
+        problem = InboxPrefixes(self.reply_inbox_prefixes.split(",")).overlap(Subjects(self.subject_prefix))
+        if problem is not None:
+            raise ValueError(f"reply_inbox_prefixes: {problem}")
         return self
 
     @model_validator(mode="after")

@@ -82,7 +82,7 @@ def utf8_length(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-def _publishable(subject: str) -> bool:
+def publishable(subject: str) -> bool:
     """No whitespace or control characters, no wildcards (anywhere), no empty tokens."""
     return (
         bool(subject)
@@ -137,7 +137,7 @@ class Subjects:
         token, so future headers are covered), ``<prefix>.<header>.>``, ``<prefix>.engine.>``
         and ``<prefix>.engines.>``. System subjects (``$SYS``, ``$JS``, ...) and malformed
         subjects are refused too."""
-        if not _publishable(subject):
+        if not publishable(subject):
             return "is not a valid publish subject"
         if subject[0] == "$":
             return "is a system subject"
@@ -164,7 +164,7 @@ class InboxPrefixes:
     spells them: where NATS lets each user subscribe only under its own inbox prefix, a reply
     to one owner reaches no other user."""
 
-    __slots__ = ("_exact", "_extended", "_multi", "prefixes")
+    __slots__ = ("_exact", "_extended", "_multi", "first", "prefixes")
 
     def __init__(self, prefixes: Sequence[str]) -> None:
         if not prefixes:
@@ -176,6 +176,11 @@ class InboxPrefixes:
         self._exact = tuple((prefix + ".", prefix) for prefix in single)
         self._extended = tuple(prefix + "_" for prefix in single)
         self._multi = tuple(prefix.split(".") for prefix in prefixes if "." in prefix)
+        # The prefix owner() tries first, with its dot: a subject starting with the dotted form
+        # (and valid, see Subjects.reply_problem) is owned by it, so a hot path may match it inline.
+        self.first: tuple[str, str] = (
+            self._exact[0] if self._exact else (".".join(self._multi[0]) + ".", ".".join(self._multi[0]))
+        )
 
     def owner(self, subject: str) -> str | None:
         """The inbox prefix ``subject`` is under, as spelled there; None when it is under none."""
@@ -197,6 +202,18 @@ class InboxPrefixes:
                     and (last == prefix[-1] or last.startswith(prefix[-1] + "_"))
                 ):
                     return ".".join(tokens[:count])
+        return None
+
+    def overlap(self, subjects: Subjects) -> str | None:
+        """Why replies under these prefixes could reach a subject dpcoord serves (or the system's
+        ``$`` subjects), or None when none can. Settings refuse an overlap, so a subject under an
+        inbox prefix needs only :func:`publishable` to be a safe reply subject."""
+        served = subjects.prefix
+        for prefix in self.prefixes:
+            if prefix.startswith("$"):
+                return f"inbox prefix {prefix!r} is a system subject"
+            if prefix == served or prefix.startswith(served + ".") or self.owner(served + ".x") is not None:
+                return f"inbox prefix {prefix!r} overlaps the subjects dpcoord serves under {served!r}"
         return None
 
     def describe(self) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from service.protocol.subjects import InboxPrefixes, id_problem, utf8_length
+from service.ops.settings import Settings
+from service.protocol.subjects import InboxPrefixes, Subjects, id_problem, publishable, utf8_length
 
 
 @pytest.mark.parametrize(
@@ -28,6 +30,51 @@ from service.protocol.subjects import InboxPrefixes, id_problem, utf8_length
 )
 def test_owner_is_the_inbox_prefix_a_subject_is_under(subject: str, owner: str | None) -> None:
     assert InboxPrefixes(["_INBOX", "tenant.a.inbox"]).owner(subject) == owner
+
+
+@pytest.mark.parametrize(
+    "prefixes", [["_INBOX", "tenant.a.inbox"], ["tenant.a.inbox", "_INBOX"], ["tenant.a.inbox"], ["a", "a_b"]]
+)
+def test_the_first_prefix_matched_inline_owns_what_owner_says(prefixes: list[str]) -> None:
+    """The coordinator's hot path matches ``first`` inline, then asks ``owner``: the same answer."""
+    inboxes = InboxPrefixes(prefixes)
+    dotted, first = inboxes.first
+    for subject in ("_INBOX.abc.1", "tenant.a.inbox.x", "tenant.a.inbox_bob.x", "a.x", "a_b.x", "a.b.c"):
+        if subject.startswith(dotted):
+            assert inboxes.owner(subject) == first
+
+
+@pytest.mark.parametrize(
+    ("prefixes", "served", "overlaps"),
+    [
+        (["_INBOX"], "dpcoord", False),
+        (["_INBOX", "tenant.a.inbox"], "dpcoord", False),
+        (["dpcoord_inbox"], "dpcoord", False),  # dpcoord_inbox.x is not under dpcoord.
+        (["dpcoord"], "dpcoord", True),
+        (["dpcoord.inbox"], "dpcoord", True),
+        (["_INBOX"], "_INBOX.dpcoord", True),
+        (["dp"], "dp_x", True),  # dp_x.pause is under dp (extended with _x)
+        (["$SYS"], "dpcoord", True),
+    ],
+)
+def test_inbox_prefixes_must_lie_apart_from_the_served_subjects(
+    prefixes: list[str], served: str, overlaps: bool
+) -> None:
+    assert (InboxPrefixes(prefixes).overlap(Subjects(served)) is not None) is overlaps
+
+
+def test_settings_refuse_inbox_prefixes_that_overlap_the_served_subjects() -> None:
+    with pytest.raises(ValidationError, match="overlaps the subjects dpcoord serves"):
+        Settings(subject_prefix="dpcoord", reply_inbox_prefixes="_INBOX,dpcoord.replies")
+
+
+@pytest.mark.parametrize(
+    ("subject", "allowed"),
+    [("_INBOX.a.1", True), ("a", True), ("", False), ("a..b", False), (".a", False), ("a.", False), ("a b", False)]
+    + [("a.*", False), ("a.>", False), ("a\tb", False), ("a\x00b", False), ("a\u2028b", False), ("é.ü", True)],
+)
+def test_publishable_subjects(subject: str, allowed: bool) -> None:
+    assert publishable(subject) is allowed
 
 
 def test_an_empty_list_of_prefixes_is_refused() -> None:
