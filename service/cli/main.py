@@ -26,6 +26,7 @@ GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
 # Settings of the coordinator's group that the gateway reads too: its body limit and deadline.
 GATEWAY_SHARED_SETTINGS = ("max_payload_bytes", "request_timeout_s")
 FLEET_BENCHMARK_MODULE = "benchmarks.fleet"  # dpcoord bench --simulated-engines N,...
+INSTRUCTIONS_BENCHMARK_MODULE = "benchmarks.instructions"  # dpcoord bench --instructions
 
 CONTROL_COMMANDS: dict[str, Header] = {
     "pause": Header.PAUSE,
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         add_help=False,
         help="coordinator benchmark (from a source checkout): dpcoord against raw NATS baselines measured in one run; "
-        "with --simulated-engines N,...: the fleet-size benchmark",
+        "with --simulated-engines N,...: the fleet-size benchmark; with --instructions [--baseline REV]: the "
+        "coordinator's instructions per request under callgrind",
     )
     bench.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="the benchmark's own arguments (dpcoord bench --help)"
@@ -149,15 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_bench(argv: list[str]) -> int:
     """The benchmarks live in the source checkout, not in the images: load them only here.
-    ``--gateway`` runs the gateway benchmark, ``--simulated-engines`` the fleet-size benchmark, and
-    anything else the coordinator benchmark."""
+    ``--gateway`` runs the gateway benchmark, ``--simulated-engines`` the fleet-size benchmark,
+    ``--instructions`` the coordinator's instruction count, and anything else the coordinator
+    benchmark."""
     if "--gateway" in argv:
         module = GATEWAY_BENCHMARK_MODULE
+    elif "--instructions" in argv:
+        module = INSTRUCTIONS_BENCHMARK_MODULE
     elif any(arg.split("=", 1)[0] == "--simulated-engines" for arg in argv):
         module = FLEET_BENCHMARK_MODULE
     else:
         module = BENCHMARK_MODULE
-    argv = [arg for arg in argv if arg != "--gateway"]
+    argv = [arg for arg in argv if arg not in ("--gateway", "--instructions")]
     try:
         benchmark = importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -168,7 +173,10 @@ def _run_bench(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    prog = "dpcoord bench --gateway" if module == GATEWAY_BENCHMARK_MODULE else "dpcoord bench"
+    prog = {
+        GATEWAY_BENCHMARK_MODULE: "dpcoord bench --gateway",
+        INSTRUCTIONS_BENCHMARK_MODULE: "dpcoord bench --instructions",
+    }.get(module, "dpcoord bench")
     args = benchmark.build_parser(prog=prog).parse_args(argv)
     return int(benchmark.main(args))
 

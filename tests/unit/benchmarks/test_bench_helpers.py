@@ -14,6 +14,8 @@ from benchmarks.coordinator import TARGETS, build_parser, percentile, round_rati
 from benchmarks.fleet import FleetResult, RunningFleet, Workload, judge
 from benchmarks.fleet import build_parser as fleet_parser
 from benchmarks.fleet import summarise as summarise_fleets
+from benchmarks.instructions import KINDS, bodies, read_summary
+from benchmarks.instructions import build_parser as instructions_parser
 from benchmarks.proc_cpu import busy_cpu_seconds, cpu_seconds
 from benchmarks.py_spy_profile import fold
 from service.cli.main import main as cli_main
@@ -204,3 +206,28 @@ def test_busy_cpu_seconds_grows() -> None:
     while time.process_time() < deadline:
         pass
     assert busy_cpu_seconds() > before
+
+
+# ---------------------------------------------------------------- the instruction count
+
+
+def test_instruction_count_reads_the_dump_summary_and_its_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    dump = "# callgrind format\nversion: 1\ndesc: Trigger: dump measured\nevents: Ir\nsummary: 566628566\n\nfn=x\n"
+    assert read_summary(dump) == 566_628_566
+    with pytest.raises(ValueError, match="summary"):
+        read_summary("events: Ir\n")
+    args = instructions_parser().parse_args(["--baseline", "main", "--kinds", "plain,long"])
+    assert (args.baseline, args.kinds, args.requests) == ("main", ["plain", "long"], 8192)
+    with pytest.raises(SystemExit):
+        instructions_parser().parse_args(["--kinds", "plain,huge"])
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--instructions", "--help"])
+    assert "instructions per request" in capsys.readouterr().out
+
+
+def test_instruction_count_workloads_are_named_where_the_client_library_would_be() -> None:
+    plain, envelope, long = (bodies(kind, 2) for kind in KINDS)
+    assert plain[0] == plain[1]
+    first, second = (msgspec.msgpack.decode(body, type=SubmitEnvelope) for body in envelope)
+    assert (first.client_id, first.client_request_id, second.client_request_id) == ("bench", 0, 1)
+    assert len(long[0]) > 20_000 > len(envelope[0])

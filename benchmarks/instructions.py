@@ -1,0 +1,209 @@
+"""Coordinator instructions per request, counted by callgrind: the steady twin of the
+coordinator benchmark's CPU figures, which a small shared machine scatters by ±20 %.
+
+The real stack runs (nats-server, one echo engine, the coordinator, each its own process)
+under a fixed load: bursts of ``BURST`` submissions, each burst awaited in full. Only the
+coordinator runs under callgrind. Its counters are zeroed after a warm-up and dumped after
+the measured bursts, so the count is the whole process's (nats-py, asyncio, dpcoord) for
+exactly those requests; two runs of one tree agree to about 0.2 %.
+
+With ``--baseline REV`` the same is measured, in the same run, for another revision of this
+checkout (extracted with ``git archive``), and the ratios are printed: how a change moved
+the coordinator's CPU per request (``dpcoord bench --instructions --baseline main``). The
+client is this checkout's in both; the wire contract is the same. Needs valgrind, with
+callgrind_control (``apt install valgrind``).
+
+Three workloads: ``plain``, msgpack bodies of 10 tokens as `nats pub` sends them; ``envelope``,
+the client library's envelope of a named client (its idempotency bookkeeping included);
+``long``, the envelope around a 10,000-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.coordinator import long_prompt
+from benchmarks.stack import BenchStack, StackConfig
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
+from service.protocol.subjects import Header
+
+BURST = 256
+WARMUP_BURSTS = 4
+KINDS = ("plain", "envelope", "long")
+# Under callgrind the coordinator runs some 50 times slower: engines must not seem silent.
+SLOW_COORDINATOR = {"DPCOORD_HEARTBEAT_TIMEOUT_S": "120", "DPCOORD_HEARTBEAT_INTERVAL_S": "5"}
+DUMP_TRIGGER = "measured"
+
+
+def bodies(kind: str, count: int) -> list[bytes]:
+    """``count`` submissions of ``kind``, each named by its own ``client_request_id`` where named."""
+    if kind == "plain":
+        body = encode_msgpack(SubmitRequest(list(range(1, 11)), SamplingParams(max_tokens=8)))
+        return [body] * count
+    prompt = long_prompt(10_000) if kind == "long" else list(range(1, 11))
+    inner = encode_msgpack(SubmitRequest(prompt, SamplingParams(max_tokens=8)))
+    return [encode_msgpack(SubmitEnvelope(1, inner, False, index, "bench")) for index in range(count)]
+
+
+def read_summary(dump: str) -> int:
+    """The instructions a callgrind dump counted (its ``summary:`` line)."""
+    for line in dump.splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise ValueError("no summary line in the callgrind dump")
+
+
+class CallgrindStack(BenchStack):
+    """A bench stack whose coordinator and engine run the code of ``tree``, the coordinator
+    under callgrind."""
+
+    def __init__(self, config: StackConfig, tree: Path, out_file: Path) -> None:
+        super().__init__(config)
+        self.tree = tree
+        self.out_file = out_file
+
+    def _dpcoord_env(self) -> dict[str, str]:
+        return super()._dpcoord_env() | {"PYTHONPATH": str(self.tree), "PYTHONHASHSEED": "0"} | SLOW_COORDINATOR
+
+    async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+        command = [sys.executable, *args]
+        if name == "coordinator":
+            command = ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={self.out_file}", *command]
+        # The working directory comes first on the path of `python -m`: it must be the tree's.
+        child = await asyncio.create_subprocess_exec(*command, env=env, cwd=self.tree)
+        self._children.append(child)
+        self.pids[name] = child.pid
+
+
+async def callgrind_control(*args: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        "callgrind_control", *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    _, stderr = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"callgrind_control {' '.join(args)} failed: {stderr.decode(errors='replace')}")
+
+
+@dataclass(slots=True)
+class Count:
+    kind: str
+    tree: str
+    instructions_per_request: float
+
+
+async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Path) -> Count:
+    out_file = work_dir / f"callgrind-{label}-{kind}.out"
+    async with CallgrindStack(StackConfig(None, 1, "auto", 8), tree, out_file) as stack:
+        await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))))
+        nc = stack.nc
+        subject = stack.subjects.coordinator(Header.SUBMIT_REQUEST)
+        inbox = nc.new_inbox()
+        answered = asyncio.Semaphore(0)
+
+        async def on_reply(_msg: object) -> None:
+            answered.release()
+
+        await nc.subscribe(f"{inbox}.*", cb=on_reply)
+        payloads = bodies(kind, requests + WARMUP_BURSTS * BURST)
+        numbers = itertools.count()
+
+        async def burst() -> None:
+            for _ in range(BURST):
+                number = next(numbers)
+                await nc.publish(subject, payloads[number], reply=f"{inbox}.{number}")
+            for _ in range(BURST):
+                await asyncio.wait_for(answered.acquire(), 300)
+
+        for _ in range(WARMUP_BURSTS):
+            await burst()
+        pid = str(stack.pids["coordinator"])
+        await callgrind_control("--zero", pid)
+        for _ in range(requests // BURST):
+            await burst()
+        await callgrind_control(f"--dump={DUMP_TRIGGER}", pid)
+    for dump in sorted(work_dir.glob(f"{out_file.name}.*")):
+        text = dump.read_text(errors="replace")
+        if f"Trigger: Client Request: {DUMP_TRIGGER}" in text or f"Trigger: dump {DUMP_TRIGGER}" in text:
+            return Count(kind, label, read_summary(text) / (requests // BURST * BURST))
+    raise RuntimeError(f"no callgrind dump of the measured window in {work_dir}")
+
+
+def extract(revision: str, into: Path) -> Path:
+    """The code of ``revision`` of this checkout that the coordinator and engines import."""
+    repo = Path(__file__).resolve().parents[1]
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", revision, "service", "handlers", "engines"], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:
+    current = Path(__file__).resolve().parents[1]
+    results: list[tuple[Count, Count | None]] = []
+    with tempfile.TemporaryDirectory(prefix="dpcoord-instructions-") as temp:
+        work_dir = Path(temp)
+        baseline = extract(args.baseline, work_dir / "baseline") if args.baseline else None
+        for kind in args.kinds:
+            requests = args.requests // 4 if kind == "long" else args.requests
+            jobs = [measure(kind, requests, current, "current", work_dir)]
+            if baseline is not None:
+                jobs.append(measure(kind, requests, baseline, str(args.baseline), work_dir))
+            counts = await asyncio.gather(*jobs)  # both trees at once: the two cores, one each
+            results.append((counts[0], counts[1] if len(counts) > 1 else None))
+    return results
+
+
+def print_report(results: list[tuple[Count, Count | None]], baseline: str | None) -> None:
+    print(f"coordinator instructions per request (callgrind, bursts of {BURST})")
+    for current, base in results:
+        line = f"  {current.kind:9} current {current.instructions_per_request:12,.0f}"
+        if base is not None:
+            ratio = current.instructions_per_request / base.instructions_per_request
+            line += f"   {baseline} {base.instructions_per_request:12,.0f}   current_vs_baseline={ratio:.3f}"
+        print(line)
+
+
+def main(args: argparse.Namespace) -> int:
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        print(f"dpcoord bench --instructions needs {' and '.join(missing)} (apt install valgrind)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("DPCOORD_LOG_LEVEL", "WARNING")
+    print_report(asyncio.run(run(args)), args.baseline)
+    return 0
+
+
+def kinds(text: str) -> list[str]:
+    chosen = text.split(",")
+    unknown = [kind for kind in chosen if kind not in KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload {', '.join(unknown)} (choose from {', '.join(KINDS)})")
+    return chosen
+
+
+def build_parser(prog: str = "python -m benchmarks.instructions") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=None, help="git revision of this checkout to measure alongside")
+    parser.add_argument("--kinds", type=kinds, default=list(KINDS), help="comma-separated: plain,envelope,long")
+    parser.add_argument(
+        "--requests", type=int, default=8192, help="requests measured per workload (a quarter of it for long)"
+    )
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))
