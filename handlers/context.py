@@ -80,14 +80,20 @@ class ControlContext(Replier, Protocol):
 
 
 class EngineContext(Replier, Protocol):
-    """Engine ids reach these methods from the subject an engine sent on (see handlers/engine.py)."""
+    """Engine ids reach these methods through :meth:`engine_sender` (see handlers/engine.py)."""
+
+    def engine_sender(self, incoming: Incoming, claimed: str) -> str:
+        """The engine ``incoming`` is from, which must be ``claimed``, the one its body names:
+        the one its subject names, or on the plain subject of earlier releases the claimed one
+        unless that engine speaks on its own subjects. Raises WireError 403 otherwise."""
 
     async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
         restarted), and answer with the control state and epoch it must start in."""
 
-    async def engine_heartbeat(self, heartbeat: Heartbeat) -> None:
-        """Refresh an engine's liveness; adopt an unknown one; reconcile what it no longer holds."""
+    async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
+        """Refresh an engine's liveness; adopt an unknown one (``own_subjects``: it sends on its
+        own subjects); reconcile what it no longer holds."""
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         """Send terminal replies to their clients and free their engine slots."""

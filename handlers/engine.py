@@ -6,7 +6,9 @@ fleet of thousands registers and heartbeats thousands of times a second.
 Engines send on ``<prefix>.<header>.<engine_id>`` (``per_sender``): NATS permissions can let
 each engine publish only there, and the engine a message is from is the one its subject names.
 A body naming another engine is refused (403), so no engine speaks for another; a reply is
-then relayed only if its request was routed to that engine (docs/security.md).
+then relayed only if its request was routed to that engine (docs/security.md). Engines of
+earlier releases send on the plain ``<prefix>.<header>``, still served: there the body names
+the engine, except one that registered on its own subjects, for which such a message gets 403.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
-from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
     CoordinatorHeartbeat,
     EngineDisconnect,
@@ -25,17 +26,6 @@ from service.protocol.messages import (
 from service.protocol.subjects import Header
 
 
-def sender(incoming: Incoming, claimed: str) -> str:
-    """The engine ``incoming`` is from: the one its subject names, which must be the one its
-    body claims (403 otherwise)."""
-    if incoming.sender != claimed:
-        raise WireError(
-            ErrorCode.FORBIDDEN,
-            f"engine {str(incoming.sender)[:64]!r} sent a {incoming.header} for engine {claimed[:64]!r}",
-        )
-    return claimed
-
-
 @message_handler(Header.REGISTER, fanout=True, direct=True, per_sender=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
     """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
@@ -43,7 +33,7 @@ async def handle_register(coordinator: EngineContext, incoming: Incoming, payloa
     The engine joins with zero load, serving that model; one registering again had restarted,
     so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start
     in; 400 for an id that cannot be a subject token, 429 when the pool holds ``max_engines``."""
-    engine_id = sender(incoming, payload.engine_id)
+    engine_id = coordinator.engine_sender(incoming, payload.engine_id)
     await coordinator.register_engine(incoming, engine_id, payload.capacity, payload.served_model_name)
 
 
@@ -54,8 +44,8 @@ async def handle_heartbeat(coordinator: EngineContext, incoming: Incoming, paylo
 
     Refreshes liveness and progress; an unknown engine (say, after a coordinator restart) is
     adopted. Requests the engine no longer holds are reconciled. No answer."""
-    sender(incoming, payload.engine_id)
-    await coordinator.engine_heartbeat(payload)
+    coordinator.engine_sender(incoming, payload.engine_id)
+    await coordinator.engine_heartbeat(payload, own_subjects=incoming.sender is not None)
 
 
 @message_handler(Header.ENGINE_REPLY, fanout=True, direct=True, per_sender=True)
@@ -65,7 +55,7 @@ async def handle_engine_reply(coordinator: EngineContext, incoming: Incoming, pa
 
     Each is sent to its client, and its engine slot freed, if its request was routed to this
     engine. No answer."""
-    await coordinator.relay_finals(sender(incoming, payload.engine_id), payload.replies)
+    await coordinator.relay_finals(coordinator.engine_sender(incoming, payload.engine_id), payload.replies)
 
 
 @message_handler(Header.ENGINE_REPLY_PARTIAL, fanout=True, direct=True, per_sender=True)
@@ -76,7 +66,7 @@ async def handle_engine_reply_partial(
 
     Each is sent to its client in order, if its request was routed to this engine; the requests
     stay open. No answer."""
-    await coordinator.relay_partials(sender(incoming, payload.engine_id), payload.replies)
+    await coordinator.relay_partials(coordinator.engine_sender(incoming, payload.engine_id), payload.replies)
 
 
 @message_handler(Header.DISCONNECT, fanout=True, direct=True, per_sender=True)
@@ -85,7 +75,9 @@ async def handle_disconnect(coordinator: EngineContext, incoming: Incoming, payl
 
     The engine is dropped: requests it had not streamed are routed again, the rest fail with
     503. No answer."""
-    await coordinator.remove_engine(sender(incoming, payload.engine_id), payload.reason or "disconnected")
+    await coordinator.remove_engine(
+        coordinator.engine_sender(incoming, payload.engine_id), payload.reason or "disconnected"
+    )
 
 
 @message_handler(Header.COORDINATOR_HEARTBEAT, fanout=True)

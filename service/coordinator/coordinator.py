@@ -218,17 +218,20 @@ class Coordinator:
             self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
             queue = "" if spec.fanout else self.settings.queue_group
-            subject = self.subjects.sent_by_any(header) if spec.per_sender else self.subjects.coordinator(header)
-            subscription: Subscription | DirectSubscription
-            if spec.direct:
-                subscription = await self.nc.subscribe_direct(
-                    subject, functools.partial(self._dispatch, spec), queue=queue
-                )
-            else:
-                subscription = await self.nc.subscribe(
-                    subject, queue=queue, cb=functools.partial(self._on_message, spec)
-                )
-            self._subscriptions.append(subscription)
+            subjects = [self.subjects.coordinator(header)]
+            if spec.per_sender:  # engines send as themselves; those of earlier releases on the plain subject
+                subjects.append(self.subjects.sent_by_any(header))
+            for subject in subjects:
+                subscription: Subscription | DirectSubscription
+                if spec.direct:
+                    subscription = await self.nc.subscribe_direct(
+                        subject, functools.partial(self._dispatch, spec), queue=queue
+                    )
+                else:
+                    subscription = await self.nc.subscribe(
+                        subject, queue=queue, cb=functools.partial(self._on_message, spec)
+                    )
+                self._subscriptions.append(subscription)
         await flush_subscriptions(self.nc)
         self.spawn(keep_running("watchdog", self._fleet.watch_once, self.counters))
         self.spawn(keep_running("replicas", self._control.watch_replicas_once, self.counters))
@@ -305,7 +308,8 @@ class Coordinator:
                     self._reply_problem(reply, owner),
                 )
                 return
-        sender = subject[len(self.subjects.prefix) + len(spec.header) + 2 :] if spec.per_sender else None
+        # The sender a per_sender subject names; None on the plain subject (engines of earlier releases).
+        sender = (subject[len(self.subjects.prefix) + len(spec.header) + 2 :] or None) if spec.per_sender else None
         incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner)
         try:
             if len(body) > self._max_body:
@@ -408,15 +412,18 @@ class Coordinator:
     ) -> None:
         await self._control.control_engines(incoming, signal, payload, written)
 
+    def engine_sender(self, incoming: Incoming, claimed: str) -> str:
+        return self._fleet.speaker(incoming.sender, claimed)
+
     async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
-        await self._fleet.register(engine_id, capacity, model)
+        await self._fleet.register(engine_id, capacity, model, own_subjects=incoming.sender is not None)
         if incoming.reply:
             ack = RegisterAck(self.id, self.state, self.epoch, self.shared.revision)
             await self.nc.publish(incoming.reply, encode_msgpack(ack))
         await self._admission.release_queue()
 
-    async def engine_heartbeat(self, heartbeat: Heartbeat) -> None:
-        await self._fleet.heartbeat(heartbeat)
+    async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
+        await self._fleet.heartbeat(heartbeat, own_subjects)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         self._fleet.heard_from(engine_id)

@@ -81,8 +81,8 @@ class Fleet:
         self._refusals = RateLimitedLog(log)
         self._log = FleetLog(log)
 
-    def add(self, engine_id: str, capacity: int, model: str | None) -> EngineRecord:
-        record = self.pool.add(engine_id, capacity, model)
+    def add(self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True) -> EngineRecord:
+        record = self.pool.add(engine_id, capacity, model, own_subjects)
         self.changed.set()
         self._log.joined(engine_id, model, record.capacity, len(self.pool))
         return record
@@ -91,7 +91,23 @@ class Fleet:
         """Log the joins and removals still being summed (the coordinator is stopping)."""
         self._log.flush()
 
-    async def register(self, engine_id: str, capacity: int, model: str | None) -> None:
+    def speaker(self, sender: str | None, claimed: str) -> str:
+        """The engine a message is from. On an engine's own subject, ``sender`` (the subject's
+        last token) must be the engine the body names. On the plain subject of earlier releases
+        (``sender`` None) the body names it, unless that engine speaks on its own subjects: only
+        it may speak for itself. Raises WireError 403 otherwise."""
+        if sender == claimed:
+            return claimed
+        if sender is None:
+            record = self.pool.get(claimed)
+            if record is None or not record.own_subjects:
+                return claimed
+            raise WireError(
+                ErrorCode.FORBIDDEN, f"engine {claimed[:64]!r} sends on its own subjects, not on the plain one"
+            )
+        raise WireError(ErrorCode.FORBIDDEN, f"engine {sender[:64]!r} sent a message for engine {claimed[:64]!r}")
+
+    async def register(self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True) -> None:
         """An engine that registers again had restarted: its old work is lost. Raises WireError
         400 for an id that cannot be a subject token, 429 when the pool is full."""
         if (problem := id_problem(engine_id, self._settings.max_id_bytes)) is not None:
@@ -101,7 +117,7 @@ class Fleet:
         elif len(self.pool) >= self._settings.max_engines:
             raise WireError(ErrorCode.OVERLOADED, f"engine pool full ({self._settings.max_engines} engines)")
         self._suspects.pop(engine_id, None)
-        self.add(engine_id, capacity, model)
+        self.add(engine_id, capacity, model, own_subjects)
 
     async def remove(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are queued again, the rest fail."""
@@ -123,9 +139,10 @@ class Fleet:
                 )
         await self._admission.release_queue()
 
-    async def heartbeat(self, heartbeat: Heartbeat) -> None:
-        """Refresh liveness; adopt an unknown engine; reconcile, in the background, when the
-        engine no longer holds requests routed to it."""
+    async def heartbeat(self, heartbeat: Heartbeat, own_subjects: bool = True) -> None:
+        """Refresh liveness; adopt an unknown engine (speaking on the subjects this heartbeat
+        came on); reconcile, in the background, when the engine no longer holds requests routed
+        to it."""
         engine_id = heartbeat.engine_id
         record = self.pool.get(engine_id)
         now = time.monotonic()
@@ -133,7 +150,7 @@ class Fleet:
             if engine_id in self._suspects:
                 self._suspects[engine_id] = now
             elif not self.pool.recently_departed(engine_id) and self._adoptable(engine_id):
-                self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name)
+                self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name, own_subjects)
                 await self._admission.release_queue()
             return
         self.pool.heard(record)

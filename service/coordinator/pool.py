@@ -42,6 +42,9 @@ class EngineRecord:
     # Progress, watched while it holds requests (fleet.py): its last reply, step or start of work.
     last_progress: float = field(default_factory=time.monotonic)
     steps: int | None = None  # the step count its last heartbeat reported
+    # It registered (or was adopted) on its own subjects, <prefix>.<header>.<engine_id>: then no
+    # message on the plain <prefix>.<header> of earlier releases may speak for it (fleet.py).
+    own_subjects: bool = True
 
     @property
     def load(self) -> int:
@@ -165,9 +168,10 @@ class EnginePool:
 
     # ------------------------------------------------------------ membership
 
-    def add(self, engine_id: str, capacity: int, model: str | None = None) -> EngineRecord:
+    def add(self, engine_id: str, capacity: int, model: str | None = None, own_subjects: bool = True) -> EngineRecord:
         """Adds a fresh record with zero load; an existing one must be removed first."""
         record = EngineRecord(engine_id, min(capacity, self._max_inflight), model, in_pool=True)
+        record.own_subjects = own_subjects
         self._engines[engine_id] = record
         self._by_silence[engine_id] = record
         self._departed.pop(engine_id, None)
