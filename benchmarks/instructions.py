@@ -105,7 +105,8 @@ class Count:
 async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Path) -> Count:
     out_file = work_dir / f"callgrind-{label}-{kind}.out"
     async with CallgrindStack(StackConfig(None, 1, "auto", 8), tree, out_file) as stack:
-        await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))))
+        # Python starts some 50 times slower under callgrind.
+        await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))), timeout_s=600)
         nc = stack.nc
         subject = stack.subjects.coordinator(Header.SUBMIT_REQUEST)
         inbox = nc.new_inbox()

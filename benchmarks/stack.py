@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -93,14 +94,15 @@ class BenchStack:
         )
         return env
 
-    async def start_dpcoord(self, probe: bytes) -> None:
+    async def start_dpcoord(self, probe: bytes, timeout_s: float = 30.0) -> None:
         """A coordinator and the engines, ready once every engine has answered a request."""
         env = self._dpcoord_env()
         await self._spawn("coordinator", "-m", "service", "coordinator", env=env)
         for index in range(self.config.engines):
             await self._spawn(f"engine{index}", "-m", "service", "engine", env=env)
         seen: set[str] = set()
-        for _ in range(600):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
             self._check_children()
             reply = await self._try(self.subjects.coordinator(Header.SUBMIT_REQUEST), probe)
             if isinstance(reply, Final) and reply.engine_id:
@@ -111,7 +113,7 @@ class BenchStack:
                 await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
             else:
                 raise RuntimeError(f"dpcoord answered the probe with {reply!r}")
-        raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in 30 s")
+        raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in {timeout_s:g} s")
 
     async def start_gateway(self, port: int) -> None:
         """The HTTP gateway on 127.0.0.1:``port``, ready once its /readyz answers 200."""
