@@ -53,7 +53,7 @@ body_digest: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
 class ResultCache:
     def __init__(self, ttl_s: float, max_entries: int, max_bytes: int, max_id_bytes: int = 256) -> None:
         self._ttl_s = ttl_s
-        # What an entry costs besides its bodies: its key and owner (each at most max_id_bytes) and the tuple.
+        # What an entry costs besides its reply: its key and owner (each at most max_id_bytes), the rest.
         self._entry_bytes = 3 * max_id_bytes + ENTRY_OVERHEAD
         self._max_entries = max_entries
         self._max_bytes = max_bytes
@@ -67,12 +67,12 @@ class ResultCache:
             return
         now = time.monotonic()
         results = self._results
+        previous = results.pop(key, None)  # stored again: it moves to the young end (or goes, if too big)
+        if previous is not None:
+            self.bytes -= previous.size
         size = len(body) + self._entry_bytes
         if size > self._max_bytes:
             return
-        previous = results.pop(key, None)  # stored again: it moves to the young end
-        if previous is not None:
-            self.bytes -= previous.size
         digest = None if request_body is None else body_digest(request_body)
         results[key] = CachedResult(body, now, owner, digest, size)
         self.bytes += size

@@ -119,6 +119,8 @@ def test_cache_is_bounded_by_bytes_and_an_entry_over_the_bound_is_not_kept(clock
     assert cache.get(("c", 9)) is not None and cache.get(("c", 5)) is None
     cache.put(("c", "huge"), b"x" * 20_000, OWNER, None)
     assert cache.get(("c", "huge")) is None and len(cache) == 10_000 // entry
+    cache.put(("c", 9), b"x" * 20_000, OWNER, None)  # a newer result too big to keep: the older one goes too
+    assert cache.get(("c", 9)) is None and cache.bytes == len(cache) * entry
 
 
 def test_expired_results_are_swept_by_time_without_a_put(clock: _Clock) -> None:
