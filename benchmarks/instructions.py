@@ -1,11 +1,13 @@
-"""Coordinator instructions per request, counted by callgrind: the steady twin of the
-coordinator benchmark's CPU figures, which a small shared machine scatters by ±20 %.
+"""Coordinator (or engine) instructions per request, counted by callgrind: the steady twin of
+the coordinator benchmark's CPU figures, which a small shared machine scatters by ±20 %.
 
 The real stack runs (nats-server, one echo engine, the coordinator, each its own process)
 under a fixed load: bursts of ``BURST`` submissions, each burst awaited in full. Only the
-coordinator runs under callgrind. Its counters are zeroed after a warm-up and dumped after
-the measured bursts, so the count is the whole process's (nats-py, asyncio, dpcoord) for
-exactly those requests; two runs of one tree agree to about 0.2 %.
+measured process (``--process``, the coordinator by default) runs under callgrind. Its
+counters are zeroed after a warm-up and dumped after the measured bursts, so the count is the
+whole process's (nats-py, asyncio, dpcoord) for exactly those requests; two runs of one tree
+agree to about 0.2 %. The echo engine's count is its runtime's: the echo backend does next to
+nothing.
 
 With ``--baseline REV`` the same is measured, in the same run, for another revision of this
 checkout (extracted with ``git archive``), and the ratios are printed: how a change moved
@@ -41,8 +43,13 @@ from service.protocol.subjects import Header
 BURST = 256
 WARMUP_BURSTS = 4
 KINDS = ("plain", "envelope", "long")
-# Under callgrind the coordinator runs some 50 times slower: engines must not seem silent.
-SLOW_COORDINATOR = {"DPCOORD_HEARTBEAT_TIMEOUT_S": "120", "DPCOORD_HEARTBEAT_INTERVAL_S": "5"}
+# Under callgrind a process runs some 50 times slower: it must not seem silent or stalled.
+SLOW_PEER = {
+    "DPCOORD_HEARTBEAT_TIMEOUT_S": "120",
+    "DPCOORD_HEARTBEAT_INTERVAL_S": "5",
+    "DPCOORD_ENGINE_PROGRESS_TIMEOUT_S": "600",
+}
+PROCESSES = {"coordinator": "coordinator", "engine": "engine0"}  # --process -> the stack's name for it
 DUMP_TRIGGER = "measured"
 
 
@@ -65,20 +72,21 @@ def read_summary(dump: str) -> int:
 
 
 class CallgrindStack(BenchStack):
-    """A bench stack whose coordinator and engine run the code of ``tree``, the coordinator
-    under callgrind."""
+    """A bench stack whose coordinator and engine run the code of ``tree``, the process named
+    ``measured`` under callgrind."""
 
-    def __init__(self, config: StackConfig, tree: Path, out_file: Path) -> None:
+    def __init__(self, config: StackConfig, tree: Path, out_file: Path, measured: str) -> None:
         super().__init__(config)
         self.tree = tree
         self.out_file = out_file
+        self.measured = measured
 
     def _dpcoord_env(self) -> dict[str, str]:
-        return super()._dpcoord_env() | {"PYTHONPATH": str(self.tree), "PYTHONHASHSEED": "0"} | SLOW_COORDINATOR
+        return super()._dpcoord_env() | {"PYTHONPATH": str(self.tree), "PYTHONHASHSEED": "0"} | SLOW_PEER
 
     async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         command = [sys.executable, *args]
-        if name == "coordinator":
+        if name == self.measured:
             command = ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={self.out_file}", *command]
         # The working directory comes first on the path of `python -m`: it must be the tree's.
         child = await asyncio.create_subprocess_exec(*command, env=env, cwd=self.tree)
@@ -102,9 +110,9 @@ class Count:
     instructions_per_request: float
 
 
-async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Path) -> Count:
+async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Path, measured: str) -> Count:
     out_file = work_dir / f"callgrind-{label}-{kind}.out"
-    async with CallgrindStack(StackConfig(None, 1, "auto", 8), tree, out_file) as stack:
+    async with CallgrindStack(StackConfig(None, 1, "auto", 8), tree, out_file, measured) as stack:
         # Python starts some 50 times slower under callgrind.
         await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))), timeout_s=600)
         nc = stack.nc
@@ -128,7 +136,7 @@ async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Pa
 
         for _ in range(WARMUP_BURSTS):
             await burst()
-        pid = str(stack.pids["coordinator"])
+        pid = str(stack.pids[measured])
         await callgrind_control("--zero", pid)
         for _ in range(requests // BURST):
             await burst()
@@ -159,16 +167,17 @@ async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:
         baseline = extract(args.baseline, work_dir / "baseline") if args.baseline else None
         for kind in args.kinds:
             requests = args.requests // 4 if kind == "long" else args.requests
-            jobs = [measure(kind, requests, current, "current", work_dir)]
+            measured = PROCESSES[args.process]
+            jobs = [measure(kind, requests, current, "current", work_dir, measured)]
             if baseline is not None:
-                jobs.append(measure(kind, requests, baseline, str(args.baseline), work_dir))
+                jobs.append(measure(kind, requests, baseline, str(args.baseline), work_dir, measured))
             counts = await asyncio.gather(*jobs)  # both trees at once: the two cores, one each
             results.append((counts[0], counts[1] if len(counts) > 1 else None))
     return results
 
 
-def print_report(results: list[tuple[Count, Count | None]], baseline: str | None) -> None:
-    print(f"coordinator instructions per request (callgrind, bursts of {BURST})")
+def print_report(results: list[tuple[Count, Count | None]], baseline: str | None, process: str) -> None:
+    print(f"{process} instructions per request (callgrind, bursts of {BURST})")
     for current, base in results:
         line = f"  {current.kind:9} current {current.instructions_per_request:12,.0f}"
         if base is not None:
@@ -184,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("DPCOORD_LOG_LEVEL", "WARNING")
-    print_report(asyncio.run(run(args)), args.baseline)
+    print_report(asyncio.run(run(args)), args.baseline, args.process)
     return 0
 
 
@@ -199,6 +208,9 @@ def kinds(text: str) -> list[str]:
 def build_parser(prog: str = "python -m benchmarks.instructions") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default=None, help="git revision of this checkout to measure alongside")
+    parser.add_argument(
+        "--process", choices=sorted(PROCESSES), default="coordinator", help="the process counted (default coordinator)"
+    )
     parser.add_argument("--kinds", type=kinds, default=list(KINDS), help="comma-separated: plain,envelope,long")
     parser.add_argument(
         "--requests", type=int, default=8192, help="requests measured per workload (a quarter of it for long)"
