@@ -217,7 +217,8 @@ def test_instruction_count_reads_the_dump_summary_and_its_command_line(capsys: p
     with pytest.raises(ValueError, match="summary"):
         read_summary("events: Ir\n")
     args = instructions_parser().parse_args(["--baseline", "main", "--kinds", "plain,long"])
-    assert (args.baseline, args.kinds, args.requests) == ("main", ["plain", "long"], 8192)
+    assert (args.baseline, args.kinds, args.requests, args.process) == ("main", ["plain", "long"], 8192, "coordinator")
+    assert instructions_parser().parse_args(["--process", "engine"]).process == "engine"
     with pytest.raises(SystemExit):
         instructions_parser().parse_args(["--kinds", "plain,huge"])
     with pytest.raises(SystemExit):
