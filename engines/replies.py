@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from nats.errors import Error as NatsError
 
@@ -125,25 +126,28 @@ class ReplyPublisher:
         self._nc = nc
         self._subjects = subjects
         self._counters = counters
-        self._recent: OrderedDict[str, RoutedReply] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[RoutedReply, int]] = OrderedDict()  # with its size
         self._recent_bytes = 0
         self._max_recent_bytes = recent_bytes
 
     def recent(self, request_id: str) -> RoutedReply | None:
-        return self._recent.get(request_id)
+        kept = self._recent.get(request_id)
+        return None if kept is None else kept[0]
 
     async def publish(self, header: Header, replies: list[RoutedReply], remember: bool = True) -> None:
         """Send ``replies`` on ``header``'s subject; terminal ones are remembered when ``remember``."""
         if not replies:
             return
         max_payload = self._nc.max_payload
-        if not all(fits_alone(reply_size(reply), max_payload) for reply in replies):
-            replies = [fitted for reply in replies if (fitted := self._fitted(reply, max_payload)) is not None]
+        sized = [(reply, reply_size(reply)) for reply in replies]  # each reply's size, counted once
+        if not all(fits_alone(size, max_payload) for _, size in sized):
+            fitted = (self._fitted(reply, max_payload) for reply, _ in sized)
+            sized = [(reply, reply_size(reply)) for reply in fitted if reply is not None]
         if remember and header == Header.ENGINE_REPLY:
-            self._remember(replies)
+            self._remember(sized)
         subject = self._subjects.sent_by(header, self._engine_id)
-        for batch in split_batches(replies, reply_size, max_payload):
-            await self._send(subject, batch)
+        for batch in split_batches(sized, itemgetter(1), max_payload):
+            await self._send(subject, [reply for reply, _ in batch])
 
     async def _send(self, subject: str, batch: list[RoutedReply]) -> None:
         """A batch NATS cannot take now is lost, not fatal: the coordinator's deadline answers it."""
@@ -153,16 +157,16 @@ class ReplyPublisher:
             self._counters["replies_lost"] += len(batch)
             log.warning("engine_id=%s: %d replies lost: %s", self._engine_id, len(batch), exc)
 
-    def _remember(self, replies: list[RoutedReply]) -> None:
+    def _remember(self, sized: list[tuple[RoutedReply, int]]) -> None:
         recent = self._recent
-        for reply in replies:
+        for reply, size in sized:
             previous = recent.pop(reply.return_path.request_id, None)
             if previous is not None:
-                self._recent_bytes -= reply_size(previous)
-            recent[reply.return_path.request_id] = reply
-            self._recent_bytes += reply_size(reply)
+                self._recent_bytes -= previous[1]
+            recent[reply.return_path.request_id] = (reply, size)
+            self._recent_bytes += size
         while recent and (len(recent) > RECENT_REPLIES_KEPT or self._recent_bytes > self._max_recent_bytes):
-            self._recent_bytes -= reply_size(recent.popitem(last=False)[1])
+            self._recent_bytes -= recent.popitem(last=False)[1][1]
 
     def _fitted(self, reply: RoutedReply, max_payload: int) -> RoutedReply | None:
         """``reply`` if it fits one message, else a 413 error for its request if that fits, else None."""
