@@ -46,6 +46,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
 from nats.js.errors import (
+    BadRequestError,
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
@@ -76,6 +77,9 @@ JETSTREAM_WAIT_S = 30.0
 # "JetStream not enabled" (for the server, for this account).
 _NOT_CLUSTERED = 10074
 _NO_JETSTREAM = frozenset({10076, 10039})
+# "No suitable peers for placement": a cluster whose servers have not all joined yet cannot
+# place the bucket's three replicas; asked again, like a cluster still electing its leader.
+_NO_PEERS_YET = 10005
 
 ChangeListener = Callable[[ControlRecord, ControlRecord], None]
 _record_decoder = msgspec.json.Decoder(ControlRecord)
@@ -159,8 +163,9 @@ class SharedControlState:
 
     async def _open_bucket(self, js: JetStreamContext) -> KeyValue | None:
         """The bucket, created on first use; None when this NATS (or account) has no JetStream.
-        While JetStream answers "temporarily unavailable", or not at all (a cluster still
-        electing its leader), ask again for up to ``JETSTREAM_WAIT_S``."""
+        While JetStream answers "temporarily unavailable", "no suitable peers" (a cluster still
+        forming) or not at all (a cluster still electing its leader), ask again for up to
+        ``JETSTREAM_WAIT_S``."""
         deadline = time.monotonic() + JETSTREAM_WAIT_S
         delay = 0.1
         while True:
@@ -173,6 +178,10 @@ class SharedControlState:
                 if exc.code is None or exc.err_code in _NO_JETSTREAM:  # no responders, or not enabled
                     return None
                 problem = f"JetStream unavailable ({exc.description})"
+            except BadRequestError as exc:
+                if exc.err_code != _NO_PEERS_YET:
+                    raise
+                problem = f"JetStream cannot place the bucket's replicas yet ({exc.description})"
             except NatsTimeoutError:
                 problem = (
                     f"JetStream did not answer within {self._timeout_s:g} s (not ready yet, or may this NATS user "
