@@ -170,7 +170,7 @@ async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:
             measured = PROCESSES[args.process]
             jobs = [measure(kind, requests, current, "current", work_dir, measured)]
             if baseline is not None:
-                jobs.append(measure(kind, requests, baseline, str(args.baseline), work_dir, measured))
+                jobs.append(measure(kind, requests, baseline, "baseline", work_dir, measured))
             counts = await asyncio.gather(*jobs)  # both trees at once: the two cores, one each
             results.append((counts[0], counts[1] if len(counts) > 1 else None))
     return results
@@ -205,6 +205,14 @@ def kinds(text: str) -> list[str]:
     return chosen
 
 
+def request_count(text: str) -> int:
+    """At least four bursts, so that ``long`` (a quarter of them) measures one."""
+    count = int(text)
+    if count < 4 * BURST:
+        raise argparse.ArgumentTypeError(f"at least {4 * BURST} requests")
+    return count
+
+
 def build_parser(prog: str = "python -m benchmarks.instructions") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default=None, help="git revision of this checkout to measure alongside")
@@ -213,7 +221,7 @@ def build_parser(prog: str = "python -m benchmarks.instructions") -> argparse.Ar
     )
     parser.add_argument("--kinds", type=kinds, default=list(KINDS), help="comma-separated: plain,envelope,long")
     parser.add_argument(
-        "--requests", type=int, default=8192, help="requests measured per workload (a quarter of it for long)"
+        "--requests", type=request_count, default=8192, help="requests measured per workload (a quarter of it for long)"
     )
     return parser
 

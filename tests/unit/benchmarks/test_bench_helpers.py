@@ -219,8 +219,9 @@ def test_instruction_count_reads_the_dump_summary_and_its_command_line(capsys: p
     args = instructions_parser().parse_args(["--baseline", "main", "--kinds", "plain,long"])
     assert (args.baseline, args.kinds, args.requests, args.process) == ("main", ["plain", "long"], 8192, "coordinator")
     assert instructions_parser().parse_args(["--process", "engine"]).process == "engine"
-    with pytest.raises(SystemExit):
-        instructions_parser().parse_args(["--kinds", "plain,huge"])
+    for wrong in (["--kinds", "plain,huge"], ["--requests", "100"]):
+        with pytest.raises(SystemExit):
+            instructions_parser().parse_args(wrong)
     with pytest.raises(SystemExit):
         cli_main(["bench", "--instructions", "--help"])
     assert "instructions per request" in capsys.readouterr().out
