@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from service.bus.connection import flush_subscriptions
-from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.deliveries import HELD_OVERHEAD, ClientDeliveries
 
 
 async def collect(nc: NATS, subject: str) -> asyncio.Queue[bytes]:
@@ -54,3 +55,17 @@ async def test_a_resubmitting_client_gets_its_held_replies_on_the_new_subject(nc
     assert await asyncio.wait_for(new.get(), 5) == b"final"
     assert await asyncio.wait_for(old.get(), 5) == b"other"
     assert old.empty()
+
+
+async def test_held_replies_are_bounded_by_bytes_oldest_dropped_first(nc: NATS) -> None:
+    received = await collect(nc, "_INBOX.bounded")
+    counters: Counter[str] = Counter()
+    deliveries = ClientDeliveries(nc, counters, max_bytes=3 * (100 + len("_INBOX.bounded") + HELD_OVERHEAD))
+    deliveries.hold()
+    await deliveries.publish("_INBOX.bounded", b"a" * 100, ("alice", 1))
+    for body in (b"b" * 100, b"c" * 100, b"d" * 100):
+        await deliveries.publish("_INBOX.bounded", body, None)
+    assert counters["held_replies_dropped"] == 1
+    assert not deliveries.repoint(("alice", 1), "_INBOX.elsewhere")  # its dropped reply is forgotten too
+    await deliveries.release()
+    assert [(await asyncio.wait_for(received.get(), 5))[:1] for _ in range(3)] == [b"b", b"c", b"d"]
