@@ -49,7 +49,7 @@ from service.protocol.codec import detect_encoding
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import InboxPrefixes, Subjects, utf8_length
+from service.protocol.subjects import ReplySubjects, utf8_length
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Admission:
         self,
         coordinator_id: str,
         settings: Settings,
-        subjects: Subjects,
+        replies: ReplySubjects,
         requests: RequestTable,
         pool: EnginePool,
         peers: CoordinatorPeers,
@@ -73,7 +73,7 @@ class Admission:
     ) -> None:
         self._id = coordinator_id
         self._settings = settings
-        self._subjects = subjects
+        self._replies = replies
         self._requests = requests
         self._pool = pool
         self._peers = peers
@@ -84,7 +84,6 @@ class Admission:
         self._deliveries = deliveries
         self._counters = counters
         self._spawn = spawn
-        self._inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
         self._queue = HeldRequests(requests)
         self._deadlines = CoarseTimers()
         self._ids = request_ids(coordinator_id)
@@ -164,15 +163,9 @@ class Admission:
     def _reply_subject(self, incoming: Incoming, reply_to: str) -> tuple[str, str]:
         """Where replies go and who owns them: ``reply_to`` under an inbox prefix, the sender's own
         (its NATS reply subject's, which the coordinator checked on arrival) when it gave one."""
-        if utf8_length(reply_to) > self._max_id:
-            raise WireError(ErrorCode.MALFORMED, f"reply_to is longer than max_id_bytes ({self._max_id})")
-        if (problem := self._subjects.reply_problem(reply_to)) is not None:
-            raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to!r} {problem}")
-        owner = self._inboxes.owner(reply_to)
-        if owner is None:
-            raise WireError(
-                ErrorCode.MALFORMED, f"reply_to {reply_to!r} is not under an inbox prefix ({self._inboxes.describe()})"
-            )
+        owner, problem = self._replies.check(reply_to)
+        if owner is None or problem is not None:
+            raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to[:256]!r} {problem}")
         if incoming.owner is not None and owner != incoming.owner:
             raise WireError(
                 ErrorCode.MALFORMED,

@@ -65,7 +65,15 @@ from service.protocol.messages import (
     error_reply,
 )
 from service.protocol.state import CoordinatorState, Written
-from service.protocol.subjects import Header, InboxPrefixes, Subjects, id_problem, publishable
+from service.protocol.subjects import (
+    Header,
+    InboxPrefixes,
+    ReplySubjects,
+    Subjects,
+    id_problem,
+    publishable,
+    utf8_length,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,7 @@ class Coordinator:
         )
         self.control_state = ControlState()
         self.inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
+        self.replies = ReplySubjects(self.subjects, self.inboxes, settings.max_id_bytes)
         self._owner_of = self.inboxes.owner
         self._first_inbox, self._first_owner = self.inboxes.first
         self._handlers = handlers
@@ -103,7 +112,7 @@ class Coordinator:
             self._deliveries,
             self.counters,
             self.spawn,
-            self.inboxes,
+            self.replies,
             settings.max_buffered_bytes,
         )
         policy = make_policy(settings)
@@ -113,7 +122,7 @@ class Coordinator:
         self._admission = Admission(
             self.id,
             settings,
-            self.subjects,
+            self.replies,
             self.requests,
             self.engines,
             self.peers,
@@ -297,15 +306,16 @@ class Coordinator:
         owner = None
         if reply:
             owner = self._first_owner if reply.startswith(self._first_inbox) else self._owner_of(reply)
-            # Under an inbox prefix, which settings keep apart from dpcoord's own subjects.
-            if owner is None or len(reply) > self._max_reply or not publishable(reply):
+            # self.replies.check, inline: under an inbox prefix, which settings keep apart from
+            # dpcoord's own subjects, a well-formed subject needs only to fit max_id_bytes.
+            if owner is None or utf8_length(reply) > self._max_reply or not publishable(reply):
                 self.counters["unsafe_reply_subject"] += 1
                 self._refusal_log.warning(
                     "dropped %s (%d bytes): reply subject %r %s",
                     spec.header,
                     len(body),
                     reply[:256],
-                    self._reply_problem(reply, owner),
+                    self.replies.check(reply)[1],
                 )
                 return
         # The sender a per_sender subject names; None on the plain subject (engines of earlier releases).
@@ -322,13 +332,6 @@ class Coordinator:
         except Exception:
             self._failure_log.exception("handler for %s failed", spec.header)
             await self._refuse(incoming, WireError(ErrorCode.INTERNAL, f"internal error handling {spec.header}"))
-
-    def _reply_problem(self, reply: str, owner: str | None) -> str | None:
-        if owner is None:
-            return f"is not under an inbox prefix ({self.inboxes.describe()})"
-        if len(reply) > self._max_reply:
-            return f"is longer than max_id_bytes ({self._max_reply})"
-        return self.subjects.reply_problem(reply)
 
     async def _refuse(self, incoming: Incoming, err: WireError) -> None:
         self.counters[f"error_{err.code}"] += 1
@@ -353,8 +356,8 @@ class Coordinator:
         """A ``reply_to`` read from a refused body: an inbox, the sender's own when it is known."""
         if not isinstance(reply_to, str):
             return False
-        owner = self.inboxes.owner(reply_to)
-        return self._reply_problem(reply_to, owner) is None and (sender is None or owner == sender)
+        owner, problem = self.replies.check(reply_to)
+        return problem is None and (sender is None or owner == sender)
 
     # ------------------------------------------------------------ handler contexts (handlers/context.py)
 

@@ -36,7 +36,7 @@ from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.messages import Final, ReturnPath, RoutedAbort, RoutedReply, error_reply
-from service.protocol.subjects import Header, InboxPrefixes, Subjects
+from service.protocol.subjects import Header, ReplySubjects, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ReplyRelay:
         deliveries: ClientDeliveries,
         counters: Counter[str],
         spawn: Callable[[Coroutine[Any, Any, object]], None],
-        inboxes: InboxPrefixes,
+        replies: ReplySubjects,
         max_buffered_bytes: int,
     ) -> None:
         self._id = coordinator_id
@@ -74,7 +74,7 @@ class ReplyRelay:
         self._spawn = spawn
         self.latency = RequestLatency()
         self._refusal_log = RateLimitedLog(log)
-        self._inboxes = inboxes
+        self._replies = replies
         self._orphans: list[tuple[RoutedReply, bool]] = []
         self._orphan_bytes = 0
         self._max_buffered_bytes = max_buffered_bytes
@@ -192,17 +192,14 @@ class ReplyRelay:
             return
         if not self._peers.should_adopt(return_path.coordinator_id):
             return
-        owner = self._inboxes.owner(return_path.reply_to)
-        problem = self._subjects.reply_problem(return_path.reply_to) or (
-            None if owner is not None else f"is not under an inbox prefix ({self._inboxes.describe()})"
-        )
-        if problem is not None:
+        owner, problem = self._replies.check(return_path.reply_to)
+        if owner is None or problem is not None:
             # Admission refuses such a reply_to, so only an engine that rewrote the route gets here.
             self._counters["unsafe_reply_subject"] += 1
             self._refusal_log.warning(
                 "request_id=%s: not delivering to reply subject %r, which %s",
                 return_path.request_id,
-                return_path.reply_to,
+                return_path.reply_to[:256],
                 problem,
             )
             return

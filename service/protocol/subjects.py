@@ -218,3 +218,25 @@ class InboxPrefixes:
 
     def describe(self) -> str:
         return ", ".join(f"{prefix}.>" for prefix in self.prefixes)
+
+
+class ReplySubjects:
+    """Where the coordinator may send replies, the one rule every path asks: a subject no longer
+    than ``max_bytes`` in UTF-8, under an inbox prefix (its owner), and none that dpcoord serves
+    (:meth:`Subjects.reply_problem`). The coordinator's hot path matches the same rule inline."""
+
+    __slots__ = ("_max_bytes", "_subjects", "inboxes")
+
+    def __init__(self, subjects: Subjects, inboxes: InboxPrefixes, max_bytes: int) -> None:
+        self._subjects = subjects
+        self.inboxes = inboxes
+        self._max_bytes = max_bytes
+
+    def check(self, subject: str) -> tuple[str | None, str | None]:
+        """The owner of ``subject`` and why it may not receive replies (None when it may)."""
+        if utf8_length(subject) > self._max_bytes:
+            return None, f"is longer than max_id_bytes ({self._max_bytes})"
+        owner = self.inboxes.owner(subject)
+        if owner is None:
+            return None, f"is not under an inbox prefix ({self.inboxes.describe()})"
+        return owner, self._subjects.reply_problem(subject)
