@@ -21,7 +21,7 @@ from operator import itemgetter
 from nats.errors import Error as NatsError
 
 from engines.backend import TokenOutput
-from service.bus.batches import ITEM_OVERHEAD, fits_alone, split_batches
+from service.bus.batches import fits_alone, item_size, split_batches
 from service.bus.direct import DirectClient
 from service.protocol.codec import Encoding, encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
@@ -99,18 +99,8 @@ class ActiveRequest:
 
 
 def reply_size(reply: RoutedReply) -> int:
-    """Bytes a reply takes in a batch: its body and the strings of its return path, in UTF-8 as
-    msgpack carries them (a character may take four bytes; an integer ``client_request_id`` fits
-    ``ITEM_OVERHEAD``)."""
-    return_path = reply.return_path
-    text = return_path.reply_to + return_path.request_id + return_path.coordinator_id + (return_path.client_id or "")
-    client_request_id = return_path.client_request_id
-    if isinstance(client_request_id, str):
-        text += client_request_id
-    text += return_path.encoding
-    return (
-        len(reply.body) + (len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))) + ITEM_OVERHEAD
-    )
+    """Bytes a reply takes in a batch."""
+    return item_size(reply.body, reply.return_path)
 
 
 class ReplyPublisher:

@@ -1,7 +1,8 @@
 """Splitting a batch of messages so that each NATS message stays under the server's max_payload.
 
 The coordinator batches routed requests per engine and the engines batch their replies; both
-bound each message the same way, with :func:`split_batches` and :data:`BATCH_OVERHEAD`.
+bound each message the same way, with :func:`split_batches` and :data:`BATCH_OVERHEAD`, and
+count each item with :func:`item_size`.
 Callers deal with an item that cannot fit alone before splitting (see :func:`fits_alone`).
 """
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
+
+from service.protocol.messages import ReturnPath
+from service.protocol.subjects import utf8_length
 
 Item = TypeVar("Item")
 
@@ -26,6 +30,23 @@ def batch_limit(max_payload: int) -> int:
 
 def fits_alone(size: int, max_payload: int) -> bool:
     return size <= batch_limit(max_payload)
+
+
+def item_size(body: bytes, return_path: ReturnPath) -> int:
+    """Bytes one routed request or reply takes in a batch: its body, every string of its return
+    path in UTF-8 as msgpack carries them (an integer ``client_request_id`` fits
+    :data:`ITEM_OVERHEAD`), and the framing around them."""
+    text = (
+        return_path.reply_to
+        + return_path.request_id
+        + return_path.coordinator_id
+        + return_path.encoding
+        + (return_path.client_id or "")
+    )
+    client_request_id = return_path.client_request_id
+    if isinstance(client_request_id, str):
+        text += client_request_id
+    return len(body) + utf8_length(text) + ITEM_OVERHEAD
 
 
 def split_batches(items: Iterable[Item], size_of: Callable[[Item], int], max_payload: int) -> Iterator[list[Item]]:

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from operator import itemgetter
 
-from service.bus.batches import ITEM_OVERHEAD, fits_alone, split_batches
+from service.bus.batches import fits_alone, item_size, split_batches
 from service.bus.direct import DirectClient
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
@@ -32,24 +32,6 @@ from service.protocol.messages import RoutedRequest, RoutedRequestBatch
 from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
-
-
-def routed_size(entry: InflightRequest) -> int:
-    """Bytes a routed request takes in a batch: its body and the variable strings of its return
-    path, counted in UTF-8 as msgpack carries them (the ids are ASCII; an integer
-    ``client_request_id`` fits ``ITEM_OVERHEAD``)."""
-    return_path = entry.return_path
-    text = return_path.reply_to + (return_path.client_id or "")
-    client_request_id = return_path.client_request_id
-    if isinstance(client_request_id, str):
-        text += client_request_id
-    return (
-        len(entry.body)
-        + (len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
-        + len(return_path.request_id)
-        + len(return_path.coordinator_id)
-        + ITEM_OVERHEAD
-    )
 
 
 class Outbox:
@@ -109,7 +91,7 @@ class Outbox:
         for entry in entries:
             if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
                 continue  # answered or routed elsewhere while it waited for this turn
-            size = routed_size(entry)
+            size = item_size(entry.body, entry.return_path)
             if not fits_alone(size, max_payload):
                 await self._relay.fail(
                     entry.return_path.request_id,
