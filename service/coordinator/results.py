@@ -42,7 +42,6 @@ class CachedResult(Struct, frozen=True, gc=False):
     stored_at: float
     owner: str
     request_digest: bytes | None  # None for a result this replica delivered for a peer (an orphan)
-    size: int
 
 
 # The digest a cached result keeps of the body it was submitted with (the C function itself:
@@ -69,17 +68,20 @@ class ResultCache:
         results = self._results
         previous = results.pop(key, None)  # stored again: it moves to the young end (or goes, if too big)
         if previous is not None:
-            self.bytes -= previous.size
-        size = len(body) + self._entry_bytes
+            self.bytes -= self._size(previous)
+        cached = CachedResult(body, now, owner, None if request_body is None else body_digest(request_body))
+        size = self._size(cached)
         if size > self._max_bytes:
             return
-        digest = None if request_body is None else body_digest(request_body)
-        results[key] = CachedResult(body, now, owner, digest, size)
+        results[key] = cached
         self.bytes += size
         if now >= self._next_sweep:
             self.sweep(now)
         while len(results) > self._max_entries or self.bytes > self._max_bytes:
-            self.bytes -= results.popitem(last=False)[1].size
+            self.bytes -= self._size(results.popitem(last=False)[1])
+
+    def _size(self, cached: CachedResult) -> int:
+        return len(cached.body) + self._entry_bytes
 
     def get(self, key: ClientKey) -> CachedResult | None:
         cached = self._results.get(key)
@@ -97,7 +99,7 @@ class ResultCache:
             if now - oldest.stored_at < self._ttl_s:
                 return
             del results[key]
-            self.bytes -= oldest.size
+            self.bytes -= self._size(oldest)
 
     def __len__(self) -> int:
         """Entries held, including expired ones not yet swept (``get`` never returns those)."""
