@@ -34,19 +34,21 @@ def fits_alone(size: int, max_payload: int) -> bool:
 
 def item_size(body: bytes, return_path: ReturnPath) -> int:
     """Bytes one routed request or reply takes in a batch: its body, every string of its return
-    path in UTF-8 as msgpack carries them (an integer ``client_request_id`` fits
-    :data:`ITEM_OVERHEAD`), and the framing around them."""
-    text = (
-        return_path.reply_to
-        + return_path.request_id
-        + return_path.coordinator_id
-        + return_path.encoding
-        + (return_path.client_id or "")
-    )
+    path in UTF-8 as msgpack carries them (the coordinator's ids and the encoding name are
+    ASCII; an integer ``client_request_id`` fits :data:`ITEM_OVERHEAD`), and the framing around
+    them."""
+    text = return_path.reply_to + (return_path.client_id or "")
     client_request_id = return_path.client_request_id
     if isinstance(client_request_id, str):
         text += client_request_id
-    return len(body) + utf8_length(text) + ITEM_OVERHEAD
+    return (
+        len(body)
+        + len(return_path.request_id)
+        + len(return_path.coordinator_id)
+        + len(return_path.encoding)
+        + utf8_length(text)
+        + ITEM_OVERHEAD
+    )
 
 
 def split_batches(items: Iterable[Item], size_of: Callable[[Item], int], max_payload: int) -> Iterator[list[Item]]:

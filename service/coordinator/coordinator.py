@@ -308,7 +308,8 @@ class Coordinator:
             owner = self._first_owner if reply.startswith(self._first_inbox) else self._owner_of(reply)
             # self.replies.check, inline: under an inbox prefix, which settings keep apart from
             # dpcoord's own subjects, a well-formed subject needs only to fit max_id_bytes.
-            if owner is None or utf8_length(reply) > self._max_reply or not publishable(reply):
+            too_long = len(reply) > self._max_reply or (not reply.isascii() and utf8_length(reply) > self._max_reply)
+            if owner is None or too_long or not publishable(reply):
                 self.counters["unsafe_reply_subject"] += 1
                 self._refusal_log.warning(
                     "dropped %s (%d bytes): reply subject %r %s",
