@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from service.bus.registry import HandlerRegistry, Incoming
+from service.protocol.handover import Adoption
 from service.protocol.messages import ControlSignal, ResendReplies, RoutedAbort, RoutedRequest, RoutedRequestBatch
-from service.protocol.subjects import RESEND_REPLIES, Header
+from service.protocol.subjects import ADOPT, RESEND_REPLIES, Header
 
 
 class EngineContext(Protocol):
@@ -46,6 +47,10 @@ class EngineContext(Protocol):
     def start_profiler(self) -> str: ...
 
     def stop_profiler(self) -> str: ...
+
+    async def hand_over(self, incoming: Incoming, adoption: Adoption) -> None:
+        """Name the adopter in the replies of the dead coordinator's requests from now on, and
+        answer with an ``EngineAck`` listing them."""
 
     async def confirm(self, incoming: Incoming, detail: str = "") -> None:
         """Answer a broadcast with a successful ``EngineAck``."""
@@ -133,3 +138,11 @@ async def handle_start_profiler(engine: EngineContext, incoming: Incoming, paylo
 async def handle_stop_profiler(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
     """Broadcast by the coordinator. The confirmation's detail names the trace written, if any."""
     await engine.confirm(incoming, engine.stop_profiler())
+
+
+@engine_handler(ADOPT, fanout=True)
+async def handle_adopt(engine: EngineContext, incoming: Incoming, payload: Adoption) -> None:
+    """Broadcast by the coordinator replica that adopts a dead one's requests: both ids. The
+    requests of the dead one name the adopter from now on; the ``EngineAck`` lists them
+    (``adopted``: return path, body, partials sent), so the adopter holds them as its own."""
+    await engine.hand_over(incoming, payload)

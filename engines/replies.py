@@ -18,6 +18,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from operator import itemgetter
 
+import msgspec
 from nats.errors import Error as NatsError
 
 from engines.backend import TokenOutput
@@ -26,6 +27,7 @@ from service.bus.direct import DirectClient
 from service.protocol.codec import Encoding, encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
+    AdoptedRequest,
     EngineReplyBatch,
     EpochSpan,
     Final,
@@ -54,6 +56,12 @@ class ActiveRequest:
     partials_sent: int = 0
     epochs: list[EpochSpan] = field(default_factory=list)
     prompt_tokens: int | None = None
+    body: bytes = b""  # the client's, handed to the adopter of a dead coordinator with the request
+
+    def hand_over(self, adopter: str) -> AdoptedRequest:
+        """Name ``adopter`` in this request's replies from now on, and describe it for it."""
+        self.return_path = msgspec.structs.replace(self.return_path, coordinator_id=adopter)
+        return AdoptedRequest(self.return_path, self.body, self.partials_sent)
 
     def record(self, output: TokenOutput, epoch: int | None) -> None:
         if output.new_tokens:

@@ -40,6 +40,7 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding, encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.handover import Adoption
 from service.protocol.messages import (
     EngineAck,
     EngineDisconnect,
@@ -242,7 +243,7 @@ class EngineRuntime:
         if return_path.request_id in self._active:
             log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, return_path.request_id)
             return
-        active = ActiveRequest(return_path, encoding)
+        active = ActiveRequest(return_path, encoding, body=routed.body)
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
             check_limits(submit, self.settings, self.backend.max_context)
@@ -397,6 +398,22 @@ class EngineRuntime:
         self.control_revision = signal.revision
         self.epoch = signal.epoch
         return None
+
+    async def hand_over(self, incoming: Incoming, adoption: Adoption) -> None:
+        adopted = [
+            active.hand_over(adoption.adopter)
+            for active in self._active.values()
+            if active.return_path.coordinator_id == adoption.dead
+        ]
+        log.warning(
+            "engine_id=%s: %d requests of coordinator %s handed to %s",
+            self.engine_id,
+            len(adopted),
+            adoption.dead,
+            adoption.adopter,
+        )
+        ack = EngineAck(self.engine_id, incoming.header, True, f"{len(adopted)} requests", adopted=adopted)
+        await self._answer(incoming.reply, ack)
 
     async def confirm(self, incoming: Incoming, detail: str = "") -> None:
         await self._answer(incoming.reply, EngineAck(self.engine_id, incoming.header, True, detail))

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from msgspec import Struct
 
 from service.bus.registry import Incoming
+from service.protocol.handover import ForwardedAbort, ForwardedSubmission
 from service.protocol.messages import (
     ClientRequestId,
     ControlSignal,
@@ -106,3 +107,17 @@ class EngineContext(Replier, Protocol):
 
     def peer_seen(self, coordinator_id: str) -> None:
         """Note a live coordinator replica; raises WireError 400 for an invalid id."""
+
+
+class ReplicaContext(Replier, Protocol):
+    @property
+    def settling(self) -> bool:
+        """Adopting a dead peer's requests, or missing a peer's heartbeats."""
+
+    async def take_resubmission(self, forwarded: ForwardedSubmission) -> bool:
+        """Answer a resubmission another replica forwarded, if this one holds it (in flight or
+        cached); False when it does not. Raises WireError 403 or 409 as admission does."""
+
+    async def abort_held(self, forwarded: ForwardedAbort) -> str:
+        """Abort a request held here for another replica's client; its request id. Raises
+        WireError 404 when none is held here, 403 when another owner's."""

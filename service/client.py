@@ -12,7 +12,11 @@ carries this client's id and a unique client_request_id, which makes it idempote
 coordinator (a repeat is answered from the request in flight or from the result cache, never
 run twice). So the library resubmits on NATS's no-responders status (no coordinator
 subscribed yet), with backoff until the deadline, and after every reconnect, when a reply may
-have been lost.
+have been lost. It also resubmits when the replica that holds a request (the one its id names,
+learnt from the first reply; any, before one came) stops heartbeating, since the requests a
+dead replica had not yet sent to an engine are known to their clients alone. Every publish
+after the first is marked as a resubmission, so a replica that does not hold the request asks
+its peers before running it (docs/reliability.md, ownership).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
@@ -49,6 +53,7 @@ from service.protocol.messages import (
     ConnectAck,
     ConnectRequest,
     ControlSignal,
+    CoordinatorHeartbeat,
     Empty,
     ErrorReply,
     Final,
@@ -63,6 +68,8 @@ from service.protocol.prefix import prefix_hashes
 from service.protocol.subjects import Header, Subjects
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
+_heartbeat_decoder = msgspec.msgpack.Decoder(CoordinatorHeartbeat)
 _RECONNECTED = object()
 MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
@@ -88,9 +95,16 @@ class _Refused:
         self.message = message
 
 
+class _CoordinatorLost:
+    """Queued for every submission when a coordinator replica stopped heartbeating."""
+
+    def __init__(self, coordinator_id: str) -> None:
+        self.coordinator_id = coordinator_id
+
+
 class _Exchanges:
     """Reply queues of the submissions in progress, by their token of the reply inbox; each
-    hears about reconnects."""
+    hears about reconnects and lost coordinators."""
 
     def __init__(self) -> None:
         self.queues: dict[str, asyncio.Queue[object]] = {}
@@ -116,6 +130,59 @@ class _Exchanges:
         for queue in self.queues.values():
             queue.put_nowait(_RECONNECTED)
 
+    def coordinator_lost(self, coordinator_id: str) -> None:
+        lost = _CoordinatorLost(coordinator_id)
+        for queue in self.queues.values():
+            queue.put_nowait(lost)
+
+
+class _CoordinatorWatch:
+    """Coordinator replicas by their heartbeats; one silent for ``timeout_s`` (the replicas'
+    heartbeat timeout plus an interval, so that they found it dead and adopted its requests
+    first) is reported lost once."""
+
+    def __init__(self, exchanges: _Exchanges, interval_s: float, timeout_s: float) -> None:
+        self._exchanges = exchanges
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._last_seen: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        if msg.reply:
+            return  # a replica asking whether another serves the prefix, not a heartbeat
+        try:
+            self._last_seen[_heartbeat_decoder.decode(msg.data).coordinator_id] = time.monotonic()
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+
+    def heard_of(self, coordinator_id: str) -> None:
+        """A reply named a coordinator: it is watched from now on, whether or not its heartbeats
+        have come yet."""
+        if coordinator_id not in self._last_seen:
+            self._last_seen[coordinator_id] = time.monotonic()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def reconnected(self) -> None:
+        """Nothing could be heard while cut off: silence counts from now."""
+        now = time.monotonic()
+        self._last_seen = dict.fromkeys(self._last_seen, now)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            now = time.monotonic()
+            lost = [peer for peer, seen in self._last_seen.items() if now - seen >= self._timeout_s]
+            for coordinator_id in lost:
+                del self._last_seen[coordinator_id]
+                self._exchanges.coordinator_lost(coordinator_id)
+
 
 class DpcoordClient:
     def __init__(
@@ -128,6 +195,7 @@ class DpcoordClient:
         exchanges: _Exchanges,
         refusals: PublishRefusals,
         replies: Subscription,
+        watch: _CoordinatorWatch,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -137,6 +205,7 @@ class DpcoordClient:
         self._exchanges = exchanges
         self._refusals = refusals
         self._replies = replies
+        self._watch = watch
 
     @classmethod
     async def connect(
@@ -146,15 +215,26 @@ class DpcoordClient:
         caller's business) and shake hands with a coordinator."""
         exchanges = _Exchanges()
         refusals = PublishRefusals()
+        watch = _CoordinatorWatch(
+            exchanges, settings.heartbeat_interval_s, settings.heartbeat_timeout_s + settings.heartbeat_interval_s
+        )
         owns = nc is None
+
+        def reconnected() -> None:
+            watch.reconnected()
+            exchanges.reconnected()
+
         connection = nc or await connect_nats(
-            settings, name="dpcoord-client", on_reconnect=exchanges.reconnected, on_error=refusals.on_error
+            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error
         )
         subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
         replies = await connection.subscribe(
             f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
         )
+        heartbeat_subject = subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
+        refusals.optional(heartbeat_subject, "requests of a coordinator that dies wait for their deadline")
+        heartbeats = await connection.subscribe(heartbeat_subject, cb=watch.on_heartbeat)
         try:
             ack = await _call(
                 connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout
@@ -164,12 +244,15 @@ class DpcoordClient:
                 await connection.close()
             else:
                 await replies.unsubscribe()
+                await heartbeats.unsubscribe()
             raise
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies)
+        watch.start()
+        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch)
 
     async def close(self) -> None:
+        self._watch.stop()
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -251,6 +334,8 @@ class DpcoordClient:
         subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
         inbox, queue = self._exchanges.open()
         backoff = 0.02
+        holder: str | None = None  # the replica holding the request, once a reply named it
+        again: bytes | None = None  # the body marked as a resubmission, made at the first one
         try:
             with self._refusals.watch(subject, lambda message: queue.put_nowait(_Refused(message))):
                 await self._publish(subject, body, inbox)
@@ -260,12 +345,15 @@ class DpcoordClient:
                             item = await queue.get()
                     except TimeoutError:
                         raise TimeoutError(f"no reply within {timeout} s") from None
-                    if item is _RECONNECTED:
-                        await self._publish(subject, body, inbox)
+                    if isinstance(item, _CoordinatorLost) and holder not in (None, item.coordinator_id):
+                        continue
+                    if item is _RECONNECTED or isinstance(item, _CoordinatorLost):
+                        again = again or _as_resubmission(body)
+                        await self._publish(subject, again, inbox)
                         continue
                     if isinstance(item, _Refused):
                         raise ClientError(ErrorCode.FORBIDDEN, item.message)
-                    assert isinstance(item, Msg)  # only the callbacks and the reconnect marker fill the queue
+                    assert isinstance(item, Msg)  # only the callbacks and the markers fill the queue
                     if _is_no_responders(item):
                         await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
                         backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
@@ -275,6 +363,8 @@ class DpcoordClient:
                         return
                     reply = _check(_reply_decoder.decode(item.data))
                     if isinstance(reply, (Partial, Final)):
+                        holder = reply.request_id.rpartition("-")[0]
+                        self._watch.heard_of(holder)
                         yield reply
                         if isinstance(reply, Final):
                             return
@@ -339,6 +429,10 @@ class DpcoordClient:
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {header}: {reply!r}")
         return reply
+
+
+def _as_resubmission(body: bytes) -> bytes:
+    return encode_msgpack(msgspec.structs.replace(_envelope_decoder.decode(body), resubmission=True))
 
 
 def _is_no_responders(msg: Msg) -> bool:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +86,16 @@ def new_shell_env(env: Mapping[str, str]) -> dict[str, str]:
         entry for entry in env["PATH"].split(os.pathsep) if Path(entry).resolve() != venv_bin
     )
     return shell
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll in-process state that has no event of its own (counters, peer clocks, engine load)
+    until ``condition`` holds; TimeoutError after ``timeout_s``."""
+
+    async def holds() -> None:
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.02)
+
+    await asyncio.wait_for(holds(), timeout_s)

@@ -14,6 +14,8 @@ header is declared on the same decorator, so a new header touches one file:
 - ``per_sender=True``: served on ``<header>.<sender>`` (a subscriber listens on ``<header>.*``)
   instead of ``<header>``: the subject's last token names the sender, and NATS permissions can
   let each sender publish only as itself. The handler reads it from :attr:`Incoming.sender`.
+- ``addressed=True``: served on ``<header>.<own id>`` alone (no queue group), for messages one
+  coordinator replica sends another.
 
 Registering a header twice is an error at import time.
 """
@@ -55,6 +57,7 @@ class HandlerSpec:
     fanout: bool
     direct: bool
     per_sender: bool = False
+    addressed: bool = False
 
 
 class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
@@ -64,7 +67,12 @@ class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
         self._specs: dict[str, HandlerSpec] = dict(specs or {})
 
     def message_handler(
-        self, *headers: str, fanout: bool = False, direct: bool = False, per_sender: bool = False
+        self,
+        *headers: str,
+        fanout: bool = False,
+        direct: bool = False,
+        per_sender: bool = False,
+        addressed: bool = False,
     ) -> Callable[[HandlerFn], HandlerFn]:
         """Register the decorated function as the handler of each header in ``headers``."""
         if not headers:
@@ -79,7 +87,7 @@ class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
                 key = str(header)
                 if key in self._specs:
                     raise ValueError(f"duplicate handler for header {key!r}: {self._specs[key].fn.__qualname__}")
-                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct, per_sender)
+                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct, per_sender, addressed)
             return fn
 
         return register

@@ -47,6 +47,7 @@ from service.coordinator.timers import CoarseTimers
 from service.ops.settings import Settings
 from service.protocol.codec import detect_encoding
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.handover import ForwardedSubmission
 from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import ReplySubjects, utf8_length
@@ -90,6 +91,7 @@ class Admission:
         self._max_id = settings.max_id_bytes
         self._short_id = settings.max_id_bytes // 4  # a character takes at most 4 bytes in UTF-8
         self._max_timeout = settings.max_request_timeout_s
+        self._shared_inbox = replies.inboxes.first[1]
 
     @property
     def queued(self) -> int:
@@ -122,7 +124,7 @@ class Admission:
         client_key = None
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
-            if await self._resubmitted(client_key, reply_to, submit.stream, owner, body):
+            if await self.resubmitted(client_key, reply_to, submit.stream, owner, body):
                 return
         running = self._control.state is CoordinatorState.RUNNING
         if running and len(self._pool) == 0 and self._peers.warmed_up:
@@ -160,12 +162,43 @@ class Admission:
         if running:
             await self.release_queue()
 
+    def holds(self, client_key: ClientKey) -> bool:
+        """Whether this replica holds ``client_key``'s request, in flight or as a cached result."""
+        return self._requests.find_client(client_key) is not None or self._relay.cached(client_key) is not None
+
+    def forwardable(self, incoming: Incoming, submit: SubmitEnvelope) -> ForwardedSubmission | None:
+        """A resubmission of a named client that this replica does not hold, as its peers are
+        asked about it; None for anything admit should handle at once (refusals included)."""
+        client_id, client_request_id = submit.client_id, submit.client_request_id
+        if not submit.resubmission or client_id is None or client_request_id is None:
+            return None
+        if self.holds((client_id, client_request_id)):
+            return None
+        try:
+            reply_to, owner = (
+                (incoming.reply, incoming.owner)
+                if submit.reply_to is None
+                else self._reply_subject(incoming, submit.reply_to)
+            )
+        except WireError:
+            return None
+        if reply_to is None or owner is None:
+            return None
+        return ForwardedSubmission(owner, reply_to, submit.stream, client_id, client_request_id, submit.body)
+
     def _reply_subject(self, incoming: Incoming, reply_to: str) -> tuple[str, str]:
         """Where replies go and who owns them: ``reply_to`` under an inbox prefix, the sender's own
         (its NATS reply subject's, which the coordinator checked on arrival) when it gave one."""
         owner, problem = self._replies.check(reply_to)
         if owner is None or problem is not None:
             raise WireError(ErrorCode.MALFORMED, f"reply_to {reply_to[:256]!r} {problem}")
+        if incoming.owner is None and owner != self._shared_inbox:
+            # A plain publish names no sender, so it may not reply into a per-user inbox.
+            raise WireError(
+                ErrorCode.MALFORMED,
+                f"reply_to {reply_to[:256]!r}: a submission without a NATS reply subject may reply only under "
+                f"the shared inbox prefix {self._shared_inbox!r} (give a reply subject, as `nats request` does)",
+            )
         if incoming.owner is not None and owner != incoming.owner:
             raise WireError(
                 ErrorCode.MALFORMED,
@@ -191,7 +224,7 @@ class Admission:
         served = ", ".join(self._pool.models()) or "none"
         return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
 
-    async def _resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool, owner: str, body: bytes) -> bool:
+    async def resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool, owner: str, body: bytes) -> bool:
         """Answer a repeated ``(client_id, client_request_id)``; False when it is new.
 
         Anonymous clients share one namespace, so for them a repeat in flight is refused."""

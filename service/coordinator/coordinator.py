@@ -34,11 +34,16 @@ from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.registry import HandlerRegistry, HandlerSpec, Incoming
 from service.coordinator.admission import Admission
+from service.coordinator.adoption import Adoption
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
+from service.coordinator.core import Core
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.fleet import Fleet
+from service.coordinator.forwarding import Forwarding
 from service.coordinator.outbox import Outbox
+from service.coordinator.ownership import Ownership
+from service.coordinator.peer_replies import PeerReplies
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.relay import ReplyRelay
@@ -52,6 +57,7 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import detect_encoding, encode, encode_msgpack, return_hints
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.handover import ForwardedAbort, ForwardedSubmission
 from service.protocol.messages import (
     Ack,
     ControlSignal,
@@ -90,7 +96,9 @@ class Coordinator:
         self.nc = DirectClient()
         self.requests = RequestTable()
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
-        self.peers = CoordinatorPeers(self.id, settings.heartbeat_timeout_s)
+        self.peers = CoordinatorPeers(
+            self.id, settings.heartbeat_timeout_s, min(2 * settings.heartbeat_interval_s, settings.heartbeat_timeout_s)
+        )
         self.results = ResultCache(
             settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes, settings.max_id_bytes
         )
@@ -101,6 +109,10 @@ class Coordinator:
         self._first_inbox, self._first_owner = self.inboxes.first
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
+        core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn)
+        self._kept = PeerReplies(
+            self.peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, self.counters
+        )
         self._relay = ReplyRelay(
             self.id,
             self.nc,
@@ -113,7 +125,7 @@ class Coordinator:
             self.counters,
             self.spawn,
             self.replies,
-            settings.max_buffered_bytes,
+            self._kept,
         )
         policy = make_policy(settings)
         self._outbox = Outbox(
@@ -135,6 +147,11 @@ class Coordinator:
             self.spawn,
         )
         self._relay.on_slot_freed = self._admission.release_queue
+        self._adoption = Adoption(core, self.requests, self.engines, self.peers, self._kept, self._relay, self.replies)
+        self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
+        self._ownership = Ownership(
+            core, self.requests, self.peers, self._admission, self._relay, self._forwarding, self.replies
+        )
         self._fleet = Fleet(
             settings,
             self.nc,
@@ -226,8 +243,10 @@ class Coordinator:
         if self.nc.max_payload < self._max_body:
             self._max_body = self.nc.max_payload
         for header, spec in self._handlers.items():
-            queue = "" if spec.fanout else self.settings.queue_group
-            subjects = [self.subjects.coordinator(header)]
+            queue = "" if spec.fanout or spec.addressed else self.settings.queue_group
+            subjects = [
+                self.subjects.addressed_to(header, self.id) if spec.addressed else self.subjects.coordinator(header)
+            ]
             if spec.per_sender:  # engines send as themselves; those of earlier releases on the plain subject
                 subjects.append(self.subjects.sent_by_any(header))
             for subject in subjects:
@@ -354,11 +373,12 @@ class Coordinator:
             await self.nc.publish(reply_to, b"")
 
     def _usable_reply_to(self, reply_to: object, sender: str | None) -> bool:
-        """A ``reply_to`` read from a refused body: an inbox, the sender's own when it is known."""
+        """A ``reply_to`` read from a refused body: an inbox, the sender's own when it is known,
+        else under the shared inbox prefix (a plain publish names no sender)."""
         if not isinstance(reply_to, str):
             return False
         owner, problem = self.replies.check(reply_to)
-        return problem is None and (sender is None or owner == sender)
+        return problem is None and owner == (self._first_owner if sender is None else sender)
 
     # ------------------------------------------------------------ handler contexts (handlers/context.py)
 
@@ -367,23 +387,23 @@ class Coordinator:
             await self.nc.publish(incoming.reply, encode(message, incoming.encoding))
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        await self._admission.admit(incoming, submit)
+        if type(submit) is SubmitEnvelope and submit.resubmission:
+            await self._ownership.admit(incoming, submit)
+        else:
+            await self._admission.admit(incoming, submit)
 
     async def abort(self, incoming: Incoming, request_id: str | None, client_key: ClientKey | None) -> str:
-        if request_id is not None:
-            entry = self.requests.get(request_id)
-            wanted = f"request_id {request_id!r}"
-        elif client_key is not None:
-            entry = self.requests.find_client(client_key)
-            wanted = f"client_request_id {client_key[1]!r} of client_id {client_key[0]!r}"
-        else:
-            raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
-        if entry is None:
-            raise WireError(ErrorCode.NOT_FOUND, f"no request in flight with {wanted}")
-        if incoming.owner != entry.owner:
-            raise WireError(ErrorCode.FORBIDDEN, f"the request with {wanted} belongs to another owner")
-        await self._relay.abort(entry)
-        return entry.return_path.request_id
+        return await self._ownership.abort(incoming, request_id, client_key)
+
+    @property
+    def settling(self) -> bool:
+        return self._adoption.settling
+
+    async def take_resubmission(self, forwarded: ForwardedSubmission) -> bool:
+        return await self._ownership.take_resubmission(forwarded)
+
+    async def abort_held(self, forwarded: ForwardedAbort) -> str:
+        return await self._ownership.abort_held(forwarded)
 
     def client_connected(self, incoming: Incoming) -> None:
         owner = incoming.owner
@@ -453,6 +473,10 @@ class Coordinator:
         owners that hold no slot forgotten."""
         self.results.sweep()
         self.requests.forget_idle_owners()
+        self._kept.trim()
+        if self.peers.warmed_up:
+            for dead in self.peers.take_departed():
+                self._adoption.departed(dead)
         if self.nc.is_connected:
             await self.nc.publish(self._heartbeat_subject, self._heartbeat_body)
         await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -461,12 +485,15 @@ class Coordinator:
         """Every live engine and peer has been heard by now: settle what waited for that."""
 
         async def settle() -> None:
-            await self._relay.settle_orphans()
+            for peer in self._kept.peers():
+                if peer != self.id and not self.peers.is_live(peer):
+                    self._adoption.departed(peer)
             await self._admission.release_queue()
 
         self.spawn(settle())
 
     def _on_bus_back(self) -> None:
+        self.peers.restart_clocks()
         self._control.reconnected()
         self._fleet.forgive_silence()
         asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)

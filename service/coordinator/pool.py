@@ -84,7 +84,10 @@ class EngineGroup:
             del self._in_turn[record]
 
     def raised(self, record: EngineRecord, load: int) -> None:
-        """``record``'s load went from ``load`` to ``load + 1``."""
+        """``record``'s load went from ``load`` to ``load + 1``; beyond its capacity (requests
+        adopted from a dead replica) it stays full."""
+        if load >= record.capacity:
+            return
         by_load = self._by_load
         del by_load[load][record]
         load += 1
@@ -97,6 +100,8 @@ class EngineGroup:
 
     def lowered(self, record: EngineRecord, load: int) -> None:
         """``record``'s load went from ``load`` to ``load - 1``."""
+        if load > record.capacity:
+            return
         by_load = self._by_load
         if load < record.capacity:
             del by_load[load][record]

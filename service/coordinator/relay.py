@@ -9,9 +9,11 @@ Contract:
 - A reply is accepted only from the engine its request was routed to; the engine is the one the
   subject names (handlers/engine.py), so with per-engine NATS users no engine can answer for
   another (``stale_engine_replies`` counts the rest).
-- A reply for a request this replica does not hold is an orphan: another live replica's
-  (ignored), this replica's own late reply (counted), or one whose coordinator is gone, which
-  exactly one surviving replica delivers (:mod:`service.coordinator.peers`), to an inbox only.
+- A reply for a request this replica does not hold is an orphan: another live replica's (kept
+  for a while, :mod:`service.coordinator.peer_replies`, in case that replica dies before it
+  delivers it), this replica's own late reply (counted), or one whose coordinator is gone,
+  which exactly one surviving replica, its adopter, delivers
+  (:mod:`service.coordinator.adoption`), to an inbox only.
 - Terminal replies of named clients are cached, so a resubmission is answered, never run twice;
   an orphan's only when its coordinator is one this replica heard from, so a forged orphan
   naming a made-up coordinator cannot answer a later resubmission.
@@ -27,6 +29,7 @@ from typing import Any
 
 from service.bus.direct import DirectClient
 from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.peer_replies import PeerReplies
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
@@ -42,8 +45,6 @@ log = logging.getLogger(__name__)
 
 # How long a final that overtook one of its partials waits for it before going out anyway.
 EARLY_FINAL_WAIT_S = 1.0
-# Most orphan replies buffered while a new replica learns which peers are alive (bytes: a setting).
-MAX_BUFFERED_ORPHANS = 10_000
 
 
 class ReplyRelay:
@@ -60,7 +61,7 @@ class ReplyRelay:
         counters: Counter[str],
         spawn: Callable[[Coroutine[Any, Any, object]], None],
         replies: ReplySubjects,
-        max_buffered_bytes: int,
+        kept: PeerReplies,
     ) -> None:
         self._id = coordinator_id
         self._nc = nc
@@ -75,9 +76,7 @@ class ReplyRelay:
         self.latency = RequestLatency()
         self._refusal_log = RateLimitedLog(log)
         self._replies = replies
-        self._orphans: list[tuple[RoutedReply, bool]] = []
-        self._orphan_bytes = 0
-        self._max_buffered_bytes = max_buffered_bytes
+        self._kept = kept
         self.on_slot_freed: Callable[[], Awaitable[None]] | None = None
 
     def finish(self, request_id: str) -> InflightRequest | None:
@@ -133,7 +132,7 @@ class ReplyRelay:
         request_id = reply.return_path.request_id
         entry = self._requests.get(request_id)
         if entry is None:
-            await self._on_orphan(reply, terminal=True)
+            await self._on_orphan(engine_id, reply, terminal=True)
             return
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
@@ -152,7 +151,7 @@ class ReplyRelay:
     async def _relay_partial(self, engine_id: str, reply: RoutedReply) -> None:
         entry = self._requests.get(reply.return_path.request_id)
         if entry is None:
-            await self._on_orphan(reply, terminal=False)
+            await self._on_orphan(engine_id, reply, terminal=False)
             return
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
@@ -175,23 +174,28 @@ class ReplyRelay:
             self.finish(request_id)
             self._spawn(self.reply(entry.return_path, entry.early_final.body, True, entry.owner, entry.body))
 
-    async def _on_orphan(self, reply: RoutedReply, terminal: bool) -> None:
+    async def _on_orphan(self, engine_id: str, reply: RoutedReply, terminal: bool) -> None:
         return_path = reply.return_path
-        if return_path.coordinator_id == self._id:
+        owner_id = return_path.coordinator_id
+        peers = self._peers
+        if self._kept.holding(owner_id):  # being adopted, or (own id) naming this adopter already
+            self._kept.keep(engine_id, reply, terminal)
+            return
+        if owner_id == self._id:
             if terminal:
                 self._counters["late_replies"] += 1
                 log.info("request_id=%s: engine reply after the request ended", return_path.request_id)
             return
-        if not self._peers.warmed_up:
-            size = len(reply.body) + len(return_path.reply_to)
-            if len(self._orphans) < MAX_BUFFERED_ORPHANS and self._orphan_bytes + size <= self._max_buffered_bytes:
-                self._orphans.append((reply, terminal))
-                self._orphan_bytes += size
-            else:
-                self._counters["orphans_dropped"] += 1
+        if not peers.warmed_up or peers.is_live(owner_id):
+            self._kept.keep(engine_id, reply, terminal)
             return
-        if not self._peers.should_adopt(return_path.coordinator_id):
-            return
+        if peers.should_adopt(owner_id):
+            await self.deliver_orphan(reply, terminal)
+
+    async def deliver_orphan(self, reply: RoutedReply, terminal: bool) -> None:
+        """Deliver a reply of a dead replica's request that no replica holds (this one adopted
+        the dead one), to an inbox only."""
+        return_path = reply.return_path
         owner, problem = self._replies.check(return_path.reply_to)
         if owner is None or problem is not None:
             # Admission refuses such a reply_to, so only an engine that rewrote the route gets here.
@@ -206,13 +210,6 @@ class ReplyRelay:
         self._counters["orphans_delivered"] += 1
         cache_owner = owner if self._peers.known(return_path.coordinator_id) else None
         await self.reply(return_path, reply.body, terminal, cache_owner)
-
-    async def settle_orphans(self) -> None:
-        """Once every live peer has been heard: deliver the orphans buffered until then."""
-        orphans, self._orphans = self._orphans, []
-        self._orphan_bytes = 0
-        for reply, terminal in orphans:
-            await self._on_orphan(reply, terminal)
 
     async def fail(self, request_id: str, err: WireError) -> bool:
         """Answer an open request with ``err``; False when it was already answered.

@@ -89,6 +89,9 @@ class SubmitEnvelope(Struct, array_like=True):
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
     model: ModelName | None = None  # the body's model, for routing without decoding the body
     prefix_hashes: Annotated[list[int], Meta(max_length=MAX_PREFIX_HASHES)] | None = None
+    # An extension: set on every publish of a submission after its first, so a replica that does
+    # not hold the request asks its peers before running it (docs/reliability.md, ownership).
+    resubmission: bool = False
 
 
 class ConnectRequest(Struct):
@@ -321,3 +324,15 @@ class EngineAck(Struct):
     signal: str
     ok: bool = True
     detail: str = ""
+    # An extension, answering ``adopt`` alone: the requests this engine handed to the adopter.
+    adopted: list[AdoptedRequest] | None = None
+
+
+class AdoptedRequest(Struct, array_like=True, gc=False):
+    """One request of a dead coordinator replica, as its engine hands it to the adopter: the
+    return path (already naming the adopter), the client's body (so it can be routed again) and
+    how many partials the engine has sent, the ``seq`` its next reply carries."""
+
+    return_path: ReturnPath
+    body: bytes
+    partials_sent: int

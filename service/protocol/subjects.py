@@ -42,11 +42,17 @@ class Header(enum.StrEnum):
     DISCONNECT = "disconnect"
     # Between coordinator replicas.
     COORDINATOR_HEARTBEAT = "coordinator_heartbeat"
+    # A replica that does not hold a request asks the others (``<prefix>.<header>.<recipient>``).
+    FORWARD_SUBMISSION = "forward_submission"
+    FORWARD_ABORT = "forward_abort"
 
 
 # Routed to one engine only (``<prefix>.engine.<id>.resend_replies``): the coordinator asks for
 # replies it missed; there is no coordinator subject of that name.
 RESEND_REPLIES = "resend_replies"
+# Broadcast to every engine (``<prefix>.engines.adopt``) by the replica that adopts a dead one's
+# requests; not a coordinator subject.
+ADOPT = "adopt"
 
 CONTROL_HEADERS: frozenset[Header] = frozenset(
     {Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH}
@@ -108,6 +114,10 @@ class Subjects:
     def sent_by(self, header: str, sender: str) -> str:
         """The subject an engine sends ``header`` on: the sender's id is its last token."""
         return f"{self.prefix}.{header}.{sender}"
+
+    def addressed_to(self, header: str, recipient: str) -> str:
+        """The subject one coordinator replica serves ``header`` on for messages to it alone."""
+        return f"{self.prefix}.{header}.{recipient}"
 
     def sent_by_any(self, header: str) -> str:
         return f"{self.prefix}.{header}.*"

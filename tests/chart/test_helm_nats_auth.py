@@ -100,7 +100,7 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 # Who sends each header. A new header fails this test until it is given to a user here and in
 # templates/nats-auth.yaml.
 SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN}
-BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT}
+BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT, Header.FORWARD_SUBMISSION, Header.FORWARD_ABORT}
 FROM_ENGINES = set(ENGINE_HEADERS)
 FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}
 
@@ -117,6 +117,8 @@ def test_permissions_follow_the_protocols_subjects() -> None:
         "dpcoord.engine.*.*",
         "dpcoord.engines.*",
         "dpcoord.coordinator_heartbeat",
+        "dpcoord.forward_submission.*",  # to one replica: only coordinators may forward
+        "dpcoord.forward_abort.*",
     }
     # Replies into inboxes only: the clients' and admin's, and the pods'.
     inboxes = {subject for subject in coordinator["allow"] if subject.startswith("_INBOX")}
@@ -128,10 +130,11 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     for role in ("coordinator", "engine"):
         inboxes = [subject for subject in rules[role]["subscribe"]["allow"] if subject.startswith("_INBOX")]
         assert inboxes == [f"_INBOX_{role}.>"]
-    assert rules["client"]["subscribe"]["allow"] == ["_INBOX.>"]
+    # Clients may watch the replicas' heartbeats, to resubmit the requests of one that died.
+    assert rules["client"]["subscribe"]["allow"] == ["_INBOX.>", "dpcoord.coordinator_heartbeat"]
     # The gateway is a client with its own reply inbox, which other clients cannot read.
     assert rules["gateway"]["publish"] == rules["client"]["publish"]
-    assert rules["gateway"]["subscribe"]["allow"] == ["_INBOX_gateway.>"]
+    assert rules["gateway"]["subscribe"]["allow"] == ["_INBOX_gateway.>", "dpcoord.coordinator_heartbeat"]
 
 
 class Connection:

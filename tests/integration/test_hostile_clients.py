@@ -316,10 +316,12 @@ async def test_a_client_holds_no_more_than_its_share_while_others_wait(
         await mallory.flush()
         await alice.flush()
         for index in range(20):
-            await mallory.publish(submit(coordinator), body(f"hog{index}", 5, reply_to="_INBOX_mallory.flood"))
+            hog = body(f"hog{index}", 5, reply_to="_INBOX_mallory.flood")
+            await mallory.publish(submit(coordinator), hog, reply="_INBOX_mallory.flood")
         await mallory.flush()
         for index in range(2):
-            await alice.publish(submit(coordinator), body(f"fair{index}", 5, reply_to="_INBOX_alice.fair"))
+            fair = body(f"fair{index}", 5, reply_to="_INBOX_alice.fair")
+            await alice.publish(submit(coordinator), fair, reply="_INBOX_alice.fair")
         await asyncio.wait_for(done.wait(), 20)
         fair_done_at = max(position for position, owner in enumerate(order) if owner == "_INBOX_alice")
         assert fair_done_at < 8, order  # served as soon as slots freed, not behind 20 floods

@@ -371,7 +371,7 @@ async def test_coordinator_refuses_to_deliver_onto_dpcoord_subjects_for_an_engin
     url, subjects = secured_nats.url, Subjects(PREFIX)
     async with Coordinator(role_settings(url, "coordinator"), HANDLERS) as coordinator:
         async with connected(role_settings(url, "engine")) as (engine, violations):
-            broadcasts = await engine.subscribe(subjects.broadcast_wildcard())
+            broadcasts = await engine.subscribe(subjects.broadcast("stop"))
             # A reply subject the engine connection reads too, so the coordinator's publishes
             # reach one connection in the order they were made.
             observed = await engine.subscribe("_INBOX_engine.observed")

@@ -55,3 +55,27 @@ def test_own_heartbeats_are_ignored(clock: Clock) -> None:
     peers = CoordinatorPeers("c3", 3.0)
     peers.saw("c3")
     assert peers.should_adopt("c9")
+
+
+def test_peer_clocks_restart_after_this_replicas_own_reconnect(clock: Clock) -> None:
+    """Cut off from NATS, a replica heard no one: its live peers are not dead for that."""
+    peers = CoordinatorPeers("c1", 3.0)
+    peers.saw("c2")
+    clock.now += 2.9
+    peers.restart_clocks()  # back on the bus
+    clock.now += 2.9
+    assert peers.live() == ["c2"] and peers.take_departed() == []
+    clock.now += 0.2
+    assert peers.live() == [] and peers.take_departed() == ["c2"]
+
+
+def test_a_silent_peer_is_suspected_before_it_is_dead(clock: Clock) -> None:
+    peers = CoordinatorPeers("c1", 3.0, suspect_after_s=2.0)
+    peers.saw("c2")
+    assert not peers.suspected()
+    clock.now += 2.0
+    assert peers.suspected() and peers.is_live("c2")
+    clock.now += 1.0
+    assert not peers.is_live("c2")
+    assert peers.take_departed() == ["c2"] and peers.take_departed() == []
+    assert not peers.suspected()

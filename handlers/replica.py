@@ -1,0 +1,32 @@
+"""Handlers of the messages one coordinator replica sends another (docs/reliability.md,
+ownership): each served on ``<prefix>.<header>.<own id>`` (``addressed``), and only
+coordinators may publish there (NATS permissions, docs/security.md)."""
+
+from __future__ import annotations
+
+from handlers.context import ReplicaContext
+from handlers.registry import message_handler
+from service.bus.registry import Incoming
+from service.protocol.handover import ForwardedAbort, ForwardedSubmission, Holding
+from service.protocol.messages import Ack
+from service.protocol.subjects import Header
+
+
+@message_handler(Header.FORWARD_SUBMISSION, addressed=True)
+async def handle_forwarded_submission(
+    coordinator: ReplicaContext, incoming: Incoming, payload: ForwardedSubmission
+) -> None:
+    """Sent by a replica that got a resubmission it does not hold: the client's owner, reply
+    subject and body. Answers ``Holding``: held (in flight, or cached: then this replica
+    answers the client's reply subject from now on), and whether this replica is settling;
+    403 or 409 when it holds the request for another owner or with another body."""
+    held = await coordinator.take_resubmission(payload)
+    await coordinator.reply(incoming, Holding(held, coordinator.settling))
+
+
+@message_handler(Header.FORWARD_ABORT, addressed=True)
+async def handle_forwarded_abort(coordinator: ReplicaContext, incoming: Incoming, payload: ForwardedAbort) -> None:
+    """Sent by a replica that got an abort it cannot apply. Answers as to the client: an ``Ack``
+    naming the request, 404 when this replica does not hold it, 403 when another owner does."""
+    request_id = await coordinator.abort_held(payload)
+    await coordinator.reply(incoming, Ack(Header.ABORT_REQUEST, request_id=request_id))

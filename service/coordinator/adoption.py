@@ -1,0 +1,170 @@
+"""Adoption: the requests of a dead coordinator replica go on through the live replica with
+the lowest id.
+
+Contract:
+- A peer is adopted once this replica knows it dead (a whole heartbeat timeout of silence it
+  could have heard, :mod:`service.coordinator.peers`) and is the lowest live id; the other
+  survivors forget the replies they kept for it.
+- The adopter broadcasts ``adopt`` to every engine it knows. Each engine hands over the dead
+  replica's requests (their return paths, bodies and how many partials it sent) and names the
+  adopter in their replies from then on. The adopter holds them as its own: deadline, engine
+  slot, resubmissions and aborts (forwarded by the other replicas, :mod:`.forwarding`), and
+  migration when their engine dies.
+- While it adopts, the replies of the dead replica's requests, and replies naming this replica
+  for requests it does not hold yet, are kept (:mod:`.peer_replies`). Then every kept reply is
+  delivered in arrival order: through the relay for a request it now holds (from the partials
+  the dead replica may not have delivered: clients drop duplicates by their offsets), to its
+  inbox for one no engine holds any more (its final came after its owner died).
+- Requests the dead replica held that no engine had received (queued, or on their way) are
+  known to their clients alone: the client library resubmits them when their coordinator
+  stops heartbeating (:mod:`service.client`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from service.coordinator.broadcast import broadcast
+from service.coordinator.core import Core
+from service.coordinator.peer_replies import KeptReply, PeerReplies
+from service.coordinator.peers import CoordinatorPeers
+from service.coordinator.pool import EnginePool
+from service.coordinator.relay import ReplyRelay
+from service.coordinator.requests import InflightRequest, RequestTable
+from service.coordinator.timers import CoarseTimers
+from service.protocol.codec import Encoding, encode_msgpack
+from service.protocol.errors import ErrorCode, WireError
+from service.protocol.handover import Adoption as AdoptionMessage
+from service.protocol.messages import AdoptedRequest
+from service.protocol.subjects import ADOPT, ReplySubjects
+
+log = logging.getLogger(__name__)
+
+# Dead peers remembered as adopted, so each is adopted once; the least recent are forgotten.
+MAX_ADOPTED = 1024
+
+
+class Adoption:
+    def __init__(
+        self,
+        core: Core,
+        requests: RequestTable,
+        pool: EnginePool,
+        peers: CoordinatorPeers,
+        kept: PeerReplies,
+        relay: ReplyRelay,
+        replies: ReplySubjects,
+    ) -> None:
+        self._core = core
+        self._requests = requests
+        self._pool = pool
+        self._peers = peers
+        self._kept = kept
+        self._relay = relay
+        self._replies = replies
+        self._adopted: OrderedDict[str, None] = OrderedDict()
+        self._in_progress = 0
+        self._deadlines = CoarseTimers()
+
+    @property
+    def settling(self) -> bool:
+        """Adopting a peer now, or missing a peer's heartbeats: a request not held here now may
+        become this replica's in a moment."""
+        return self._in_progress > 0 or self._peers.suspected()
+
+    def departed(self, dead: str) -> None:
+        """A peer was found dead: adopt its requests (settling from this moment on), or forget
+        what was kept for it."""
+        if not self._peers.should_adopt(dead):
+            self._kept.take(dead)
+            return
+        if dead in self._adopted:
+            return
+        self._adopted[dead] = None
+        if len(self._adopted) > MAX_ADOPTED:
+            self._adopted.popitem(last=False)
+        self._in_progress += 1
+        self._kept.hold(dead)
+        self._kept.hold(self._core.id)
+        self._core.spawn(self._adopt(dead))
+
+    async def _adopt(self, dead: str) -> None:
+        core = self._core
+        try:
+            expected = {record.engine_id for record in self._pool}
+            result = await broadcast(
+                core.nc,
+                core.subjects.broadcast(ADOPT),
+                encode_msgpack(AdoptionMessage(dead, core.id)),
+                expected,
+                core.settings.control_timeout_s,
+            )
+            adopted = {
+                item.return_path.request_id: (engine_id, item)
+                for engine_id, ack in result.acks.items()
+                for item in ack.adopted or ()
+            }
+            kept = sorted(self._kept.take(dead) + self._kept.take(core.id), key=lambda item: item.arrived_at)
+            for engine_id, handed in adopted.values():
+                self._hold(engine_id, handed, kept)
+        finally:
+            self._kept.release(dead)
+            self._kept.release(core.id)
+            self._in_progress -= 1
+        core.counters["peers_adopted"] += 1
+        core.counters["requests_adopted"] += len(adopted)
+        log.warning(
+            "adopted coordinator %s: %d requests from %d engines (%d silent: %s), %d kept replies",
+            dead,
+            len(adopted),
+            len(result.acks),
+            len(result.missing),
+            ", ".join(sorted(result.missing)) or "none",
+            len(kept),
+        )
+        for kept_reply in kept:
+            await self._deliver(dead, kept_reply)
+
+    def _hold(self, engine_id: str, item: AdoptedRequest, kept: list[KeptReply]) -> None:
+        return_path = item.return_path
+        request_id = return_path.request_id
+        if request_id in self._requests:
+            return
+        owner, problem = self._replies.check(return_path.reply_to)
+        if owner is None or problem is not None:
+            self._core.counters["unsafe_reply_subject"] += 1
+            return
+        client_key = None
+        if return_path.client_id is not None and return_path.client_request_id is not None:
+            client_key = (return_path.client_id, return_path.client_request_id)
+        entry = InflightRequest(return_path, Encoding(return_path.encoding), item.body, client_key, owner=owner)
+        entry.engine_id = engine_id
+        entry.attempts = 1
+        entry.streamed = item.partials_sent > 0
+        kept_seqs = [k.reply.seq for k in kept if not k.terminal and k.reply.return_path.request_id == request_id]
+        # Kept partials are delivered again below; the rest the dead owner delivered (or lost).
+        entry.partials_delivered = min([item.partials_sent, *kept_seqs])
+        entry.deadline = self._deadlines.call_later(self._core.settings.request_timeout_s, self._expire, request_id)
+        self._requests.add(entry)
+        record = self._pool.get(engine_id)
+        if record is not None:
+            self._pool.assign(record, request_id)
+        self._requests.held[owner] += 1
+
+    async def _deliver(self, dead: str, item: KeptReply) -> None:
+        reply = item.reply
+        if reply.return_path.request_id in self._requests:
+            if item.terminal:
+                await self._relay.relay_finals(item.engine_id, [reply])
+            else:
+                await self._relay.relay_partials(item.engine_id, [reply])
+        elif reply.return_path.coordinator_id == dead:
+            await self._relay.deliver_orphan(reply, item.terminal)
+
+    def _expire(self, request_id: str) -> None:
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        entry.deadline = None
+        self._core.spawn(self._relay.fail(request_id, WireError(ErrorCode.TIMED_OUT, "request deadline passed")))

@@ -1,0 +1,103 @@
+"""A SIGKILLed coordinator replica costs seconds, not deadlines (docs/reliability.md, adoption).
+
+Three ``dpcoord coordinator`` processes, two in-process echo engines (the documented test
+double) with few slots each, so that some requests wait in their replica's queue, and the
+client library streaming. The replica that holds the most requests is killed: every request
+it held ends, with every token, within ``heartbeat_timeout_s`` + 5 s. Those an engine was
+running are adopted by a survivor; those still queued at the dead replica are resubmitted
+by the client library once the replica stops heartbeating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from engines.echo import EchoBackend
+from engines.runtime import EngineRuntime
+from service.client import DpcoordClient
+from service.ops.settings import Settings
+from service.protocol.messages import Final, Partial
+from tests.conftest import make_settings
+from tests.replicas import ReplicaSet
+
+pytestmark = pytest.mark.timeout(120)
+IDS = ("r0", "r1", "r2")
+SLOTS = 4
+PROMPT = "abcdefghij"
+MAX_TOKENS = 60
+
+
+@pytest.fixture
+def settings(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("DPCOORD_MAX_INFLIGHT_PER_ENGINE", str(SLOTS))
+    return make_settings(nats_url, max_inflight_per_engine=SLOTS)
+
+
+@pytest.fixture
+async def replicas(settings: Settings, nc: NATS) -> AsyncIterator[ReplicaSet]:
+    replica_set = ReplicaSet(settings, nc)
+    yield replica_set
+    await replica_set.close()
+
+
+async def test_the_requests_of_a_killed_replica_end_within_seconds_with_every_token(
+    settings: Settings, replicas: ReplicaSet, nc: NATS
+) -> None:
+    await replicas.start(*IDS)
+    started = [EngineRuntime(settings, EchoBackend(token_delay_ms=20.0)) for _ in range(2)]
+    for engine in started:
+        await engine.start()
+    try:
+        await asyncio.gather(*(asyncio.wait_for(engine.registered.wait(), 10) for engine in started))
+        await replicas.wait_for(lambda statuses: all(len(s["engines"]) == 2 for s in statuses.values()), 10)
+        await check_a_kill(settings, replicas)
+    finally:
+        for engine in started:
+            await engine.stop()
+
+
+async def check_a_kill(settings: Settings, replicas: ReplicaSet) -> None:
+    expected = [ord(PROMPT[n % len(PROMPT)]) for n in range(MAX_TOKENS)]
+    holders: dict[int, str] = {}
+    first_partials = asyncio.Event()
+    ended: dict[int, float] = {}
+    results: dict[int, tuple[list[int], Final]] = {}
+
+    async with await DpcoordClient.connect(settings) as client:
+
+        async def one(n: int) -> None:
+            streamed: list[int] = []
+            async for reply in client.stream(PROMPT, max_tokens=MAX_TOKENS, timeout=60.0):
+                holders[n] = reply.request_id.rpartition("-")[0]
+                if len(holders) >= SLOTS * 2:
+                    first_partials.set()
+                if isinstance(reply, Partial):
+                    streamed.extend(reply.new_tokens)
+                else:
+                    results[n] = (streamed, reply)
+            ended[n] = time.monotonic()
+
+        count = SLOTS * 2 * 3  # two thirds wait in their replica's queue at first
+        tasks = [asyncio.create_task(one(n)) for n in range(count)]
+        await asyncio.wait_for(first_partials.wait(), 20)
+        victim, _ = Counter(holders.values()).most_common(1)[0]
+        held_by_victim = [n for n, holder in holders.items() if holder == victim]
+        replicas.kill(victim)
+        killed_at = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    bound = settings.heartbeat_timeout_s + 5.0
+    late = {n: round(ended[n] - killed_at, 2) for n in held_by_victim if ended[n] - killed_at > bound}
+    assert not late, f"requests of {victim} ended later than {bound} s after the kill: {late}"
+    assert sorted(results) == list(range(count))
+    for n, (streamed, final) in results.items():
+        # The partials yielded are exact (no duplicate, no other run's); after a gap the final,
+        # which carries every token, fills in the rest (service/protocol/streams.py).
+        assert final.generated_tokens == expected, n
+        assert streamed == expected[: len(streamed)], (n, "".join(chr(token) for token in streamed))
