@@ -13,6 +13,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 413
     OVERLOADED = 429
     INTERNAL = 500
+    BROKEN_STREAM = 502  # a stream's replies do not add up (a gap, two runs, a final that disagrees)
     NO_ENGINE = 503
     TIMED_OUT = 504
 
