@@ -23,7 +23,7 @@ from tests.conftest import EngineFactory
 from tests.helpers import REPO_ROOT
 
 PROMPT = "migrate me, exactly"
-TOKENS = 60
+TOKENS = 120
 
 
 def echo_of(prompt: str, count: int) -> tuple[list[int], str]:
