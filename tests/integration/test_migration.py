@@ -11,14 +11,27 @@ import signal
 import subprocess
 import sys
 
+import msgspec
 import pytest
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.runtime import EngineRuntime
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import EngineDisconnect, Final, Partial
+from service.protocol.messages import (
+    EngineDisconnect,
+    EngineReplyBatch,
+    Final,
+    Partial,
+    ReturnPath,
+    RoutedRequest,
+    RoutedRequestBatch,
+    SamplingParams,
+    SubmitRequest,
+)
 from tests.conftest import EngineFactory
 from tests.helpers import REPO_ROOT
 
@@ -135,3 +148,27 @@ async def test_a_stream_whose_engine_is_sigkilled_continues_exactly(
         if doomed.poll() is None:
             doomed.kill()
         await asyncio.to_thread(doomed.wait)
+
+
+async def test_an_engine_routed_a_newer_run_of_a_request_it_holds_replaces_the_older_one(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
+    """A migration can come back to an engine still running the older run (it was cut off, not
+    dead): the newer run replaces it without a final, and a repeat of the same run is ignored.
+    Driven on the engine's own subject, its replies read on the wire."""
+    [engine] = await start_engines(1, token_delay_ms=10)
+    finals = await nc.subscribe(coordinator.subjects.sent_by("engine_reply", engine.engine_id))
+    path = ReturnPath("r-twice", "c-elsewhere", nc.new_inbox(), "msgpack", True, None)
+    body = encode_msgpack(SubmitRequest(PROMPT, SamplingParams(max_tokens=TOKENS), stream=True))
+    subject = coordinator.subjects.engine(engine.engine_id, "submit_request")
+    await nc.publish(subject, encode_msgpack(RoutedRequestBatch([RoutedRequest(path, body)])))
+    await nc.publish(subject, encode_msgpack(RoutedRequestBatch([RoutedRequest(path, body)])))
+    tokens, text = echo_of(PROMPT, TOKENS)
+    resumed = RoutedRequest(path, body, attempt=1, resume_tokens=tokens[:7])
+    await nc.publish(subject, encode_msgpack(RoutedRequestBatch([resumed])))
+    [reply] = msgspec.msgpack.decode((await finals.next_msg(timeout=10)).data, type=EngineReplyBatch).replies
+    final = msgspec.msgpack.decode(reply.body, type=Final)
+    assert reply.attempt == 1 and final.generated_tokens == tokens and final.generated_text == text
+    assert engine.counters["runs_superseded"] == 1
+    with pytest.raises(NatsTimeoutError):
+        await finals.next_msg(timeout=0.5)  # the older run ended without a final
