@@ -241,8 +241,9 @@ class DpcoordClient:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
-        older run's partials are dropped, and a gap, two runs that do not join, or a final that
-        does not extend the partials raise ClientError 502."""
+        older run's partials are dropped; after a gap, or two runs that do not join, no further
+        partial is yielded and the final (every token) fills the rest in; a final that does not
+        extend the partials yielded raises ClientError 502."""
         body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         check = StreamCheck()
         async with aclosing(self._exchange(body, timeout)) as replies:

@@ -13,7 +13,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 413
     OVERLOADED = 429
     INTERNAL = 500
-    BROKEN_STREAM = 502  # a stream's replies do not add up (a gap, two runs, a final that disagrees)
+    BROKEN_STREAM = 502  # a stream whose final does not extend its partials (service/protocol/streams.py)
     NO_ENGINE = 503
     TIMED_OUT = 504
 

@@ -1,8 +1,8 @@
 """The receiving side keeps streams exact whatever an engine sends: through a real coordinator,
 a scripted engine (a test double on raw nats-py, named ScriptedEngine) sends partials twice,
 from two runs, or with a gap; the client library drops what repeats or belongs to an older
-run, with its text, and ends a stream it cannot repair with 502; the gateway turns that into an
-error event, then ``[DONE]``."""
+run, with its text, lets the final fill a gap, and ends a stream the final does not repair
+with 502; the gateway turns that into an error event, then ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -102,16 +102,27 @@ async def test_duplicates_and_an_older_runs_partials_are_dropped_with_their_text
     assert isinstance(final, Final) and final.generated_text == "abc"
 
 
+async def test_a_gap_stops_the_partials_and_the_final_fills_it(engine: ScriptedEngine, settings: Settings) -> None:
+    engine.script = ([(A, 0, 0), (C, 2, 0), (ord("d"), 3, 0)], [A, B, C, ord("d")])
+    replies = await streamed(settings)
+    assert [reply.text for reply in replies if isinstance(reply, Partial)] == ["a"]
+    final = replies[-1]
+    assert isinstance(final, Final) and final.generated_text == "abcd"
+
+
+X = ord("x")
+
+
 @pytest.mark.parametrize(
     ("script", "reason"),
     [
-        (([(A, 0, 0), (C, 2, 0)], [A, B, C]), "missing"),
-        (([(A, 0, 0), (B, 1, 0), (C, 1, 1)], [A, B, C]), "run 1 continues at token 1"),
+        (([(A, 0, 0), (C, 2, 0)], [X, B, C]), "missing"),
+        (([(A, 0, 0), (B, 1, 0), (C, 1, 1)], [A, X]), "run 1 continues at token 1"),
         (([(A, 0, 0), (B, 1, 0)], [A, C]), "do not begin with"),
     ],
     ids=["gap", "runs-that-do-not-join", "final-that-disagrees"],
 )
-async def test_a_stream_that_cannot_be_repaired_ends_with_502(
+async def test_a_stream_its_final_does_not_repair_ends_with_502(
     engine: ScriptedEngine, settings: Settings, script: Script, reason: str
 ) -> None:
     engine.script = script
@@ -120,16 +131,20 @@ async def test_a_stream_that_cannot_be_repaired_ends_with_502(
     assert raised.value.code == 502
 
 
-async def test_the_gateway_ends_a_broken_stream_with_an_error_event_then_done(
+async def test_the_gateway_repairs_a_gap_from_the_final_or_ends_with_an_error_event_then_done(
     engine: ScriptedEngine, settings: Settings
 ) -> None:
-    engine.script = ([(A, 0, 0), (A, 0, 0), (C, 2, 0)], [A, B, C])
     async with serve_gateway(settings) as served:
         body = {"model": MODEL, "prompt": "abc", "stream": True}
-        response = await http(served.port, "POST", "/v1/completions", body)
-    events = sse_data(response.body)
-    assert response.status == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    texts = [choice["text"] for event in events[:-2] for choice in json.loads(event)["choices"]]
-    assert texts == ["a"]  # the duplicate never reached the HTTP client, nor anything after the gap
-    error = json.loads(events[-2])["error"]
+        engine.script = ([(A, 0, 0), (A, 0, 0), (C, 2, 0)], [A, B, C])
+        repaired = sse_data((await http(served.port, "POST", "/v1/completions", body)).body)
+        engine.script = ([(A, 0, 0), (A, 0, 0), (C, 2, 0)], [X, B, C])
+        broken = sse_data((await http(served.port, "POST", "/v1/completions", body)).body)
+    for events in (repaired, broken):
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    texts = [choice["text"] for event in repaired[:-1] for choice in json.loads(event)["choices"]]
+    assert texts == ["a", "bc"]  # the duplicate never reached the HTTP client; the final filled the gap
+    texts = [choice["text"] for event in broken[:-2] for choice in json.loads(event)["choices"]]
+    assert texts == ["a"]
+    error = json.loads(broken[-2])["error"]
     assert error["type"] == "bad_gateway" and "missing" in error["message"]

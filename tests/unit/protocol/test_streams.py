@@ -1,5 +1,6 @@
 """StreamCheck: duplicates and older runs dropped with their text, runs joined only at the exact
-token, gaps and disagreements refused, finals checked against what was streamed."""
+token; after a gap or a disagreement nothing more is passed on and the final decides: it
+repairs the stream when it extends what was passed on, else the stream is broken (502)."""
 
 from __future__ import annotations
 
@@ -58,17 +59,20 @@ def test_a_newer_run_continues_at_the_exact_token_and_the_older_one_is_dropped()
     [
         (partial([100], 3), "missing"),  # a gap in the same run
         (partial([98], 1, attempt=1), "continues at token 1"),  # a newer run starting inside what was received
-        (partial([99], 3, attempt=1), "continues at token 3"),  # a newer run starting past it
+        (partial([100], 3, attempt=1), "continues at token 3"),  # a newer run starting past it
         (partial([120], 0), "disagree"),  # a "duplicate" with other tokens
         (partial([97, 98, 99], 0), "disagree"),  # overlapping what was received and past it
-        (partial([98], None), "without an offset"),
+        (partial([99], None), "without an offset"),
     ],
 )
-def test_what_cannot_be_repaired_breaks_the_stream(second: Partial, reason: str) -> None:
+def test_a_break_passes_on_nothing_more_and_the_final_decides(second: Partial, reason: str) -> None:
     check = StreamCheck()
     assert fed(check, partial([97], 0), partial([98], 1)) == [True, True]
+    assert fed(check, second, partial([99], 2), partial([99], 2, attempt=2)) == [False, False, False]
+    assert check.broken is not None and reason in check.broken and check.tokens == [97, 98]
+    check.finish(final([97, 98, 99, 100]))  # it carries every token: the stream is repaired
     with pytest.raises(StreamBroken, match=reason) as raised:
-        check.accept(second)
+        check.finish(final([97, 120, 99]))
     assert raised.value.code == ErrorCode.BROKEN_STREAM == 502
 
 
@@ -100,5 +104,5 @@ def test_partials_of_an_earlier_release_without_offsets_pass_as_they_come() -> N
     assert fed(later, partial([97], None), partial([98], 1)) == [True, True]
     mixed = StreamCheck()
     assert mixed.accept(partial([97], None))
-    with pytest.raises(StreamBroken, match="without offsets"):
-        mixed.accept(partial([99], 5))
+    assert not mixed.accept(partial([99], 5))
+    assert mixed.broken is not None and "without offsets" in mixed.broken
