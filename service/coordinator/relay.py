@@ -143,7 +143,7 @@ class ReplyRelay:
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
-        if reply.attempt < entry.attempt and entry.stale(engine_id, reply.attempt):
+        if entry.earlier_engines is not None and entry.stale(engine_id, reply.attempt):
             self._counters["stale_attempt_replies"] += 1
             return
         if reply.seq > entry.partials_delivered:
@@ -165,7 +165,7 @@ class ReplyRelay:
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
-        if reply.attempt < entry.attempt and entry.stale(engine_id, reply.attempt):
+        if entry.earlier_engines is not None and entry.stale(engine_id, reply.attempt):
             self._counters["stale_attempt_replies"] += 1
             return
         if not entry.streamed:

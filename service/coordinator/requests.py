@@ -65,7 +65,8 @@ class InflightRequest:
 
     def stale(self, engine_id: str, attempt: int) -> bool:
         """A reply from ``engine_id`` of an older run than the current one."""
-        return attempt < self.attempt and self.earlier_engines is not None and engine_id in self.earlier_engines
+        earlier = self.earlier_engines
+        return earlier is not None and attempt < self.attempt and engine_id in earlier
 
 
 class RequestTable:
