@@ -187,7 +187,7 @@ class DocEngineFleet:
     async def _submit(self, engine: DocEngine, requests: list[list[Any]]) -> None:
         partials: list[list[Any]] = []
         finals: list[list[Any]] = []
-        for route, body in requests:
+        for route, body, *_ in requests:  # a retry or migration carries attempt and resume tokens after them
             request_id, encoding = route[0], route[3]
             try:
                 submit = _decode_body(body, encoding)

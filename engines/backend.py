@@ -2,7 +2,8 @@
 
 The runtime owns the protocol: it decodes routed requests, streams partials, batches
 replies, tracks epochs and obeys control signals. A backend only schedules and generates:
-``add`` requests (and say how many tokens the prompt is), ``step`` to advance every running
+``add`` requests (and say how many tokens the prompt is; a migrated request continues after
+its ``resume_tokens``, prefilled with the prompt, counted as generated), ``step`` to advance every running
 request by (at most) one token, and report new tokens, the text they complete, and why a
 request finished. It also names the model it serves and renders chat ``messages`` into a
 prompt, since it owns the tokenizer and so the chat template.
@@ -32,6 +33,9 @@ class GenerationRequest:
     top_p: float = DEFAULT_TOP_P
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Tokens an earlier run of this request generated and streamed (a migration): the backend
+    # continues after them exactly as if it had generated them itself.
+    resume_tokens: tuple[int, ...] = ()
 
     @classmethod
     def from_submit(cls, request_id: str, submit: SubmitRequest, prompt: str | list[int]) -> GenerationRequest:
@@ -90,6 +94,11 @@ class Backend(abc.ABC):
         """The prompt for a conversation: text, or token ids when the backend tokenised it
         itself. Backends without a chat template use the plain fallback (engines/chat_template.py)."""
         return plain_prompt(messages)
+
+    @abc.abstractmethod
+    def resumed_text(self, request_id: str) -> str:
+        """The text a request's ``resume_tokens`` completed, as an uninterrupted run would have
+        emitted it for them (the final's text starts with it); call right after ``add``."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:

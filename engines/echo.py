@@ -11,7 +11,9 @@ serves is named ``dpcoord-echo``. All running requests advance one token per ste
 engine; ``token_delay_ms`` sleeps once per step (with 0 the step does not yield; the runtime
 yields after publishing each step's replies). Its context (``max_context``, default
 :data:`ECHO_CONTEXT`) bounds ``max_tokens`` as a model's would; any token id is in its
-vocabulary.
+vocabulary. A migrated request resumes after its ``resume_tokens``: they count as generated (the
+next token is the prompt's token ``len(resume_tokens) mod len(prompt)``), and their text primes
+the decoder and the stop check, so the continuation equals an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class _Running:
     prompt_tokens: list[int]
     generated: int = 0
     text: str = ""
+    resumed_text: str = ""  # the text of the resume tokens
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
@@ -49,8 +52,16 @@ class EchoBackend(Backend):
     def add(self, request: GenerationRequest) -> int:
         prompt = request.prompt
         tokens = list(prompt.encode("utf-8")) if isinstance(prompt, str) else list(prompt)
-        self._running[request.request_id] = _Running(request, tokens)
+        running = _Running(request, tokens)
+        for token in request.resume_tokens:
+            running.generated += 1
+            running.resumed_text += running.decoder.decode(bytes([token])) if token < 256 else ""
+        running.text = running.resumed_text
+        self._running[request.request_id] = running
         return len(tokens)
+
+    def resumed_text(self, request_id: str) -> str:
+        return self._running[request_id].resumed_text
 
     def abort(self, request_id: str) -> bool:
         return self._running.pop(request_id, None) is not None

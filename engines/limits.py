@@ -5,7 +5,8 @@ length are capped (``max_stop_strings``, ``max_stop_string_bytes``): 100,000 of 
 every step of every request sharing the engine slow. ``max_tokens`` may not exceed the
 backend's context (:attr:`engines.backend.Backend.max_context`): a request asking for 10^12
 tokens would hold its slot until its deadline. Token ids are checked against the vocabulary
-by the backend itself, in ``add``.
+by the backend itself, in ``add``. A migrated request's resume tokens must leave room for
+one more token under its ``max_tokens``: an earlier run with that many tokens had finished.
 """
 
 from __future__ import annotations
@@ -30,4 +31,12 @@ def check_limits(submit: SubmitRequest, settings: Settings, max_context: int | N
     if max_context is not None and params.max_tokens is not None and params.max_tokens > max_context:
         raise WireError(
             ErrorCode.MALFORMED, f"max_tokens {params.max_tokens} exceeds the engine's context of {max_context} tokens"
+        )
+
+
+def check_resume(resume_tokens: list[int], max_tokens: int) -> None:
+    if len(resume_tokens) >= max_tokens:
+        raise WireError(
+            ErrorCode.MALFORMED,
+            f"{len(resume_tokens)} resume tokens leave nothing to generate under max_tokens {max_tokens}",
         )

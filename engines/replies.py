@@ -9,6 +9,12 @@ reply too large for any message is replaced with a 413 error, or dropped and cou
 that does not fit (a return path no coordinator would route). Recent terminal replies are
 remembered, bounded by count and bytes, so that one lost on the way (a NATS restart, say) can
 be sent again.
+
+Every reply carries the run (``attempt``) of the routed request it answers; a partial also
+carries its ``offset`` (the index of its first token among the generated ones) and, beside the
+client's body, its token ids, so the coordinator keeps what was streamed for a migration. A
+resumed request (:meth:`ActiveRequest.resume`) starts with the tokens and text an earlier run
+streamed: its partials continue at their offset and its final holds every token.
 """
 
 from __future__ import annotations
@@ -57,11 +63,20 @@ class ActiveRequest:
     epochs: list[EpochSpan] = field(default_factory=list)
     prompt_tokens: int | None = None
     body: bytes = b""  # the client's, handed to the adopter of a dead coordinator with the request
+    attempt: int = 0
+
+    def resume(self, tokens: list[int], text: str, epoch: int | None) -> None:
+        """Start after ``tokens`` (and their ``text``) that an earlier run streamed; their span
+        is attributed to ``epoch``, the one in force as this run starts."""
+        self.tokens.extend(tokens)
+        self.text.append(text)
+        if tokens:
+            self.epochs.append(EpochSpan(epoch, 0, len(tokens)))
 
     def hand_over(self, adopter: str) -> AdoptedRequest:
         """Name ``adopter`` in this request's replies from now on, and describe it for it."""
         self.return_path = msgspec.structs.replace(self.return_path, coordinator_id=adopter)
-        return AdoptedRequest(self.return_path, self.body, self.partials_sent)
+        return AdoptedRequest(self.return_path, self.body, self.partials_sent, list(self.tokens), self.attempt)
 
     def record(self, output: TokenOutput, epoch: int | None) -> None:
         if output.new_tokens:
@@ -78,11 +93,17 @@ class ActiveRequest:
 
     def partial(self) -> RoutedReply:
         return_path = self.return_path
+        tokens = self.unsent_tokens
         message = Partial(
-            return_path.request_id, return_path.client_request_id, self.unsent_tokens, "".join(self.unsent_text)
+            return_path.request_id,
+            return_path.client_request_id,
+            tokens,
+            "".join(self.unsent_text),
+            len(self.tokens) - len(tokens),
+            self.attempt,
         )
         self.unsent_tokens, self.unsent_text = [], []
-        reply = RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
+        reply = RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, tokens, self.attempt)
         self.partials_sent += 1
         return reply
 
@@ -98,17 +119,17 @@ class ActiveRequest:
             epochs=self.epochs or None,
             prompt_tokens=self.prompt_tokens,
         )
-        return RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
+        return RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, attempt=self.attempt)
 
     def error(self, err: WireError) -> RoutedReply:
         return_path = self.return_path
         reply = error_reply(err, return_path.client_request_id, return_path.request_id)
-        return RoutedReply(return_path, encode(reply, self.encoding), seq=self.partials_sent)
+        return RoutedReply(return_path, encode(reply, self.encoding), self.partials_sent, attempt=self.attempt)
 
 
 def reply_size(reply: RoutedReply) -> int:
     """Bytes a reply takes in a batch."""
-    return item_size(reply.body, reply.return_path)
+    return item_size(reply.body, reply.return_path, reply.tokens)
 
 
 class ReplyPublisher:
@@ -175,7 +196,7 @@ class ReplyPublisher:
         body = encode(
             error_reply(err, return_path.client_request_id, return_path.request_id), Encoding(return_path.encoding)
         )
-        error = RoutedReply(return_path, body, reply.seq)
+        error = RoutedReply(return_path, body, reply.seq, attempt=reply.attempt)
         if fits_alone(reply_size(error), max_payload):
             return error
         self._counters["replies_undeliverable"] += 1

@@ -30,7 +30,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from engines.handlers import ENGINE_HANDLERS
-from engines.limits import check_limits
+from engines.limits import check_limits, check_resume
 from engines.replies import ActiveRequest, ReplyPublisher
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient
@@ -240,17 +240,21 @@ class EngineRuntime:
                 return_path.encoding,
             )
             return
-        if return_path.request_id in self._active:
-            log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, return_path.request_id)
+        if not self._supersede(routed):
             return
-        active = ActiveRequest(return_path, encoding, body=routed.body)
+        active = ActiveRequest(return_path, encoding, body=routed.body, attempt=routed.attempt)
         try:
             submit = _submit_decoder.decode(routed.body, encoding)
             check_limits(submit, self.settings, self.backend.max_context)
             prompt = submit.prompt if submit.prompt is not None else self.backend.render_chat(submit.messages or ())
-            active.prompt_tokens = self.backend.add(
-                GenerationRequest.from_submit(return_path.request_id, submit, prompt)
-            )
+            request = GenerationRequest.from_submit(return_path.request_id, submit, prompt)
+            resume = routed.resume_tokens
+            if resume:
+                check_resume(resume, request.max_tokens)
+                request.resume_tokens = tuple(resume)
+            active.prompt_tokens = self.backend.add(request)
+            if resume:
+                active.resume(resume, self.backend.resumed_text(return_path.request_id), self.epoch)
         except Exception as exc:
             if isinstance(exc, WireError):
                 err = exc
@@ -266,6 +270,21 @@ class EngineRuntime:
             return
         self._active[return_path.request_id] = active
         self._wake.set()
+
+    def _supersede(self, routed: RoutedRequest) -> bool:
+        """Whether to start ``routed``: a request routed twice is ignored, unless it starts a
+        newer run (a migration back to this engine), which replaces the older one silently."""
+        request_id = routed.return_path.request_id
+        active = self._active.get(request_id)
+        if active is None:
+            return True
+        if routed.attempt <= active.attempt:
+            log.warning("engine_id=%s request_id=%s routed twice; ignored", self.engine_id, request_id)
+            return False
+        del self._active[request_id]
+        self.backend.abort(request_id)
+        self.counters["runs_superseded"] += 1
+        return True
 
     async def abort_request(self, request_id: str) -> None:
         active = self._active.pop(request_id, None)

@@ -65,6 +65,7 @@ from service.protocol.messages import (
     SubmitRequest,
 )
 from service.protocol.prefix import prefix_hashes
+from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
 
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
@@ -320,10 +321,23 @@ class DpcoordClient:
         timeout: float = 60.0,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
-        """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream."""
+        """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
+        older run's partials are dropped; after a gap, or two runs that do not join, no further
+        partial is yielded and the final (every token) fills the rest in; a final that does not
+        extend the partials yielded raises ClientError 502."""
         body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
+        check = StreamCheck()
         async with aclosing(self._exchange(body, timeout)) as replies:
             async for reply in replies:
+                try:
+                    if isinstance(reply, Final):
+                        check.finish(reply)
+                    elif not check.accept(reply):
+                        continue
+                except StreamBroken as exc:
+                    raise ClientError(exc.code, exc.message) from None
                 yield reply
                 if isinstance(reply, Final):
                     return

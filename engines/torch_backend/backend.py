@@ -22,7 +22,6 @@ import asyncio
 import collections.abc
 import contextlib
 import logging
-import random
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -160,7 +159,6 @@ class TorchBackend(Backend):
         self._launched: _Launched | None = None
         self._lock = threading.Lock()  # scheduler and request table: step thread vs add/abort on the loop
         self._step_lock = asyncio.Lock()  # step, suspend and resume never overlap
-        self._random = random.Random()
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
@@ -208,28 +206,40 @@ class TorchBackend(Backend):
         prompt = self.tokenizer.encode(request.prompt) if isinstance(request.prompt, str) else list(request.prompt)
         if not prompt:
             raise WireError(ErrorCode.MALFORMED, "the prompt is empty: the model needs at least one token")
+        resume = list(request.resume_tokens)
         vocab = self.config.vocab_size
-        outside = next((token for token in prompt if token >= vocab), None)
+        outside = next((token for token in (*prompt, *resume) if token >= vocab), None)
         if outside is not None:
             raise WireError(ErrorCode.MALFORMED, f"token id {outside} is outside the vocabulary (0..{vocab - 1})")
+        if resume and len(prompt) + len(resume) >= self.max_context:
+            raise WireError(
+                ErrorCode.TOO_LARGE,
+                f"prompt and resume tokens ({len(prompt)} + {len(resume)}) leave no room in the context of {self.max_context} tokens",
+            )
         if len(prompt) >= self.max_context:
             raise WireError(
                 ErrorCode.TOO_LARGE,
                 f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context} tokens (at most {self.max_context - 1})",
             )
-        key = request_key(request.seed) if request.seed is not None else self._random.getrandbits(32)
+        # Unseeded requests draw from their request id's stream, which a migrated run keeps.
+        key = request_key(request.seed if request.seed is not None else request.request_id)
         state = RequestState(
             request,
-            Sequence.from_prompt(request.request_id, prompt),
+            Sequence.from_prompt(request.request_id, prompt, resume),
             key,
             IncrementalDetokenizer(self.tokenizer, prompt),
         )
+        state.resume(resume)
         with self._lock:
             if request.request_id in self._requests:
                 raise WireError(ErrorCode.CONFLICT, f"request {request.request_id} is already running")
             self.scheduler.add(state.sequence)
             self._requests[request.request_id] = state
         return len(prompt)
+
+    def resumed_text(self, request_id: str) -> str:
+        with self._lock:
+            return self._requests[request_id].resumed_text
 
     def abort(self, request_id: str) -> bool:
         with self._lock:

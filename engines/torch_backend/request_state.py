@@ -3,7 +3,9 @@
 A sampled token ends a request in two stages. What the token alone decides (an EOS id,
 ``max_tokens``, a full context) is known as soon as the ids are read back, and the request
 leaves the scheduler before the next step is scheduled. What needs its text (a stop string)
-is known once the token has been detokenised, which may happen while the next step runs.
+is known once the token has been detokenised, which may happen while the next step runs. A
+migrated request replays its earlier run's tokens through the detokeniser and the stop check
+first (:meth:`RequestState.resume`), so its text continues exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ class RequestState:
     key: int  # the sampling stream's key
     detokenizer: IncrementalDetokenizer
     stop_window: str = ""  # the last characters of the text, enough to see a stop string complete
+    resumed_text: str = ""  # the text of the tokens an earlier run generated (a migration)
+
+    def resume(self, tokens: list[int]) -> None:
+        """Detokenise the tokens an earlier run generated, as that run did, so the detokeniser's
+        window and the stop check continue exactly where it left off."""
+        self.resumed_text = "".join(self.text(token)[0] for token in tokens)
 
     def token_finish(self, token: int, eos_token_ids: tuple[int, ...], max_context: int) -> FinishReason | None:
         """Whether the token just appended ends the request, by the token alone."""

@@ -4,7 +4,9 @@ Each row has its own temperature (0: greedy), top-k (0: off) and top-p. Randomne
 from a counter-based hash of (request key, tokens generated so far), computed on the device
 for all rows at once: a request's n-th token depends only on its own seed, prompt and n, so
 the same seed and prompt give the same tokens whatever the batch neighbours, on CPU and CUDA
-alike, and after a suspend/recompute. The token is drawn by inverse CDF over the
+alike, after a suspend/recompute, and in another process: a request migrated to another engine
+with its streamed tokens (``resume_tokens``, counted as generated) continues the stream where its
+first run left off, so seeded continuations equal an uninterrupted run. The token is drawn by inverse CDF over the
 probabilities sorted in descending order, after temperature, top-k and top-p (the order
 transformers applies them in).
 """
@@ -19,9 +21,11 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
-def request_key(seed: int) -> int:
-    """A 32-bit stream key for a seed of any size or sign."""
-    digest = hashlib.blake2b(str(seed).encode(), digest_size=4).digest()
+def request_key(seed: int | str) -> int:
+    """A 32-bit stream key for a seed of any size or sign (or, unseeded, a request id): the same
+    in every process, so a request that migrates to another engine keeps its stream."""
+    text = str(seed) if isinstance(seed, int) else f"request:{seed}"
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little")
 
 

@@ -37,8 +37,10 @@ class Sequence:
     num_committed: int = 0
 
     @classmethod
-    def from_prompt(cls, request_id: str, prompt: list[int]) -> Sequence:
-        return cls(request_id, list(prompt), len(prompt))
+    def from_prompt(cls, request_id: str, prompt: list[int], generated: list[int] | None = None) -> Sequence:
+        """``generated``: tokens an earlier run of the request generated (a migration); they are
+        prefilled with the prompt and count as generated."""
+        return cls(request_id, [*prompt, *(generated or ())], len(prompt))
 
     @property
     def num_generated(self) -> int:

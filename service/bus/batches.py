@@ -21,6 +21,8 @@ Item = TypeVar("Item")
 BATCH_OVERHEAD = 256
 # Bytes of msgpack framing around one item, besides the sizes the caller counts.
 ITEM_OVERHEAD = 64
+# Bytes msgpack takes for one token id at most (ids fit 31 bits: a uint32, tag included).
+TOKEN_BYTES = 5
 
 
 def batch_limit(max_payload: int) -> int:
@@ -32,16 +34,17 @@ def fits_alone(size: int, max_payload: int) -> bool:
     return size <= batch_limit(max_payload)
 
 
-def item_size(body: bytes, return_path: ReturnPath) -> int:
+def item_size(body: bytes, return_path: ReturnPath, tokens: list[int] | None = None) -> int:
     """Bytes one routed request or reply takes in a batch: its body, every string of its return
     path in UTF-8 as msgpack carries them (the coordinator's ids and the encoding name are
-    ASCII; an integer ``client_request_id`` fits :data:`ITEM_OVERHEAD`), and the framing around
-    them."""
+    ASCII; an integer ``client_request_id`` fits :data:`ITEM_OVERHEAD`), the token ids it
+    carries beside the body (a routed request's resume tokens, a partial's tokens), and the
+    framing around them."""
     text = return_path.reply_to + (return_path.client_id or "")
     client_request_id = return_path.client_request_id
     if isinstance(client_request_id, str):
         text += client_request_id
-    return (
+    size = (
         len(body)
         + len(return_path.request_id)
         + len(return_path.coordinator_id)
@@ -49,6 +52,9 @@ def item_size(body: bytes, return_path: ReturnPath) -> int:
         + utf8_length(text)
         + ITEM_OVERHEAD
     )
+    if tokens:
+        size += TOKEN_BYTES * len(tokens)
+    return size
 
 
 def split_batches(items: Iterable[Item], size_of: Callable[[Item], int], max_payload: int) -> Iterator[list[Item]]:

@@ -107,7 +107,7 @@ class Adoption:
             }
             kept = sorted(self._kept.take(dead) + self._kept.take(core.id), key=lambda item: item.arrived_at)
             for engine_id, handed in adopted.values():
-                self._hold(engine_id, handed, kept)
+                self._hold(engine_id, handed)
         finally:
             self._kept.release(dead)
             self._kept.release(core.id)
@@ -123,10 +123,13 @@ class Adoption:
             ", ".join(sorted(result.missing)) or "none",
             len(kept),
         )
+        handed_at = {request_id: handed.partials_sent for request_id, (_, handed) in adopted.items()}
         for kept_reply in kept:
-            await self._deliver(dead, kept_reply)
+            await self._deliver(dead, kept_reply, handed_at)
 
-    def _hold(self, engine_id: str, item: AdoptedRequest, kept: list[KeptReply]) -> None:
+    def _hold(self, engine_id: str, item: AdoptedRequest) -> None:
+        """Hold a handed-over request as if this replica had routed it: its state (partials
+        sent, tokens streamed, run) is the engine's at the handover."""
         return_path = item.return_path
         request_id = return_path.request_id
         if request_id in self._requests:
@@ -140,11 +143,10 @@ class Adoption:
             client_key = (return_path.client_id, return_path.client_request_id)
         entry = InflightRequest(return_path, Encoding(return_path.encoding), item.body, client_key, owner=owner)
         entry.engine_id = engine_id
-        entry.attempts = 1
+        entry.attempts = item.attempt + 1
         entry.streamed = item.partials_sent > 0
-        kept_seqs = [k.reply.seq for k in kept if not k.terminal and k.reply.return_path.request_id == request_id]
-        # Kept partials are delivered again below; the rest the dead owner delivered (or lost).
-        entry.partials_delivered = min([item.partials_sent, *kept_seqs])
+        entry.partials_delivered = item.partials_sent
+        entry.streamed_tokens = list(item.tokens) if item.tokens else None
         entry.deadline = self._deadlines.call_later(self._core.settings.request_timeout_s, self._expire, request_id)
         self._requests.add(entry)
         record = self._pool.get(engine_id)
@@ -152,10 +154,16 @@ class Adoption:
             self._pool.assign(record, request_id)
         self._requests.held[owner] += 1
 
-    async def _deliver(self, dead: str, item: KeptReply) -> None:
+    async def _deliver(self, dead: str, item: KeptReply, handed_at: dict[str, int]) -> None:
+        """A kept reply: a partial the engine sent before the handover goes to the client as it
+        is (the request's state already counts it); anything later through the relay."""
         reply = item.reply
-        if reply.return_path.request_id in self._requests:
-            if item.terminal:
+        request_id = reply.return_path.request_id
+        entry = self._requests.get(request_id)
+        if entry is not None:
+            if not item.terminal and reply.seq < handed_at.get(request_id, 0):
+                await self._relay.reply(entry.return_path, reply.body, terminal=False)
+            elif item.terminal:
                 await self._relay.relay_finals(item.engine_id, [reply])
             else:
                 await self._relay.relay_partials(item.engine_id, [reply])

@@ -7,10 +7,14 @@ Contract:
 - An engine silent for ``heartbeat_timeout_s`` is removed, except while this replica's own
   NATS connection is down: then the silence is ours.
 - A removed engine's requests that had not streamed are queued again (``max_retries``
-  times); the others fail with 503.
+  times). Those that had migrate: routed again as a new run (``attempt``) that resumes after
+  the tokens already streamed (``resume_tokens``), at most ``max_migrations`` times; beyond
+  that, or when the stream cannot resume (a partial lost, or one from an engine of an earlier
+  release), they fail with 503.
 - A heartbeat that no longer lists a request routed to that engine a while ago starts a
   reconciliation: the engine sends its replies again, and what it never received is queued
-  again (or fails, if part of it was streamed, or was routed ``max_retries`` times already).
+  again (or migrates, if part of it was streamed; or fails, if it was routed ``max_retries``
+  times already).
 - An engine id becomes a subject token, so register refuses one outside the token charset or
   longer than ``max_id_bytes`` (400), and beyond ``max_engines`` engines (429); a heartbeat
   never adopts such an engine.
@@ -39,7 +43,7 @@ from service.coordinator.control_state import ControlState
 from service.coordinator.fleet_log import FleetLog
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
-from service.coordinator.requests import RequestTable
+from service.coordinator.requests import InflightRequest, RequestTable
 from service.ops.log_limit import RateLimitedLog
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack, msgpack_decoder
@@ -130,7 +134,10 @@ class Fleet:
             entry = self._requests.get(request_id)
             if entry is None:
                 continue
-            if not entry.streamed and entry.attempts <= self._settings.max_retries:
+            if entry.streamed:
+                await self._migrate(entry, f"engine {engine_id} lost ({reason})")
+            elif entry.attempts <= self._settings.max_retries:
+                entry.new_run()
                 self._admission.requeue(entry)
                 self._counters["retried"] += 1
             else:
@@ -138,6 +145,37 @@ class Fleet:
                     request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})")
                 )
         await self._admission.release_queue()
+
+    async def _migrate(self, entry: InflightRequest, lost: str) -> None:
+        """Route a streamed request whose engine lost it again, to resume after the tokens it
+        streamed; 503 when it cannot (a final that arrived ahead of a lost partial is sent instead)."""
+        request_id = entry.return_path.request_id
+        limit = self._settings.max_migrations
+        problem = None
+        if entry.early_final is not None:
+            problem = "its final arrived"
+        elif not entry.resumable:
+            problem = "its stream cannot resume (a partial was lost, or its engine sent no tokens)"
+        elif entry.migrations >= limit:
+            problem = f"it was migrated max_migrations ({limit}) times already"
+        if problem is not None:
+            self._counters["migrations_refused"] += 1
+            await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"{lost}; {problem}"))
+            return
+        lost_on = entry.engine_id
+        entry.migrations += 1
+        entry.new_run()
+        self._admission.requeue(entry)
+        self._counters["migrated"] += 1
+        if lost_on is not None:  # should it still run (a partition, not a death), it stops
+            await self._relay.tell_engine_abort(lost_on, request_id)
+        log.info(
+            "request_id=%s: %s; migrating after %d streamed tokens (attempt %d)",
+            request_id,
+            lost,
+            len(entry.streamed_tokens or ()),
+            entry.attempt + 1,
+        )
 
     async def heartbeat(self, heartbeat: Heartbeat, own_subjects: bool = True) -> None:
         """Refresh liveness; adopt an unknown engine (speaking on the subjects this heartbeat
@@ -271,12 +309,16 @@ class Fleet:
             if entry is None or entry.engine_id != record.engine_id:
                 continue
             self.pool.release(record.engine_id, request_id)
-            if entry.streamed or entry.attempts > self._settings.max_retries:
+            if entry.streamed:
+                await self._migrate(entry, f"engine {record.engine_id} lost the request")
+                continue
+            if entry.attempts > self._settings.max_retries:
                 await self._relay.fail(
                     request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request")
                 )
                 continue
             self._counters["redispatched"] += 1
+            entry.new_run()
             self._admission.requeue(entry)
         await self._admission.release_queue()
 

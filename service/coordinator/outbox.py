@@ -8,7 +8,9 @@ within a turn (``routing_load_slack``). The counters ``routed_messages`` and ``r
 say how many requests a routed message carries. Under load a batch holds
 everything that arrived in one read from the socket. A request answered or routed elsewhere
 before its turn ends is skipped; one too large to route fails with 413; a batch NATS refuses
-fails its requests with 503. The routing task outlives any failure.
+fails its requests with 503. A routed request carries its run (``attempt``) and, when it
+migrates, the tokens its stream already delivered (``resume_tokens``), counted in its size.
+The routing task outlives any failure.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from service.coordinator.requests import InflightRequest, RequestTable
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import RoutedRequest, RoutedRequestBatch
+from service.protocol.messages import FirstRun, RoutedRequest, RoutedRequestsOut
 from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
@@ -91,13 +93,14 @@ class Outbox:
         for entry in entries:
             if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
                 continue  # answered or routed elsewhere while it waited for this turn
-            size = item_size(entry.body, entry.return_path)
+            size = item_size(entry.body, entry.return_path, entry.streamed_tokens)
             if not fits_alone(size, max_payload):
+                resumed = f" with {len(entry.streamed_tokens)} streamed tokens" if entry.streamed_tokens else ""
                 await self._relay.fail(
                     entry.return_path.request_id,
                     WireError(
                         ErrorCode.TOO_LARGE,
-                        f"request of {len(entry.body)} bytes does not fit NATS max_payload {max_payload} once routed",
+                        f"request of {len(entry.body)} bytes{resumed} does not fit NATS max_payload {max_payload} once routed",
                     ),
                 )
                 continue
@@ -107,7 +110,14 @@ class Outbox:
             await self._publish_batch(subject, [entry for entry, _ in batch])
 
     async def _publish_batch(self, subject: str, batch: list[InflightRequest]) -> None:
-        message = RoutedRequestBatch([RoutedRequest(entry.return_path, entry.body) for entry in batch])
+        message = RoutedRequestsOut(
+            [
+                FirstRun(entry.return_path, entry.body)
+                if entry.attempts == 1
+                else RoutedRequest(entry.return_path, entry.body, entry.attempt, entry.streamed_tokens)
+                for entry in batch
+            ]
+        )
         try:
             await self._nc.publish(subject, encode_msgpack(message))
             self._counters["routed_messages"] += 1

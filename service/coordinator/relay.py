@@ -9,6 +9,10 @@ Contract:
 - A reply is accepted only from the engine its request was routed to; the engine is the one the
   subject names (handlers/engine.py), so with per-engine NATS users no engine can answer for
   another (``stale_engine_replies`` counts the rest).
+- Replies of an older run (``attempt``) than the request's current one are dropped
+  (``stale_attempt_replies``). A stream's delivered tokens are kept, from each partial's
+  ``tokens``, for a migration to resume after (:mod:`service.coordinator.fleet`); a partial
+  without them, or after a lost one, makes the stream not resumable.
 - A reply for a request this replica does not hold is an orphan: another live replica's (kept
   for a while, :mod:`service.coordinator.peer_replies`, in case that replica dies before it
   delivers it), this replica's own late reply (counted), or one whose coordinator is gone,
@@ -27,6 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from service.bus.batches import TOKEN_BYTES
 from service.bus.direct import DirectClient
 from service.coordinator.deliveries import ClientDeliveries
 from service.coordinator.peer_replies import PeerReplies
@@ -137,6 +142,9 @@ class ReplyRelay:
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
+        if entry.earlier_engines is not None and entry.stale(engine_id, reply.attempt):
+            self._counters["stale_attempt_replies"] += 1
+            return
         if reply.seq > entry.partials_delivered:
             entry.early_final = reply
             asyncio.get_running_loop().call_later(EARLY_FINAL_WAIT_S, self._send_early_final, request_id)
@@ -156,15 +164,36 @@ class ReplyRelay:
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
+        if entry.earlier_engines is not None and entry.stale(engine_id, reply.attempt):
+            self._counters["stale_attempt_replies"] += 1
+            return
         if not entry.streamed:
             self.latency.observe_first_token(entry.admitted_at)
         entry.streamed = True
+        if entry.resumable:
+            self._keep_tokens(entry, reply)
         await self.reply(entry.return_path, reply.body, terminal=False)
         entry.partials_delivered += 1
         early = entry.early_final
         if early is not None and early.seq <= entry.partials_delivered:
             self.finish(reply.return_path.request_id)
             await self.reply(entry.return_path, early.body, True, entry.owner, entry.body)
+
+    def _keep_tokens(self, entry: InflightRequest, reply: RoutedReply) -> None:
+        """Keep a partial's tokens for a migration, while they are known to follow on from the
+        ones kept (no partial lost in between) and would fit one routed message."""
+        tokens = reply.tokens
+        kept = entry.streamed_tokens
+        if tokens is None or reply.seq != entry.partials_delivered:
+            kept = None
+        elif kept is None:
+            kept = entry.streamed_tokens = tokens
+        else:
+            kept.extend(tokens)
+        if kept is None or len(kept) * TOKEN_BYTES > self._nc.max_payload:
+            entry.resumable = False
+            entry.streamed_tokens = None
+            self._counters["streams_not_resumable"] += 1
 
     def _send_early_final(self, request_id: str) -> None:
         """The partial a final waited for never came: send the final, which carries every token."""

@@ -41,6 +41,32 @@ class InflightRequest:
     early_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
     admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
     routing_key: Sequence[int] | None = None  # what the routing policy needs beyond loads (prefix hashes)
+    # A stream's delivered tokens, in order, from the partials' RoutedReply.tokens: a migration
+    # resumes after them. None until the first; dropped when the stream cannot resume.
+    streamed_tokens: list[int] | None = None
+    resumable: bool = True  # False once a partial came without tokens or after a lost one
+    migrations: int = 0
+    earlier_engines: list[str] | None = None  # engines that ran an earlier attempt of it
+
+    @property
+    def attempt(self) -> int:
+        """The run its current (or last) routing started: 0 first, one more per retry or migration."""
+        return self.attempts - 1 if self.attempts else 0
+
+    def new_run(self) -> None:
+        """Its engine lost it: the next routing starts a new run, which streams from the first
+        partial again (``seq`` 0); replies of older runs from this engine are recognised."""
+        if self.engine_id is not None:
+            if self.earlier_engines is None:
+                self.earlier_engines = []
+            self.earlier_engines.append(self.engine_id)
+        self.partials_delivered = 0
+        self.early_final = None
+
+    def stale(self, engine_id: str, attempt: int) -> bool:
+        """A reply from ``engine_id`` of an older run than the current one."""
+        earlier = self.earlier_engines
+        return earlier is not None and attempt < self.attempt and engine_id in earlier
 
 
 class RequestTable:

@@ -10,6 +10,7 @@ status each wire error code maps to.
 | 413 | 413 | invalid_request_error (code ``payload_too_large``) |
 | 429 | 429 | rate_limit_error, with ``Retry-After`` |
 | 500 | 500 | internal_error |
+| 502 | 502 | bad_gateway (a stream whose final does not extend its partials; raised by the client library) |
 | 503 | 503 | service_unavailable |
 | 504 | 504 | timeout_error |
 
@@ -37,6 +38,7 @@ _TYPES: dict[int, str] = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
+    502: "bad_gateway",
     503: "service_unavailable",
     504: "timeout_error",
 }

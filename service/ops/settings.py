@@ -131,6 +131,12 @@ class Settings(BaseSettings):
     max_retries: CoordinatorSetting[int] = Field(
         2, ge=0, description="Re-dispatches of a request whose engine died before streaming"
     )
+    max_migrations: CoordinatorSetting[int] = Field(
+        3,
+        ge=0,
+        description="Times a streamed request whose engine died continues on another engine from its last "
+        "streamed token (503 beyond)",
+    )
     result_ttl_s: CoordinatorSetting[float] = Field(
         60.0, ge=0, description="How long named clients' results are kept for resubmissions"
     )

@@ -13,6 +13,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 413
     OVERLOADED = 429
     INTERNAL = 500
+    BROKEN_STREAM = 502  # a stream whose final does not extend its partials (service/protocol/streams.py)
     NO_ENGINE = 503
     TIMED_OUT = 504
 

@@ -123,10 +123,19 @@ class ErrorBody(Struct):
 
 
 class Partial(Struct, tag="partial", tag_field="type"):
+    """``text`` is the detokenised delta of ``new_tokens``.
+
+    Extensions (docs/protocol.md, exact streams): ``offset`` is the index, within the generated
+    tokens, of the first of ``new_tokens`` (None from engines of earlier releases: unknown);
+    ``attempt`` is the run that produced it (0 for the first, one more per migration or retry).
+    A client keeps a stream exact with them (:mod:`service.protocol.streams`)."""
+
     request_id: str
     client_request_id: ClientRequestId | None
     new_tokens: list[int]
     text: str
+    offset: Int64 | None = None
+    attempt: Int64 = 0
 
 
 class EpochSpan(Struct):
@@ -270,7 +279,24 @@ class ReturnPath(Struct, array_like=True, gc=False):
 
 
 class RoutedRequest(Struct, array_like=True, gc=False):
-    """A client's submission as routed to one engine: its return path plus the untouched body."""
+    """A client's submission as routed to one engine: its return path plus the untouched body.
+
+    Extensions (exact streams): ``attempt`` is the run this routing starts (0 first, one more
+    per migration or retry), stamped on its partials and replies. ``resume_tokens`` are tokens
+    an earlier run already generated and streamed: the engine continues after them, as if it had
+    generated them itself (its partials start at offset ``len(resume_tokens)``, its final
+    includes them, ``max_tokens`` and stop strings count them)."""
+
+    return_path: ReturnPath
+    body: bytes
+    attempt: int = 0
+    resume_tokens: list[TokenId] | None = None
+
+
+class FirstRun(Struct, array_like=True, gc=False):
+    """A routed request's first run, encoded as earlier releases did (``[route, body]``): with
+    nothing to resume, it leaves out :class:`RoutedRequest`'s extensions, so the engines of
+    earlier releases that read exactly two elements keep working for every first run."""
 
     return_path: ReturnPath
     body: bytes
@@ -280,6 +306,13 @@ class RoutedRequestBatch(Struct, array_like=True):
     """Every request routed to one engine in one event-loop turn: one NATS message for many."""
 
     requests: list[RoutedRequest]
+
+
+class RoutedRequestsOut(Struct, array_like=True):
+    """A :class:`RoutedRequestBatch` as the coordinator encodes it: first runs as
+    :class:`FirstRun`, retries and migrations as :class:`RoutedRequest` (encode only)."""
+
+    requests: list[FirstRun | RoutedRequest]
 
 
 class RoutedAbort(Struct):
@@ -292,11 +325,18 @@ class RoutedReply(Struct, array_like=True, gc=False):
     ``seq`` orders a stream across the two engine subjects: a partial's index, or for a final
     the number of partials sent before it, so the coordinator never delivers a final ahead of
     a partial still in flight on the other subject.
+
+    Extensions (exact streams): ``tokens`` are a streamed partial's token ids, so the
+    coordinator keeps what was streamed without decoding the client's body (None for other
+    replies, and from engines of earlier releases: that stream cannot migrate); ``attempt`` is
+    the run of the :class:`RoutedRequest` it answers, so replies of an older run are dropped.
     """
 
     return_path: ReturnPath
     body: bytes
     seq: int = 0
+    tokens: list[TokenId] | None = None
+    attempt: int = 0
 
 
 class EngineReplyBatch(Struct):
@@ -330,9 +370,12 @@ class EngineAck(Struct):
 
 class AdoptedRequest(Struct, array_like=True, gc=False):
     """One request of a dead coordinator replica, as its engine hands it to the adopter: the
-    return path (already naming the adopter), the client's body (so it can be routed again) and
-    how many partials the engine has sent, the ``seq`` its next reply carries."""
+    return path (already naming the adopter), the client's body (so it can be routed again),
+    how many partials the engine has sent (the ``seq`` its next reply carries), the tokens it
+    generated so far (a migration resumes after them) and the run (``attempt``) it is."""
 
     return_path: ReturnPath
     body: bytes
     partials_sent: int
+    tokens: list[TokenId] = msgspec.field(default_factory=list)
+    attempt: int = 0

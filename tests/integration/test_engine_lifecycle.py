@@ -48,9 +48,12 @@ async def test_unstreamed_request_of_a_departed_engine_is_retried_elsewhere(
     assert coordinator.counters["retried"] == 1
 
 
-async def test_streamed_request_of_a_departed_engine_fails_with_503(
+async def test_streamed_request_of_a_departed_engine_fails_with_503_without_migrations(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
+    """With ``max_migrations`` 0 a stream cannot continue elsewhere (tests/integration/test_migration.py
+    shows it does otherwise)."""
+    coordinator.settings.max_migrations = 0
     [engine] = await start_engines(1, token_delay_ms=20)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
@@ -64,6 +67,7 @@ async def test_streamed_request_of_a_departed_engine_fails_with_503(
     while (msg := await sub.next_msg(timeout=5)).data:
         last = decode_reply(msg.data)
     assert last["type"] == "error" and last["error"]["code"] == 503 and engine.engine_id in last["error"]["message"]
+    assert "max_migrations (0)" in last["error"]["message"]
 
 
 async def test_silent_engine_is_removed_after_heartbeat_timeout(coordinator: Coordinator, nc: NATS) -> None:
