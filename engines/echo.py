@@ -12,6 +12,10 @@ engine; ``token_delay_ms`` sleeps once per step (with 0 the step does not yield;
 yields after publishing each step's replies). Its context (``max_context``, default
 :data:`ECHO_CONTEXT`) bounds ``max_tokens`` as a model's would; any token id is in its
 vocabulary.
+
+It has no weights: ``update_weights`` (``stage_weights``) only checks that the directory holds
+``*.safetensors`` files, which the runtime digests as for any backend, and the swap changes
+nothing but the version its replies carry.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import codecs
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
+from service.protocol.checkpoint import checkpoint_files
 from service.protocol.messages import FinishReason
 
 # The echo backend's context when ``max_context`` is not set: it bounds ``max_tokens`` as a
@@ -57,6 +63,12 @@ class EchoBackend(Backend):
 
     def has_work(self) -> bool:
         return bool(self._running)
+
+    def stage_weights(self, path: Path) -> object:
+        return checkpoint_files(path)
+
+    async def swap_weights(self, staged: object) -> None:
+        return None
 
     async def step(self) -> list[TokenOutput]:
         if self._delay_s:

@@ -33,6 +33,8 @@ from service.protocol.messages import (
     Partial,
     ReturnPath,
     RoutedReply,
+    WeightVersion,
+    WeightVersionSpan,
     error_reply,
 )
 from service.protocol.subjects import Header, Subjects
@@ -54,8 +56,9 @@ class ActiveRequest:
     partials_sent: int = 0
     epochs: list[EpochSpan] = field(default_factory=list)
     prompt_tokens: int | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
 
-    def record(self, output: TokenOutput, epoch: int | None) -> None:
+    def record(self, output: TokenOutput, epoch: int | None, weight_version: WeightVersion | None = None) -> None:
         if output.new_tokens:
             start = len(self.tokens)
             end = start + len(output.new_tokens)
@@ -63,6 +66,11 @@ class ActiveRequest:
                 self.epochs[-1].end = end
             else:
                 self.epochs.append(EpochSpan(epoch, start, end))
+            versions = self.weight_versions
+            if versions and versions[-1].version == weight_version:
+                versions[-1].end = end
+            else:
+                versions.append(WeightVersionSpan(weight_version, start, end))
         self.tokens.extend(output.new_tokens)
         self.text.append(output.text)
         self.unsent_tokens.extend(output.new_tokens)
@@ -89,6 +97,7 @@ class ActiveRequest:
             finish_reason,
             epochs=self.epochs or None,
             prompt_tokens=self.prompt_tokens,
+            weight_versions=self.weight_versions or None,
         )
         return RoutedReply(return_path, encode(message, self.encoding), seq=self.partials_sent)
 
