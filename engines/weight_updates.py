@@ -50,6 +50,7 @@ class EngineWeights:
         self.digest: str | None = None
         self.problem: str | None = None
         self._staged: Staged | None = None
+        self.changed = asyncio.Event()  # set when version or problem change; cleared by whoever waits
 
     async def load(self, path: str, version: WeightVersion) -> Staged:
         """Read and check a checkpoint; raises WireError (400 for one that does not fit)."""
@@ -90,6 +91,7 @@ class EngineWeights:
             await self.swap(staged)
         except Exception as exc:
             self.problem = f"cannot load weights {signal.version!r} from {signal.path}: {_describe(exc)}"
+            self.changed.set()
             return self._refusal(COMMIT_WEIGHTS, exc)
         return self._ack(COMMIT_WEIGHTS, staged)
 
@@ -97,6 +99,7 @@ class EngineWeights:
         async with self._step_lock:
             await self._backend.swap_weights(staged.weights)
             self.version, self.digest, self.problem = staged.version, staged.digest, None
+            self.changed.set()
         log.info("engine_id=%s: serving weights %r (%s)", self._engine_id, staged.version, staged.digest)
 
     async def adopt(self, path: str, version: WeightVersion) -> bool:
@@ -105,6 +108,7 @@ class EngineWeights:
             await self.swap(await self.load(path, version))
         except Exception as exc:
             self.problem = f"cannot load the fleet's weights {version!r} from {path}: {_describe(exc)}"
+            self.changed.set()
             log.error("engine_id=%s: %s; not serving until it can", self._engine_id, self.problem)
             return False
         return True

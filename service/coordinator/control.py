@@ -81,6 +81,7 @@ class Control:
         self._request_stop = request_stop
         self.shared = SharedControlState(subjects.prefix, coordinator_id, settings.control_timeout_s, self._follow)
         self.failure: str | None = None  # why this replica stopped itself, if it did
+        self.changed = asyncio.Event()  # set whenever this replica learns a newer record
         self._finishing_stop = False
         self._stopping_since = 0.0
 
@@ -180,6 +181,7 @@ class Control:
 
     def _follow(self, previous: ControlRecord, current: ControlRecord) -> None:
         self.current.copy_from(current)
+        self.changed.set()
         if current.state is CoordinatorState.STOPPING and previous.state is not CoordinatorState.STOPPING:
             self._stopping_since = time.monotonic()
         if current.shutdown > previous.shutdown:

@@ -216,6 +216,11 @@ class Coordinator:
         return self._fleet.changed
 
     @property
+    def control_changed(self) -> asyncio.Event:
+        """Set whenever this replica learns a newer shared control record; cleared by whoever waits."""
+        return self._control.changed
+
+    @property
     def queued(self) -> int:
         return self._admission.queued
 
