@@ -105,6 +105,8 @@ class EngineWeights:
     async def adopt(self, path: str, version: WeightVersion) -> bool:
         """Load and swap in the fleet's weights before registering; False (and ``problem``) when it cannot."""
         try:
+            if not path:
+                raise WireError(ErrorCode.MALFORMED, "the coordinator named no checkpoint directory")
             await self.swap(await self.load(path, version))
         except Exception as exc:
             self.problem = f"cannot load the fleet's weights {version!r} from {path}: {_describe(exc)}"

@@ -1,12 +1,15 @@
 """Weights of a running model replaced from a checkpoint: staged and checked first, swapped after.
 
 Contract:
-- :func:`stage_checkpoint` reads a Hugging Face directory of ``*.safetensors`` into host
-  memory after checking, from the files' headers alone, every tensor against the running
-  model: its name (one the model has, each once, none missing), its shape, and its dtype,
-  which must be the dtype the model runs in (no silent conversion: a trainer sends what the
-  engines serve). The first tensor that does not match raises :class:`CheckpointMismatch`
-  (400) naming it, before any data is read; the running model is never touched.
+- :func:`stage_checkpoint` opens a Hugging Face directory of ``*.safetensors`` after checking,
+  from the files' headers alone, every tensor against the running model: its name (one the
+  model has, each once, none missing), its shape, and its dtype, which must be the dtype the
+  model runs in (no silent conversion: a trainer sends what the engines serve). The first
+  tensor that does not match raises :class:`CheckpointMismatch` (400) naming it, before any
+  data is read; the running model is never touched. The staged tensors are safetensors'
+  memory maps of the files (no second copy in host memory); the engine's digest of the files
+  reads every byte while it prepares, so a read error surfaces then and the swap copies from
+  the page cache. The files must not be rewritten in place until the update is acknowledged.
 - :func:`swap_in` copies staged tensors into the model's parameters in place, so their
   storage (and any CUDA graph captured on it) stays; on CUDA it ends with a device
   synchronize, so once it returns the new weights are in place.
@@ -37,13 +40,9 @@ class CheckpointMismatch(WireError):
 
 @dataclass(slots=True)
 class StagedWeights:
-    """Host copies of every tensor of a checkpoint that matched the running model."""
+    """Every tensor of a checkpoint that matched the running model, mapped from its files."""
 
     tensors: list[tuple[str, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for _, tensor in self.tensors)
 
 
 def _skipped(name: str, tied: bool) -> bool:
@@ -86,7 +85,7 @@ def check_checkpoint(model: LlamaModel, dtype: torch.dtype, path: str | Path) ->
 
 
 def stage_checkpoint(model: LlamaModel, dtype: torch.dtype, path: str | Path) -> StagedWeights:
-    """Check the checkpoint (see :func:`check_checkpoint`), then read it into host memory."""
+    """Check the checkpoint (see :func:`check_checkpoint`), then map its tensors."""
     from safetensors import safe_open
 
     files = check_checkpoint(model, dtype, path)

@@ -467,7 +467,9 @@ class Coordinator:
         weight_version: WeightVersion | None = None,
     ) -> None:
         other_weights = self._on_other_weights(engine_id, weight_version)
-        if not other_weights:
+        if other_weights:
+            await self._fleet.remove(engine_id, "serves other weights than the fleet's")
+        else:
             await self._fleet.register(engine_id, capacity, model, own_subjects=incoming.sender is not None)
         if incoming.reply:
             weights = self.control_state
