@@ -171,7 +171,7 @@ class Coordinator:
             self.subjects,
             self._control.shared,
             self.engines,
-            self._fleet.remove,
+            self._drop_engine,
             self.counters,
             self.reply,
         )
@@ -443,6 +443,11 @@ class Coordinator:
 
     async def update_weights(self, incoming: Incoming, request: UpdateWeights) -> None:
         await self._weights.update(incoming, request)
+
+    async def _drop_engine(self, engine_id: str, reason: str) -> None:
+        """Remove an engine that could not swap in the fleet's weights. Not as one that left:
+        its heartbeats bring it back once they carry the fleet's version, if it registers no sooner."""
+        await self._fleet.remove(engine_id, reason, departed=False)
 
     def _on_other_weights(self, engine_id: str, weight_version: WeightVersion | None) -> bool:
         """True (and counted) for an engine that does not serve the fleet's recorded weights."""

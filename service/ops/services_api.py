@@ -55,6 +55,7 @@ class CoordinatorStatus(msgspec.Struct):
     counters: dict[str, int]
     peers: list[str] = msgspec.field(default_factory=list)
     revision: int = 0
+    weight_version: str | int | None = None  # the fleet's, since the last update_weights
 
 
 class PrefixCacheStatus(msgspec.Struct):

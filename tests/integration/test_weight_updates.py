@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.registry import Collector
 
 from engines.echo import EchoBackend
+from engines.metrics import EngineCollector
 from engines.observability import engine_readiness, engine_status
 from engines.runtime import EngineRuntime
 from handlers import HANDLERS
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
+from service.coordinator.metrics import CoordinatorCollector
+from service.coordinator.observability import coordinator_status
 from service.ops.settings import Settings
 from service.protocol.checkpoint import checkpoint_digest, checkpoint_files
 from service.protocol.messages import Final, Partial, WeightVersionSpan
@@ -43,6 +48,13 @@ async def until(changed: asyncio.Event, condition: Callable[[], bool], timeout_s
     await asyncio.wait_for(reached(), timeout_s)
 
 
+def exposition(collector: Collector) -> str:
+    """What ``/metrics`` serves for ``collector``."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return generate_latest(registry).decode()
+
+
 @pytest.fixture
 async def client(settings: Settings, nc: NATS) -> AsyncIterator[DpcoordClient]:
     async with await DpcoordClient.connect(settings, nc=nc) as connected:
@@ -66,6 +78,9 @@ async def test_an_update_is_acknowledged_by_every_engine_and_recorded_for_the_fl
     record = coordinator.shared.record
     assert (record.weight_version, record.weight_path, record.weight_digest) == (1, str(path), digest)
     assert all(engine.weights.version == 1 and engine_status(engine).weight_version == 1 for engine in engines)
+    assert coordinator_status(coordinator).weight_version == 1
+    assert 'dpcoord_fleet_weight_version_info{version="1"} 1.0' in exposition(CoordinatorCollector(coordinator))
+    assert 'dpcoord_engine_weight_version_info{version="1"} 1.0' in exposition(EngineCollector(engines[0]))
     await client.unpause()
     final = await client.submit("abc", max_tokens=4, timeout=10)
     assert final.weight_versions == [WeightVersionSpan(1, 0, 4)]
@@ -210,3 +225,36 @@ async def test_two_replicas_three_engines_an_update_through_either(
             await client.unpause()
             finals = [await client.submit("ab", max_tokens=2, timeout=10) for _ in range(6)]
         assert all(final.weight_versions == [WeightVersionSpan(version, 0, 2)] for final in finals)
+
+
+class SwapFailsOnce(EchoBackend):
+    """A test double: the echo backend whose first weight swap raises, as a device error would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    async def swap_weights(self, staged: object) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("device lost during the copy")
+
+
+async def test_an_engine_that_fails_to_commit_leaves_the_pool_and_comes_back_on_the_fleets_weights(
+    settings: Settings, coordinator: Coordinator, start_engines: EngineFactory, client: DpcoordClient, tmp_path: Path
+) -> None:
+    (steady,) = await start_engines(1)
+    async with EngineRuntime(settings, SwapFailsOnce()) as flaky:
+        await engines_become(coordinator, 2)
+        await client.pause()
+        with pytest.raises(ClientError) as failed:
+            await client.update_weights(str(checkpoint(tmp_path / "b", b"B")), 5)
+        assert failed.value.code == 500 and "weights 5 recorded, but engines left the pool" in failed.value.message
+        assert f"{flaky.engine_id}: RuntimeError: device lost during the copy" in failed.value.message
+        assert coordinator.shared.record.weight_version == 5 and steady.weights.version == 5
+        await until(flaky.weights.changed, lambda: flaky.weights.version == 5)  # registering again loaded it
+        await engines_become(coordinator, 2)
+        assert flaky.weights.problem is None
+        await client.unpause()
+        finals = [await client.submit("ab", max_tokens=2, timeout=10) for _ in range(4)]
+        assert all(final.weight_versions == [WeightVersionSpan(5, 0, 2)] for final in finals)

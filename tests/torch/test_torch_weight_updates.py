@@ -205,3 +205,43 @@ def test_the_check_names_the_first_tensor_that_does_not_fit(tmp_path: Path, weig
         assert refused.value.code == 400 and refused.value.message == message
     with pytest.raises(CheckpointMismatch, match="has dtype F32, the running model's is bfloat16"):
         check_checkpoint(model, torch.bfloat16, tmp_path / "ok")
+
+
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_backend_swaps_in_place_mid_request(
+    device: str,
+    overlap: bool,
+    dir_a: Path,
+    dir_b: Path,
+    weights_a: dict[str, torch.Tensor],
+    weights_b: dict[str, torch.Tensor],
+    greedy: Callable[[dict[str, torch.Tensor], list[int], int], list[int]],
+) -> None:
+    """A request 5 steps in when the weights change (with a step launched ahead when steps
+    overlap) goes on as B continues its tokens; the parameters' storage, and so any CUDA
+    graph captured on it, stays."""
+    from engines.backend import GenerationRequest
+    from tests.torch.reference import engine_options
+
+    options = engine_options(device=device, dtype="float32", overlap_steps=overlap)
+    backend = TorchBackend(options, str(dir_a))
+    storage = [parameter.data_ptr() for parameter in backend.model.parameters()]
+    graphs = backend.graphs
+    backend.add(GenerationRequest("r", PROMPT, max_tokens=20, temperature=0.0))
+    generated: list[int] = []
+    while len(generated) < 5:
+        generated += [token for output in backend._step() for token in output.new_tokens]
+    asyncio.run(backend.swap_weights(backend.stage_weights(dir_b)))
+    assert [parameter.data_ptr() for parameter in backend.model.parameters()] == storage
+    assert backend.graphs is graphs
+    while backend.has_work():
+        generated += [token for output in backend._step() for token in output.new_tokens]
+    split = 5
+    assert generated[:split] == greedy(weights_a, PROMPT, split)
+    assert generated[split:] == greedy(weights_b, PROMPT + generated[:split], 20 - split)
