@@ -475,7 +475,8 @@ class EngineRuntime:
 
     async def commit_weights(self, signal: WeightSignal) -> EngineAck:
         """An engine that cannot serve the committed weights leaves the pool (the coordinator
-        removes it) and registers again, which loads them first."""
+        removes it and routes its requests again) and registers again, which loads them first;
+        the requests it held are dropped without replies, as an engine that restarted."""
         if signal.revision is not None and signal.revision <= self.control_revision:
             self.counters["superseded_signals"] += 1
             serving = self.weights.version == signal.version
@@ -488,6 +489,9 @@ class EngineRuntime:
         ack = await self.weights.commit(signal)
         if not ack.ok and self.registered.is_set():
             self.registered.clear()
+            for request_id in list(self._active):
+                self.backend.abort(request_id)
+            self._active.clear()
             self._tasks.append(asyncio.create_task(self._register()))
         return ack
 
