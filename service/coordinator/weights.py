@@ -98,7 +98,7 @@ class WeightUpdates:
         signal = WeightSignal(request.path, request.version)
         prepared = await self._broadcast(PREPARE_WEIGHTS, signal, expected)
         try:
-            digest = _agreed_digest(prepared, request)
+            digest = agreed_digest(prepared, request)
             written = await self._shared.change(lambda current: self._record(current, request, digest))
         except WireError:
             await self._nc.publish(self._subjects.broadcast(DISCARD_WEIGHTS), encode_msgpack(signal))
@@ -155,7 +155,7 @@ class WeightUpdates:
         )
 
 
-def _agreed_digest(result: BroadcastResult, request: UpdateWeights) -> str:
+def agreed_digest(result: BroadcastResult, request: UpdateWeights) -> str:
     """The digest every engine prepared; raises WireError when one refused, stayed silent or
     read other bytes. A refusal for the checkpoint itself (400) wins: it is the caller's to fix."""
     keeps = "; the fleet keeps its weights"
