@@ -12,8 +12,8 @@ Contract (``<prefix>.update_weights``, docs/protocol.md):
   shares, with compare-and-set, while the state is still paused or suspended. From then on
   an engine that registers loads them before it is added to the pool.
 - Commit: every engine in the pool swaps (one that joined after the prepare loads first). The
-  ``Ack`` carries the version and digest once every engine confirmed; an engine that did not
-  is removed from the pool (it registers again, which loads the recorded weights first) and
+  ``Ack`` carries the version and digest once every engine confirmed them (the digest the
+  prepare agreed on); an engine that did not is removed from the pool (it registers again, which loads the recorded weights first) and
   the error names it. The recorded version stands.
 """
 
@@ -109,9 +109,9 @@ class WeightUpdates:
         committed = await self._broadcast(COMMIT_WEIGHTS, commit, {record.engine_id for record in self._pool})
         failed = dict(committed.failed)
         failed.update(
-            (engine_id, f"serves {ack.weight_version!r}")
+            (engine_id, f"serves {ack.weight_version!r} ({ack.digest})")
             for engine_id, ack in committed.acks.items()
-            if ack.ok and ack.weight_version != request.version
+            if ack.ok and (ack.weight_version != request.version or ack.digest != digest)
         )
         failed.update((engine_id, "no confirmation") for engine_id in committed.missing)
         if failed:
