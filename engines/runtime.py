@@ -57,7 +57,7 @@ from service.protocol.messages import (
     SubmitRequest,
     WeightSignal,
 )
-from service.protocol.subjects import COMMIT_WEIGHTS, CONTROL_HEADERS, Header, Subjects
+from service.protocol.subjects import CONTROL_HEADERS, Header, Subjects
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class EngineRuntime:
                 ack = _register_ack_decoder.decode(msg.data)
                 if ack.weight_version is None or ack.weight_version == self.weights.version:
                     break
-                if await self.weights.adopt(ack.weight_path or "", ack.weight_version):
+                if await self.weights.adopt(ack.weight_path or "", ack.weight_version, ack.revision):
                     continue
             except (NoRespondersError, NatsTimeoutError) as exc:
                 log.info("engine_id=%s: registration not answered (%s); retrying", self.engine_id, type(exc).__name__)
@@ -477,15 +477,6 @@ class EngineRuntime:
         """An engine that cannot serve the committed weights leaves the pool (the coordinator
         removes it and routes its requests again) and registers again, which loads them first;
         the requests it held are dropped without replies, as an engine that restarted."""
-        if signal.revision is not None and signal.revision <= self.control_revision:
-            self.counters["superseded_signals"] += 1
-            serving = self.weights.version == signal.version
-            detail = (
-                "" if serving else f"superseded by revision {self.control_revision}: serving {self.weights.version!r}"
-            )
-            return EngineAck(self.engine_id, COMMIT_WEIGHTS, serving, detail, self.weights.version, self.weights.digest)
-        if signal.revision is not None:
-            self.control_revision = signal.revision
         ack = await self.weights.commit(signal)
         if not ack.ok and self.registered.is_set():
             self.registered.clear()

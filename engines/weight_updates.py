@@ -8,8 +8,10 @@ Contract (``update_weights``, docs/protocol.md):
   code (400: the checkpoint does not fit the model) and message. Preparing again replaces
   what was staged; ``discard`` frees it.
 - ``commit`` swaps in what was staged for that version, or loads it first when this engine
-  missed the prepare (it registered meanwhile). It runs only while the engine is paused, under
-  the runtime's step lock: no step runs during the swap.
+  missed the prepare (it registered meanwhile). It swaps under the runtime's step lock: no step
+  runs meanwhile. A commit whose record revision is not newer than the one this engine's
+  weights came from (``revision``) changes nothing, nor does one of the version and digest it
+  already serves (a coordinator repairing a fleet sends it to every engine).
 - ``version`` is what every token generated from now on carries (``weight_versions`` spans);
   None means the weights the engine started with. ``problem`` says why the engine could not
   load the weights the fleet serves: it is shown in the engine's status, and the engine stays
@@ -49,6 +51,7 @@ class EngineWeights:
         self.version: WeightVersion | None = None
         self.digest: str | None = None
         self.problem: str | None = None
+        self.revision = 0  # of the control record the current weights came from
         self._staged: Staged | None = None
         self.changed = asyncio.Event()  # set when version or problem change; cleared by whoever waits
 
@@ -84,7 +87,14 @@ class EngineWeights:
             self._staged = None
 
     async def commit(self, signal: WeightSignal) -> EngineAck:
+        if signal.revision is not None and signal.revision <= self.revision:
+            serving = self.version == signal.version
+            detail = "" if serving else f"superseded by revision {self.revision}: serving {self.version!r}"
+            return EngineAck(self._engine_id, COMMIT_WEIGHTS, serving, detail, self.version, self.digest)
         staged, self._staged = self._staged, None
+        if signal.digest is not None and (self.version, self.digest) == (signal.version, signal.digest):
+            self.revision = signal.revision or self.revision
+            return EngineAck(self._engine_id, COMMIT_WEIGHTS, True, signal.digest, self.version, self.digest)
         try:
             if staged is None or staged.version != signal.version or staged.path != signal.path:
                 staged = await self.load(signal.path, signal.version)
@@ -93,6 +103,7 @@ class EngineWeights:
             self.problem = f"cannot load weights {signal.version!r} from {signal.path}: {_describe(exc)}"
             self.changed.set()
             return self._refusal(COMMIT_WEIGHTS, exc)
+        self.revision = signal.revision or self.revision
         return self._ack(COMMIT_WEIGHTS, staged)
 
     async def swap(self, staged: Staged) -> None:
@@ -102,12 +113,14 @@ class EngineWeights:
             self.changed.set()
         log.info("engine_id=%s: serving weights %r (%s)", self._engine_id, staged.version, staged.digest)
 
-    async def adopt(self, path: str, version: WeightVersion) -> bool:
-        """Load and swap in the fleet's weights before registering; False (and ``problem``) when it cannot."""
+    async def adopt(self, path: str, version: WeightVersion, revision: int) -> bool:
+        """Load and swap in the fleet's weights (recorded at ``revision``) before registering;
+        False (and ``problem``) when it cannot."""
         try:
             if not path:
                 raise WireError(ErrorCode.MALFORMED, "the coordinator named no checkpoint directory")
             await self.swap(await self.load(path, version))
+            self.revision = revision
         except Exception as exc:
             self.problem = f"cannot load the fleet's weights {version!r} from {path}: {_describe(exc)}"
             self.changed.set()

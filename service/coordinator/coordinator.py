@@ -174,6 +174,7 @@ class Coordinator:
             self._drop_engine,
             self.counters,
             self.reply,
+            self.spawn,
         )
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[object]] = set()
@@ -486,10 +487,11 @@ class Coordinator:
             await self._admission.release_queue()
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
-        if self.engines.get(heartbeat.engine_id) is None and self._on_other_weights(
-            heartbeat.engine_id, heartbeat.weight_version
-        ):
-            return  # never adopted: it registers once it serves the fleet's weights
+        if self.engines.get(heartbeat.engine_id) is None:
+            if self._on_other_weights(heartbeat.engine_id, heartbeat.weight_version):
+                return  # never adopted: it registers once it serves the fleet's weights
+        else:
+            self._weights.heard(heartbeat.engine_id, heartbeat.weight_version)
         await self._fleet.heartbeat(heartbeat, own_subjects)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:

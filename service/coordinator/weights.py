@@ -15,14 +15,22 @@ Contract (``<prefix>.update_weights``, docs/protocol.md):
   ``Ack`` carries the version and digest once every engine confirmed them (the digest the
   prepare agreed on); an engine that did not is removed from the pool (it registers again, which loads the recorded weights first) and
   the error names it. The recorded version stands.
+- Repair: an engine in the pool whose heartbeats report other weights than the recorded ones
+  for ``2 * heartbeat_timeout_s`` (the replica that recorded them died before it committed, or
+  this replica added the engine before it learned the record) while no update runs here is
+  sent the commit of the recorded weights again, and removed if it cannot take them. A
+  commit an engine already applied changes nothing, so a repair that meets another replica's
+  commit is harmless.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import msgspec
 from msgspec import Struct
@@ -35,7 +43,7 @@ from service.coordinator.shared_state import SharedControlState
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import Ack, UpdateWeights, WeightSignal, error_reply
+from service.protocol.messages import Ack, UpdateWeights, WeightSignal, WeightVersion, error_reply
 from service.protocol.state import ControlRecord, CoordinatorState
 from service.protocol.subjects import COMMIT_WEIGHTS, DISCARD_WEIGHTS, PREPARE_WEIGHTS, Header, Subjects
 
@@ -56,6 +64,7 @@ class WeightUpdates:
         remove_engine: Callable[[str, str], Awaitable[None]],
         counters: Counter[str],
         reply: Callable[[Incoming, Struct], Awaitable[None]],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
     ) -> None:
         self._id = coordinator_id
         self._settings = settings
@@ -66,7 +75,10 @@ class WeightUpdates:
         self._remove_engine = remove_engine
         self._counters = counters
         self._reply = reply
+        self._spawn = spawn
         self._lock = asyncio.Lock()
+        self._lagging: dict[str, float] = {}  # engine id -> when its heartbeats first showed other weights
+        self._repairing = False
 
     def check(self, state: CoordinatorState) -> None:
         """Raises WireError 409 unless an update may start now."""
@@ -105,18 +117,10 @@ class WeightUpdates:
             raise
         log.info("update_weights %r (%s) recorded at revision %d", request.version, digest, written.revision)
         revision = written.revision if self._shared.shared else None
-        commit = WeightSignal(request.path, request.version, revision)
+        commit = WeightSignal(request.path, request.version, revision, digest)
         committed = await self._broadcast(COMMIT_WEIGHTS, commit, {record.engine_id for record in self._pool})
-        failed = dict(committed.failed)
-        failed.update(
-            (engine_id, f"serves {ack.weight_version!r} ({ack.digest})")
-            for engine_id, ack in committed.acks.items()
-            if ack.ok and (ack.weight_version != request.version or ack.digest != digest)
-        )
-        failed.update((engine_id, "no confirmation") for engine_id in committed.missing)
+        failed = await self._remove_failed(committed, commit)
         if failed:
-            for engine_id in sorted(failed):
-                await self._remove_engine(engine_id, f"could not commit weights {request.version!r}")
             names = "; ".join(f"{engine_id}: {detail}" for engine_id, detail in sorted(failed.items()))
             raise WireError(
                 ErrorCode.TIMED_OUT if committed.missing else ErrorCode.INTERNAL,
@@ -130,6 +134,54 @@ class WeightUpdates:
             weight_version=request.version,
             digest=digest,
         )
+
+    async def _remove_failed(self, committed: BroadcastResult, commit: WeightSignal) -> dict[str, str]:
+        """Remove from the pool every engine that did not confirm ``commit`` with its version
+        and digest; what each did instead."""
+        failed = dict(committed.failed)
+        failed.update(
+            (engine_id, f"serves {ack.weight_version!r} ({ack.digest})")
+            for engine_id, ack in committed.acks.items()
+            if ack.ok and (ack.weight_version != commit.version or ack.digest != commit.digest)
+        )
+        failed.update((engine_id, "no confirmation") for engine_id in committed.missing)
+        for engine_id in sorted(failed):
+            await self._remove_engine(engine_id, f"could not commit weights {commit.version!r}")
+        return failed
+
+    def heard(self, engine_id: str, version: WeightVersion | None) -> None:
+        """A heartbeat of an engine in the pool: start a repair when it lagged long enough."""
+        record = self._shared.record
+        if record.weight_version is None or version == record.weight_version:
+            self._lagging.pop(engine_id, None)
+            return
+        now = time.monotonic()
+        since = self._lagging.setdefault(engine_id, now)
+        if self._repairing or self._lock.locked() or now - since < 2 * self._settings.heartbeat_timeout_s:
+            return
+        self._repairing = True
+        self._spawn(self._repair())
+
+    async def _repair(self) -> None:
+        try:
+            record = self._shared.record
+            lagging = {engine_id for engine_id in self._lagging if self._pool.get(engine_id) is not None}
+            if record.weight_version is None or record.weight_path is None or not lagging:
+                return
+            revision = self._shared.revision if self._shared.shared else None
+            commit = WeightSignal(record.weight_path, record.weight_version, revision, record.weight_digest)
+            self._counters["weight_repairs"] += 1
+            log.warning(
+                "engines %s serve other weights than the recorded %r: sending its commit again",
+                ", ".join(sorted(lagging)),
+                record.weight_version,
+            )
+            failed = await self._remove_failed(await self._broadcast(COMMIT_WEIGHTS, commit, lagging), commit)
+            for engine_id, detail in sorted(failed.items()):
+                log.warning("engine_id=%s left the pool: %s", engine_id, detail)
+        finally:
+            self._lagging.clear()
+            self._repairing = False
 
     def _record(self, current: ControlRecord, request: UpdateWeights, digest: str) -> ControlRecord:
         if current.state not in UPDATABLE:

@@ -351,12 +351,15 @@ class EngineSignal(Struct):
 
 class WeightSignal(Struct):
     """``prepare_weights`` and ``commit_weights`` as broadcast to engines: the checkpoint
-    directory and its version. ``revision`` (commit only) is the control-state revision that
-    recorded the version: an engine commits only a revision newer than the last it applied."""
+    directory and its version. Commit only: ``revision`` is the control-state revision that
+    recorded the version (an engine commits only a revision newer than the one its weights came
+    from), ``digest`` the one every engine prepared (an engine already serving that version
+    with that digest has nothing to swap)."""
 
     path: str
     version: WeightVersion
     revision: int | None = None
+    digest: str | None = None
 
 
 class EngineAck(Struct):

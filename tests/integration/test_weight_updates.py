@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,6 +26,7 @@ from service.coordinator.observability import coordinator_status
 from service.ops.settings import Settings
 from service.protocol.checkpoint import checkpoint_digest, checkpoint_files
 from service.protocol.messages import Final, Partial, WeightVersionSpan
+from service.protocol.state import ControlRecord
 from service.protocol.subjects import Header
 from tests.conftest import EngineFactory
 from tests.helpers import engines_become
@@ -258,3 +260,28 @@ async def test_an_engine_that_fails_to_commit_leaves_the_pool_and_comes_back_on_
         await client.unpause()
         finals = [await client.submit("ab", max_tokens=2, timeout=10) for _ in range(4)]
         assert all(final.weight_versions == [WeightVersionSpan(5, 0, 2)] for final in finals)
+
+
+async def test_weights_recorded_by_a_replica_that_died_before_committing_reach_every_engine(
+    coordinator: Coordinator, start_engines: EngineFactory, client: DpcoordClient, tmp_path: Path
+) -> None:
+    """The record a replica writes before its commit, written here by hand as if that replica
+    died right after: the engines' heartbeats show other weights, so this replica repairs."""
+    engines = await start_engines(2)
+    await client.pause()
+    path = checkpoint(tmp_path / "b", b"B")
+    digest = checkpoint_digest(checkpoint_files(path))
+
+    def recorded(current: ControlRecord) -> ControlRecord:
+        return msgspec.structs.replace(
+            current, weight_version=9, weight_path=str(path), weight_digest=digest, signal="update_weights"
+        )
+
+    await coordinator.shared.change(recorded)
+    for engine in engines:
+        await until(engine.weights.changed, lambda: engine.weights.version == 9)  # noqa: B023
+        assert engine.weights.digest == digest
+    assert coordinator.counters["weight_repairs"] == 1 and len(coordinator.engines) == 2
+    await client.unpause()
+    final = await client.submit("ab", max_tokens=2, timeout=10)
+    assert final.weight_versions == [WeightVersionSpan(9, 0, 2)]
