@@ -14,8 +14,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines.chat_template import plain_prompt
+from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import ChatMessage, FinishReason, SubmitRequest
 
 DEFAULT_MAX_TOKENS = 16
@@ -116,6 +118,24 @@ class Backend(abc.ABC):
 
     async def resume(self) -> None:
         """Take back what ``suspend`` released."""
+
+    async def quiesce(self) -> None:
+        """Return once no step of this backend is running, on the accelerator too (on CUDA,
+        after a device synchronize): the runtime calls it under its step lock, so a pause
+        confirmed after it is a barrier."""
+
+    def stage_weights(self, path: Path) -> object:
+        """Blocking, run in a worker thread while the backend serves: read the checkpoint in
+        ``path`` and check it against the running model, without touching the model. Returns
+        what :meth:`swap_weights` takes; raises WireError 400 naming the first tensor that does
+        not match. A backend without weights refuses."""
+        raise WireError(ErrorCode.INTERNAL, f"the {self.name} backend cannot update its weights")
+
+    async def swap_weights(self, staged: object) -> None:
+        """Serve the weights :meth:`stage_weights` returned from now on; called while paused,
+        with no step running. What running requests hold (their KV cache) is recomputed with
+        the new weights."""
+        raise WireError(ErrorCode.INTERNAL, f"the {self.name} backend cannot update its weights")
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The KV cache's prefix-cache counters; None for a backend without one."""

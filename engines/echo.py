@@ -14,6 +14,10 @@ yields after publishing each step's replies). Its context (``max_context``, defa
 vocabulary. A migrated request resumes after its ``resume_tokens``: they count as generated (the
 next token is the prompt's token ``len(resume_tokens) mod len(prompt)``), and their text primes
 the decoder and the stop check, so the continuation equals an uninterrupted run.
+
+It has no weights: ``update_weights`` (``stage_weights``) only checks that the directory holds
+``*.safetensors`` files, which the runtime digests as for any backend, and the swap changes
+nothing but the version its replies carry.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import codecs
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
+from service.protocol.checkpoint import checkpoint_files
 from service.protocol.messages import FinishReason
 
 # The echo backend's context when ``max_context`` is not set: it bounds ``max_tokens`` as a
@@ -68,6 +74,12 @@ class EchoBackend(Backend):
 
     def has_work(self) -> bool:
         return bool(self._running)
+
+    def stage_weights(self, path: Path) -> object:
+        return checkpoint_files(path)
+
+    async def swap_weights(self, staged: object) -> None:
+        return None
 
     async def step(self) -> list[TokenOutput]:
         if self._delay_s:

@@ -14,8 +14,24 @@ from typing import Protocol
 
 from service.bus.registry import HandlerRegistry, Incoming
 from service.protocol.handover import Adoption
-from service.protocol.messages import ControlSignal, ResendReplies, RoutedAbort, RoutedRequest, RoutedRequestBatch
-from service.protocol.subjects import ADOPT, RESEND_REPLIES, Header
+from service.protocol.messages import (
+    ControlSignal,
+    EngineAck,
+    PauseMode,
+    ResendReplies,
+    RoutedAbort,
+    RoutedRequest,
+    RoutedRequestBatch,
+    WeightSignal,
+)
+from service.protocol.subjects import (
+    ADOPT,
+    COMMIT_WEIGHTS,
+    DISCARD_WEIGHTS,
+    PREPARE_WEIGHTS,
+    RESEND_REPLIES,
+    Header,
+)
 
 
 class EngineContext(Protocol):
@@ -28,8 +44,9 @@ class EngineContext(Protocol):
     async def resend_replies(self, incoming: Incoming, resend: ResendReplies) -> None:
         """Send the named terminal replies again and answer which requests never arrived."""
 
-    async def pause(self) -> None:
-        """Stop stepping once the step in progress ends."""
+    async def pause(self, mode: PauseMode | None = None) -> None:
+        """Stop stepping once the step in progress ends and the accelerator is idle; ``drain``
+        first waits for the requests in flight to finish, ``abort`` ends them."""
 
     async def unpause(self) -> None: ...
 
@@ -43,6 +60,18 @@ class EngineContext(Protocol):
         """Fail every request and stop; the detail says how many failed."""
 
     def set_epoch(self, epoch: int | None) -> None: ...
+
+    async def prepare_weights(self, signal: WeightSignal) -> EngineAck:
+        """Load and check a checkpoint, keeping the current weights; the ack has its digest."""
+
+    def discard_weights(self, signal: WeightSignal) -> None:
+        """Free what ``prepare_weights`` staged for that version."""
+
+    async def commit_weights(self, signal: WeightSignal) -> EngineAck:
+        """Swap in the staged weights (loading them if this engine missed the prepare)."""
+
+    async def acknowledge(self, incoming: Incoming, ack: EngineAck) -> None:
+        """Answer a broadcast with ``ack`` as it is."""
 
     def start_profiler(self) -> str: ...
 
@@ -86,8 +115,10 @@ async def handle_resend_replies(engine: EngineContext, incoming: Incoming, paylo
 
 @engine_handler(Header.PAUSE, fanout=True)
 async def handle_pause(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
-    """Broadcast by the coordinator. Confirmed once the step in progress ended: a barrier."""
-    await engine.pause()
+    """Broadcast by the coordinator, with ``mode`` keep (or none), abort or drain. Confirmed
+    once no step runs, on the accelerator too: a barrier. With ``drain`` only after every
+    request in flight finished; with ``abort`` after each ended with an ``abort`` final."""
+    await engine.pause(payload.mode)
     await engine.confirm(incoming)
 
 
@@ -125,6 +156,31 @@ async def handle_stop(engine: EngineContext, incoming: Incoming, payload: Contro
 async def handle_set_generation_epoch(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
     """Broadcast by the coordinator: the ``epoch`` that tokens generated from now on carry."""
     engine.set_epoch(payload.epoch)
+    await engine.confirm(incoming)
+
+
+@engine_handler(PREPARE_WEIGHTS, fanout=True)
+async def handle_prepare_weights(engine: EngineContext, incoming: Incoming, payload: WeightSignal) -> None:
+    """Broadcast by the coordinator for ``update_weights``: a checkpoint ``path`` and its
+    ``version``. The engine reads it and checks every tensor's name, shape and dtype against its
+    model, still serving the old weights; the ack carries the version and the files' digest, or
+    code 400 naming the first tensor that does not match."""
+    await engine.acknowledge(incoming, await engine.prepare_weights(payload))
+
+
+@engine_handler(COMMIT_WEIGHTS, fanout=True)
+async def handle_commit_weights(engine: EngineContext, incoming: Incoming, payload: WeightSignal) -> None:
+    """Broadcast by the coordinator once every engine prepared ``version`` and the fleet's
+    record holds it (``revision``). The engine swaps the weights in with no step running; the
+    ack carries the version and digest it serves now."""
+    await engine.acknowledge(incoming, await engine.commit_weights(payload))
+
+
+@engine_handler(DISCARD_WEIGHTS, fanout=True)
+async def handle_discard_weights(engine: EngineContext, incoming: Incoming, payload: WeightSignal) -> None:
+    """Broadcast by the coordinator when an update was refused: what was staged for ``version``
+    is freed. Confirmed at once; the coordinator does not wait for it."""
+    engine.discard_weights(payload)
     await engine.confirm(incoming)
 
 

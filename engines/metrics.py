@@ -32,6 +32,15 @@ class EngineCollector(Collector):
         paused.add_metric([], 1.0 if runtime.paused else 0.0)
         yield paused
 
+        weights = GaugeMetricFamily(
+            "dpcoord_engine_weight_version_info",
+            "1, labelled with the weight version this engine serves ('' before any update_weights)",
+            labels=["version"],
+        )
+        version = runtime.weights.version
+        weights.add_metric(["" if version is None else str(version)], 1.0)
+        yield weights
+
         malformed = CounterMetricFamily(
             "dpcoord_malformed_messages", "Routed or broadcast messages that failed to decode"
         )

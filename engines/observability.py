@@ -24,6 +24,8 @@ def engine_readiness(runtime: EngineRuntime) -> Check:
     health = engine_health(runtime)
     if not health.ok:
         return health
+    if runtime.weights.problem is not None:
+        return Check(False, runtime.weights.problem)
     if not runtime.registered.is_set():
         return Check(False, "not registered with a coordinator yet")
     return Check(True, f"engine {runtime.engine_id} registered, {runtime.backend.name} backend loaded")
@@ -50,6 +52,9 @@ def engine_status(runtime: EngineRuntime) -> EngineStatus:
             stats.evicted_pages,
             stats.total_pages,
         ),
+        weight_version=runtime.weights.version,
+        weight_digest=runtime.weights.digest,
+        weights_problem=runtime.weights.problem,
     )
 
 

@@ -41,6 +41,8 @@ from service.protocol.messages import (
     Partial,
     ReturnPath,
     RoutedReply,
+    WeightVersion,
+    WeightVersionSpan,
     error_reply,
 )
 from service.protocol.subjects import Header, Subjects
@@ -62,6 +64,7 @@ class ActiveRequest:
     partials_sent: int = 0
     epochs: list[EpochSpan] = field(default_factory=list)
     prompt_tokens: int | None = None
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     body: bytes = b""  # the client's, handed to the adopter of a dead coordinator with the request
     attempt: int = 0
 
@@ -78,7 +81,7 @@ class ActiveRequest:
         self.return_path = msgspec.structs.replace(self.return_path, coordinator_id=adopter)
         return AdoptedRequest(self.return_path, self.body, self.partials_sent, list(self.tokens), self.attempt)
 
-    def record(self, output: TokenOutput, epoch: int | None) -> None:
+    def record(self, output: TokenOutput, epoch: int | None, weight_version: WeightVersion | None = None) -> None:
         if output.new_tokens:
             start = len(self.tokens)
             end = start + len(output.new_tokens)
@@ -86,6 +89,11 @@ class ActiveRequest:
                 self.epochs[-1].end = end
             else:
                 self.epochs.append(EpochSpan(epoch, start, end))
+            versions = self.weight_versions
+            if versions and versions[-1].version == weight_version:
+                versions[-1].end = end
+            else:
+                versions.append(WeightVersionSpan(weight_version, start, end))
         self.tokens.extend(output.new_tokens)
         self.text.append(output.text)
         self.unsent_tokens.extend(output.new_tokens)
@@ -118,6 +126,7 @@ class ActiveRequest:
             finish_reason,
             epochs=self.epochs or None,
             prompt_tokens=self.prompt_tokens,
+            weight_versions=self.weight_versions or None,
         )
         return RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, attempt=self.attempt)
 

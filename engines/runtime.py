@@ -32,6 +32,7 @@ from engines.backend import Backend, GenerationRequest, TokenOutput
 from engines.handlers import ENGINE_HANDLERS
 from engines.limits import check_limits, check_resume
 from engines.replies import ActiveRequest, ReplyPublisher
+from engines.weight_updates import EngineWeights
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient
 from service.bus.registry import HandlerSpec, Incoming
@@ -48,12 +49,14 @@ from service.protocol.messages import (
     EngineSignal,
     ErrorReply,
     Heartbeat,
+    PauseMode,
     RegisterAck,
     ResendAnswer,
     ResendReplies,
     RoutedReply,
     RoutedRequest,
     SubmitRequest,
+    WeightSignal,
 )
 from service.protocol.subjects import CONTROL_HEADERS, Header, Subjects
 
@@ -83,6 +86,8 @@ class EngineRuntime:
         self._connected = asyncio.Event()
         self._connected.set()
         self._step_lock = asyncio.Lock()
+        self._stepped = asyncio.Event()  # set after every step and abort: a drain waits on it
+        self.weights = EngineWeights(self.engine_id, backend, self._step_lock)
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -153,18 +158,28 @@ class EngineRuntime:
         await self.stop()
 
     async def _register(self) -> None:
-        message = encode_msgpack(
-            EngineRegister(
-                self.engine_id, self.settings.engine_capacity, self.backend.name, self.paused, self.served_model_name
-            )
-        )
+        """Registers until a coordinator adds this engine: one that serves other weights than
+        the fleet's is not added, so it loads the fleet's first (engines/weight_updates.py)."""
         subject = self.subjects.sent_by(Header.REGISTER, self.engine_id)
         delay = 0.05
         while True:
+            message = encode_msgpack(
+                EngineRegister(
+                    self.engine_id,
+                    self.settings.engine_capacity,
+                    self.backend.name,
+                    self.paused,
+                    self.served_model_name,
+                    self.weights.version,
+                )
+            )
             try:
                 msg = await self.nc.request(subject, message, timeout=2.0)
                 ack = _register_ack_decoder.decode(msg.data)
-                break
+                if ack.weight_version is None or ack.weight_version == self.weights.version:
+                    break
+                if await self.weights.adopt(ack.weight_path or "", ack.weight_version, ack.revision):
+                    continue
             except (NoRespondersError, NatsTimeoutError) as exc:
                 log.info("engine_id=%s: registration not answered (%s); retrying", self.engine_id, type(exc).__name__)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -202,6 +217,7 @@ class EngineRuntime:
                 list(self._active),
                 self.served_model_name,
                 self._steps,
+                self.weights.version,
             )
             await self.nc.publish(self.subjects.sent_by(Header.HEARTBEAT, self.engine_id), encode_msgpack(beat))
         await asyncio.sleep(self.settings.heartbeat_interval_s)
@@ -292,6 +308,7 @@ class EngineRuntime:
             return
         self.backend.abort(request_id)
         await self._replies.publish(Header.ENGINE_REPLY, [active.final(self.engine_id, "abort")])
+        self._stepped.set()
 
     def _on_reconnect(self) -> None:
         self._connected.set()
@@ -341,6 +358,7 @@ class EngineRuntime:
                 )
                 err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not send a step's replies")
                 await self._fail([output.request_id for output in outputs], err)
+        self._stepped.set()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not
         # yield, and yielding after publishing sends this step's replies a loop turn sooner.
         await asyncio.sleep(0)
@@ -354,6 +372,7 @@ class EngineRuntime:
         for active in failed:
             self.backend.abort(active.return_path.request_id)
         await self._replies.publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
+        self._stepped.set()
         return failed
 
     async def _publish_outputs(self, outputs: list[TokenOutput]) -> None:
@@ -364,7 +383,7 @@ class EngineRuntime:
             active = self._active.get(output.request_id)
             if active is None:
                 continue
-            active.record(output, self.epoch)
+            active.record(output, self.epoch, self.weights.version)
             if output.finish_reason is not None:
                 del self._active[output.request_id]
                 if active.return_path.stream and active.unsent_tokens:
@@ -441,9 +460,23 @@ class EngineRuntime:
         if reply:
             await self.nc.publish(reply, encode_msgpack(ack))
 
-    async def pause(self) -> None:
+    async def pause(self, mode: PauseMode | None = None) -> None:
+        """Confirmed (by the handler) once no step runs, on the accelerator too. ``drain``
+        first lets the requests in flight finish; ``abort`` then ends them with their tokens."""
+        if mode == "drain" and not self.paused:
+            while self._active:
+                self._stepped.clear()
+                await self._stepped.wait()
         async with self._step_lock:
             self.paused = True
+            await self.backend.quiesce()
+            if mode == "abort":
+                aborted = list(self._active.values())
+                self._active.clear()
+                for active in aborted:
+                    self.backend.abort(active.return_path.request_id)
+                finals = [active.final(self.engine_id, "abort") for active in aborted]
+                await self._replies.publish(Header.ENGINE_REPLY, finals)
 
     async def unpause(self) -> None:
         self.paused = False
@@ -469,6 +502,28 @@ class EngineRuntime:
 
     def set_epoch(self, epoch: int | None) -> None:
         self.epoch = epoch
+
+    async def prepare_weights(self, signal: WeightSignal) -> EngineAck:
+        return await self.weights.prepare(signal)
+
+    def discard_weights(self, signal: WeightSignal) -> None:
+        self.weights.discard(signal)
+
+    async def commit_weights(self, signal: WeightSignal) -> EngineAck:
+        """An engine that cannot serve the committed weights leaves the pool (the coordinator
+        removes it and routes its requests again) and registers again, which loads them first;
+        the requests it held are dropped without replies, as an engine that restarted."""
+        ack = await self.weights.commit(signal)
+        if not ack.ok and self.registered.is_set():
+            self.registered.clear()
+            for request_id in list(self._active):
+                self.backend.abort(request_id)
+            self._active.clear()
+            self._tasks.append(asyncio.create_task(self._register()))
+        return ack
+
+    async def acknowledge(self, incoming: Incoming, ack: EngineAck) -> None:
+        await self._answer(incoming.reply, ack)
 
     def start_profiler(self) -> str:
         return self.backend.start_profiler()

@@ -22,6 +22,8 @@ from service.protocol.messages import (
     ServedModel,
     SubmitEnvelope,
     SubmitRequest,
+    UpdateWeights,
+    WeightVersion,
 )
 from service.protocol.state import CoordinatorState, Written
 from service.protocol.subjects import Header
@@ -79,6 +81,13 @@ class ControlContext(Replier, Protocol):
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run ``coro`` in the background, so a handler never blocks on engine acknowledgements."""
 
+    def check_weight_update(self) -> None:
+        """Raises WireError 409 unless the fleet is paused or suspended and no update runs here."""
+
+    async def update_weights(self, incoming: Incoming, request: UpdateWeights) -> None:
+        """Load the checkpoint on every engine, record its version for the fleet, swap it in
+        everywhere, and answer ``incoming`` with an ``Ack`` (or the error naming the engines)."""
+
 
 class EngineContext(Replier, Protocol):
     """Engine ids reach these methods through :meth:`engine_sender` (see handlers/engine.py)."""
@@ -88,9 +97,17 @@ class EngineContext(Replier, Protocol):
         the one its subject names, or on the plain subject of earlier releases the claimed one
         unless that engine speaks on its own subjects. Raises WireError 403 otherwise."""
 
-    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
+    async def register_engine(
+        self,
+        incoming: Incoming,
+        engine_id: str,
+        capacity: int,
+        model: str | None,
+        weight_version: WeightVersion | None = None,
+    ) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
-        restarted), and answer with the control state and epoch it must start in."""
+        restarted), and answer with the control state and epoch it must start in. One that
+        serves other weights than the fleet's is not added: the answer names the fleet's."""
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
         """Refresh an engine's liveness; adopt an unknown one (``own_subjects``: it sends on its

@@ -13,7 +13,10 @@ from service.protocol.subjects import CONTROL_HEADERS, PROFILER_HEADERS, Header
 @message_handler(*CONTROL_HEADERS)
 async def handle_control_signal(coordinator: ControlContext, incoming: Incoming, payload: ControlSignal) -> None:
     """Sent by an admin client: pause, unpause, suspend, resume, stop, or set_generation_epoch
-    (whose ``ControlSignal`` carries the ``epoch``; the others may be empty).
+    (whose ``ControlSignal`` carries the ``epoch``; the others may be empty). Pause takes a
+    ``mode``: keep (the default: requests in flight freeze and go on after unpause), abort
+    (they end with an ``abort`` final and their tokens so far) or drain (the ack waits until
+    they finished; new ones are held meanwhile).
 
     Checked against the transition table on the control state every replica shares (409 when
     it forbids the signal; a repeat that changes nothing is acknowledged at once), written
@@ -22,6 +25,8 @@ async def handle_control_signal(coordinator: ControlContext, incoming: Incoming,
     signal = Header(incoming.header)
     if signal is Header.SET_GENERATION_EPOCH and payload.epoch is None:
         raise WireError(ErrorCode.MALFORMED, "set_generation_epoch needs an integer epoch")
+    if payload.mode is not None and signal is not Header.PAUSE:
+        raise WireError(ErrorCode.MALFORMED, f"mode applies to pause only, not to {signal}")
     written = await coordinator.apply_control(signal, payload)
     if not written.changed:
         await coordinator.reply(incoming, Ack(signal, state=written.record.state, revision=written.revision))

@@ -32,10 +32,13 @@ async def handle_register(coordinator: EngineContext, incoming: Incoming, payloa
 
     The engine joins with zero load, serving that model; one registering again had restarted,
     so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start
-    in; 400 for an id that cannot be a subject token, 403 for another engine's id (see above),
+    in, and the fleet's weights: an engine that serves other ``weight_version`` is not added,
+    it loads those and registers again; 400 for an id that cannot be a subject token, 403 for another engine's id (see above),
     429 when the pool holds ``max_engines``."""
     engine_id = coordinator.engine_sender(incoming, payload.engine_id)
-    await coordinator.register_engine(incoming, engine_id, payload.capacity, payload.served_model_name)
+    await coordinator.register_engine(
+        incoming, engine_id, payload.capacity, payload.served_model_name, payload.weight_version
+    )
 
 
 @message_handler(Header.HEARTBEAT, fanout=True, direct=True, per_sender=True)

@@ -1,5 +1,5 @@
-"""The async client library: submit, stream, abort, list models, control and shutdown, each with
-a timeout.
+"""The async client library: submit, stream, abort, list models, control, weight updates and
+shutdown, each with a timeout.
 
 It speaks msgpack. Error replies raise :class:`ClientError` with the wire code.
 
@@ -29,8 +29,8 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 import msgspec
@@ -59,10 +59,13 @@ from service.protocol.messages import (
     Final,
     ModelList,
     Partial,
+    PauseMode,
     Reply,
     SamplingParams,
     SubmitEnvelope,
     SubmitRequest,
+    UpdateWeights,
+    WeightVersion,
 )
 from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
@@ -407,12 +410,32 @@ class DpcoordClient:
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {Header.LIST_MODELS}: {reply!r}")
         return reply
 
-    async def control(self, signal: Header, epoch: int | None = None, timeout: float = 30.0) -> Ack:
+    async def control(
+        self, signal: Header, epoch: int | None = None, timeout: float = 30.0, mode: PauseMode | None = None
+    ) -> Ack:
         """Send a control or profiler signal; returns once every engine confirmed it."""
-        return await self._ack(signal, ControlSignal(epoch), timeout)
+        return await self._ack(signal, ControlSignal(epoch, mode), timeout)
 
-    async def pause(self, timeout: float = 30.0) -> Ack:
-        return await self.control(Header.PAUSE, timeout=timeout)
+    async def pause(self, timeout: float = 30.0, mode: PauseMode | None = None) -> Ack:
+        """Returns once no engine runs a step: ``keep`` (the default) freezes the requests in
+        flight, ``abort`` ends them with their tokens so far, ``drain`` waits until they finished."""
+        return await self.control(Header.PAUSE, timeout=timeout, mode=mode)
+
+    @asynccontextmanager
+    async def paused(self, mode: PauseMode = "keep", timeout: float = 600.0) -> AsyncIterator[Ack]:
+        """``async with client.paused(mode="drain"):`` the fleet is paused inside the block
+        (the pause's ``Ack`` is its value) and unpaused when it ends, however it ends."""
+        ack = await self.pause(timeout=timeout, mode=mode)
+        try:
+            yield ack
+        finally:
+            await self.unpause(timeout=timeout)
+
+    async def update_weights(self, path: str, version: WeightVersion, timeout: float = 900.0) -> Ack:
+        """Load the checkpoint directory ``path`` on every engine as weights ``version``, while
+        paused or suspended; returns once every engine serves it (the ``Ack`` has its digest).
+        Raises ClientError 400 naming the first tensor that does not fit (no engine changed)."""
+        return await self._ack(Header.UPDATE_WEIGHTS, UpdateWeights(path, version), timeout)
 
     async def unpause(self, timeout: float = 30.0) -> Ack:
         return await self.control(Header.UNPAUSE, timeout=timeout)

@@ -61,6 +61,7 @@ from engines.torch_backend.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from engines.torch_backend.weight_update import StagedWeights, stage_checkpoint, swap_in
 from engines.torch_backend.weights import (
     build_model,
     checkpoint_weights,
@@ -402,6 +403,32 @@ class TorchBackend(Backend):
                 self._kv_cache = await asyncio.to_thread(allocate_cache, self._cache_shape, self.dtype, self.device)
                 self._graphs = await asyncio.to_thread(self._capture_graphs)
                 log.info("torch backend resumed: KV cache reallocated")
+
+    # ------------------------------------------------------------ weight updates (engines/torch_backend/weight_update.py)
+
+    async def quiesce(self) -> None:
+        async with self._step_lock:
+            if self.device.type == "cuda":
+                await asyncio.to_thread(torch.cuda.synchronize, self.device)
+
+    def stage_weights(self, path: Path) -> object:
+        return stage_checkpoint(self.model, self.dtype, path)
+
+    async def swap_weights(self, staged: object) -> None:
+        """A step launched ahead is dropped (its tokens are sampled again with the new weights),
+        and the KV cache is dropped with every prefix in it: running requests are recomputed."""
+        async with self._step_lock:
+            await asyncio.to_thread(self._swap, staged)
+
+    def _swap(self, staged: object) -> None:
+        if not isinstance(staged, StagedWeights):
+            raise TypeError(f"swap_weights takes what stage_weights returned, not {type(staged).__name__}")
+        with self._on_device():
+            self._drop_launched()
+            swap_in(self.model, staged)
+            with self._lock:
+                self.scheduler.drop_cache()
+        log.info("torch backend: weights swapped, %d requests to recompute", len(self._requests))
 
     # ------------------------------------------------------------ profiler
 

@@ -79,7 +79,7 @@ def checkpoint_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
-def _target(model: LlamaModel, name: str) -> tuple[torch.Tensor, slice]:
+def parameter_for(model: LlamaModel, name: str) -> tuple[torch.Tensor, slice]:
     """The parameter (and the rows of it) that a Hugging Face tensor fills."""
     config = model.config
     if name == "model.embed_tokens.weight":
@@ -130,7 +130,7 @@ def build_model(
                 raise UnsupportedModelError(f"unexpected tensor {name!r} in the checkpoint")
             if tuple(tensor.shape) != expected[name]:
                 raise UnsupportedModelError(f"{name} has shape {tuple(tensor.shape)}, the config says {expected[name]}")
-            parameter, rows = _target(model, name)
+            parameter, rows = parameter_for(model, name)
             parameter[rows].copy_(tensor)
             seen.add(name)
     missing = sorted(set(expected) - seen)

@@ -38,6 +38,7 @@ CONTROL_COMMANDS: dict[str, Header] = {
     "profile-start": Header.START_CUDA_PROFILER,
     "profile-stop": Header.STOP_CUDA_PROFILER,
     "shutdown": Header.SHUTDOWN,
+    "update-weights": Header.UPDATE_WEIGHTS,
 }
 
 
@@ -134,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
     control = commands.add_parser("control", parents=[client_settings], help="send a control signal")
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
-    control.add_argument("epoch", nargs="?", type=int, help="the epoch, for 'epoch'")
+    control.add_argument(
+        "epoch",
+        nargs="?",
+        metavar="EPOCH|PATH",
+        help="the epoch, for 'epoch'; the checkpoint directory, for 'update-weights'",
+    )
+    control.add_argument("--version", dest="weight_version", help="the weights' version, for 'update-weights'")
+    control.add_argument("--mode", choices=["keep", "abort", "drain"], help="what 'pause' does to requests in flight")
     control.add_argument("--timeout", type=float, default=30.0)
     bench = commands.add_parser(
         "bench",
@@ -316,13 +324,26 @@ async def _control(settings: Settings, args: argparse.Namespace) -> int:
     from service.client import DpcoordClient
 
     header = CONTROL_COMMANDS[args.signal]
-    if header is Header.SET_GENERATION_EPOCH and args.epoch is None:
-        raise SystemExit("dpcoord control epoch needs an integer: dpcoord control epoch 3")
+    epoch = None
+    if header is Header.SET_GENERATION_EPOCH:
+        try:
+            epoch = int(args.epoch)
+        except (TypeError, ValueError):
+            raise SystemExit("dpcoord control epoch needs an integer: dpcoord control epoch 3") from None
+    if header is Header.UPDATE_WEIGHTS and (args.epoch is None or args.weight_version is None):
+        raise SystemExit(
+            "dpcoord control update-weights needs a directory and a version: update-weights DIR --version 3"
+        )
+    if args.mode is not None and header is not Header.PAUSE:
+        raise SystemExit("--mode applies to 'dpcoord control pause' only")
     async with await DpcoordClient.connect(settings, timeout=args.timeout) as client:
         if header is Header.SHUTDOWN:
             _print_json(await client.shutdown(timeout=args.timeout))
+        elif header is Header.UPDATE_WEIGHTS:
+            version: str | int = int(args.weight_version) if args.weight_version.isdigit() else args.weight_version
+            _print_json(await client.update_weights(args.epoch, version, timeout=args.timeout))
         else:
-            _print_json(await client.control(header, epoch=args.epoch, timeout=args.timeout))
+            _print_json(await client.control(header, epoch=epoch, timeout=args.timeout, mode=args.mode))
     return 0
 
 

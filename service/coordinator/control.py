@@ -81,6 +81,7 @@ class Control:
         self._request_stop = request_stop
         self.shared = SharedControlState(subjects.prefix, coordinator_id, settings.control_timeout_s, self._follow)
         self.failure: str | None = None  # why this replica stopped itself, if it did
+        self.changed = asyncio.Event()  # set whenever this replica learns a newer record
         self._finishing_stop = False
         self._stopping_since = 0.0
 
@@ -89,7 +90,7 @@ class Control:
     async def open(self) -> None:
         """Read the shared record before the coordinator serves (raises ReplicaConflict)."""
         await self.shared.open(self._nc)
-        self.current.state, self.current.epoch = self.shared.record.state, self.shared.record.epoch
+        self.current.copy_from(self.shared.record)
 
     async def close(self) -> None:
         await self.shared.close()
@@ -108,13 +109,10 @@ class Control:
 
     async def broadcast(self, signal: Header, payload: EngineSignal) -> BroadcastResult:
         expected = {record.engine_id for record in self._fleet.pool}
-        return await broadcast(
-            self._nc,
-            self._subjects.broadcast(signal),
-            encode_msgpack(payload),
-            expected,
-            self._settings.control_timeout_s,
+        timeout_s = (
+            self._settings.long_control_timeout_s if payload.mode == "drain" else self._settings.control_timeout_s
         )
+        return await broadcast(self._nc, self._subjects.broadcast(signal), encode_msgpack(payload), expected, timeout_s)
 
     async def control_engines(
         self, incoming: Incoming, signal: Header, payload: ControlSignal, written: Written | None
@@ -126,7 +124,8 @@ class Control:
             await self._answer(incoming, signal, result, Ack(signal, state=self.current.state, engines=details))
             return
         revision = written.revision if self.shared.shared else None
-        result = await self.broadcast(signal, EngineSignal(written.record.epoch, revision))
+        mode = payload.mode if signal is Header.PAUSE else None
+        result = await self.broadcast(signal, EngineSignal(written.record.epoch, revision, mode))
         if signal is Header.STOP:
             try:
                 await self.finish_stop()
@@ -134,7 +133,7 @@ class Control:
                 await self._reply(incoming, error_reply(err))
                 return
         epoch = written.record.epoch if signal is Header.SET_GENERATION_EPOCH else None
-        ack = Ack(signal, state=written.record.state, epoch=epoch, revision=written.revision)
+        ack = Ack(signal, state=written.record.state, epoch=epoch, revision=written.revision, mode=mode)
         await self._answer(incoming, signal, result, ack)
 
     async def _answer(self, incoming: Incoming, signal: Header, result: BroadcastResult, ack: Ack) -> None:
@@ -181,7 +180,8 @@ class Control:
     # ------------------------------------------------------------ following the shared record
 
     def _follow(self, previous: ControlRecord, current: ControlRecord) -> None:
-        self.current.state, self.current.epoch = current.state, current.epoch
+        self.current.copy_from(current)
+        self.changed.set()
         if current.state is CoordinatorState.STOPPING and previous.state is not CoordinatorState.STOPPING:
             self._stopping_since = time.monotonic()
         if current.shutdown > previous.shutdown:

@@ -51,6 +51,7 @@ from service.coordinator.requests import ClientKey, RequestTable
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.coordinator.shared_state import SharedControlState
+from service.coordinator.weights import WeightUpdates
 from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
 from service.ops.loops import keep_running
@@ -68,6 +69,8 @@ from service.protocol.messages import (
     ServedModel,
     SubmitEnvelope,
     SubmitRequest,
+    UpdateWeights,
+    WeightVersion,
     error_reply,
 )
 from service.protocol.state import CoordinatorState, Written
@@ -178,6 +181,18 @@ class Coordinator:
             self.spawn,
             self.request_stop,
         )
+        self._weights = WeightUpdates(
+            self.id,
+            settings,
+            self.nc,
+            self.subjects,
+            self._control.shared,
+            self.engines,
+            self._drop_engine,
+            self.counters,
+            self.reply,
+            self.spawn,
+        )
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
@@ -217,6 +232,11 @@ class Coordinator:
     @property
     def engines_changed(self) -> asyncio.Event:
         return self._fleet.changed
+
+    @property
+    def control_changed(self) -> asyncio.Event:
+        """Set whenever this replica learns a newer shared control record; cleared by whoever waits."""
+        return self._control.changed
 
     @property
     def queued(self) -> int:
@@ -439,14 +459,59 @@ class Coordinator:
     def engine_sender(self, incoming: Incoming, claimed: str) -> str:
         return self._fleet.speaker(incoming.sender, claimed)
 
-    async def register_engine(self, incoming: Incoming, engine_id: str, capacity: int, model: str | None) -> None:
-        await self._fleet.register(engine_id, capacity, model, own_subjects=incoming.sender is not None)
+    def check_weight_update(self) -> None:
+        self._weights.check(self.state)
+
+    async def update_weights(self, incoming: Incoming, request: UpdateWeights) -> None:
+        await self._weights.update(incoming, request)
+
+    async def _drop_engine(self, engine_id: str, reason: str) -> None:
+        """Remove an engine that could not swap in the fleet's weights. Not as one that left:
+        its heartbeats bring it back once they carry the fleet's version, if it registers no sooner."""
+        await self._fleet.remove(engine_id, reason, departed=False)
+
+    def _on_other_weights(self, engine_id: str, weight_version: WeightVersion | None) -> bool:
+        """True (and counted) for an engine that does not serve the fleet's recorded weights."""
+        fleet_version = self.control_state.weight_version
+        if fleet_version is None or weight_version == fleet_version:
+            return False
+        self.counters["engines_on_other_weights"] += 1
+        self._refusal_log.warning(
+            "engine_id=%s serves weights %r, the fleet %r: not added until it loads them",
+            engine_id,
+            weight_version,
+            fleet_version,
+        )
+        return True
+
+    async def register_engine(
+        self,
+        incoming: Incoming,
+        engine_id: str,
+        capacity: int,
+        model: str | None,
+        weight_version: WeightVersion | None = None,
+    ) -> None:
+        other_weights = self._on_other_weights(engine_id, weight_version)
+        if other_weights:
+            await self._fleet.remove(engine_id, "serves other weights than the fleet's")
+        else:
+            await self._fleet.register(engine_id, capacity, model, own_subjects=incoming.sender is not None)
         if incoming.reply:
-            ack = RegisterAck(self.id, self.state, self.epoch, self.shared.revision)
+            weights = self.control_state
+            ack = RegisterAck(
+                self.id, self.state, self.epoch, self.shared.revision, weights.weight_version, weights.weight_path
+            )
             await self.nc.publish(incoming.reply, encode_msgpack(ack))
-        await self._admission.release_queue()
+        if not other_weights:
+            await self._admission.release_queue()
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
+        if self.engines.get(heartbeat.engine_id) is None:
+            if self._on_other_weights(heartbeat.engine_id, heartbeat.weight_version):
+                return  # never adopted: it registers once it serves the fleet's weights
+        else:
+            self._weights.heard(heartbeat.engine_id, heartbeat.weight_version)
         await self._fleet.heartbeat(heartbeat, own_subjects)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:

@@ -133,6 +133,16 @@ class CoordinatorCollector(Collector):
             state.add_metric([candidate.value], 1.0 if coordinator.state is candidate else 0.0)
         yield state
 
+        weights = GaugeMetricFamily(
+            "dpcoord_fleet_weight_version_info",
+            "1, labelled with the weight version the fleet serves, which every engine in the pool serves "
+            "('' before any update_weights)",
+            labels=["version"],
+        )
+        version = coordinator.control_state.weight_version
+        weights.add_metric(["" if version is None else str(version)], 1.0)
+        yield weights
+
         yield histogram_family(
             "dpcoord_request_duration_seconds",
             "Admission to terminal reply, as the coordinator sees it",

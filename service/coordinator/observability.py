@@ -43,6 +43,7 @@ def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
         counters=dict(coordinator.counters),
         peers=sorted(coordinator.peers.live()),
         revision=coordinator.shared.revision,
+        weight_version=coordinator.control_state.weight_version,
     )
 
 

@@ -55,6 +55,7 @@ class CoordinatorStatus(msgspec.Struct):
     counters: dict[str, int]
     peers: list[str] = msgspec.field(default_factory=list)
     revision: int = 0
+    weight_version: str | int | None = None  # the fleet's, since the last update_weights
 
 
 class PrefixCacheStatus(msgspec.Struct):
@@ -78,6 +79,9 @@ class EngineStatus(msgspec.Struct):
     epoch: int | None
     counters: dict[str, int]
     prefix_cache: PrefixCacheStatus | None = None  # None: a backend without a KV cache (echo)
+    weight_version: str | int | None = None  # the weights it serves; None: those it started with
+    weight_digest: str | None = None
+    weights_problem: str | None = None  # why it cannot serve the fleet's weights (it is not in the pool then)
 
 
 async def add_status_service(

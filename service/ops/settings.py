@@ -185,6 +185,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Bytes of replies held for later delivery (across a NATS reconnect; orphans while a replica starts); oldest dropped first",
     )
+    long_control_timeout_s: CoordinatorSetting[float] = Field(
+        600.0,
+        gt=0,
+        description="How long engines have to confirm what takes long: each phase of update_weights (loading a "
+        "checkpoint) and a drain pause (requests in flight finishing)",
+    )
 
     # Engine
     engine_id: EngineSetting[str | None] = Field(

@@ -21,6 +21,10 @@ Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]  # every tokenizer's ids fit 31 bits; engines check their vocabulary
 ClientRequestId = str | Int64
 FinishReason = Literal["length", "stop", "abort"]
+# What a weight update names its checkpoint by, as the trainer chose it (an iteration, a tag).
+WeightVersion = str | Int64
+# What pause does to requests in flight: freeze them (keep), end them (abort), or let them finish (drain).
+PauseMode = Literal["keep", "abort", "drain"]
 
 
 # ---------------------------------------------------------------- from clients
@@ -105,9 +109,20 @@ class AbortRequest(Struct):
 
 
 class ControlSignal(Struct):
-    """Control and profiler signals need no fields; ``set_generation_epoch`` needs ``epoch``."""
+    """Control and profiler signals need no fields; ``set_generation_epoch`` needs ``epoch``.
+    ``mode`` (an extension, pause only; None means ``keep``) says what pause does to the
+    requests in flight."""
 
     epoch: int | None = None
+    mode: PauseMode | None = None
+
+
+class UpdateWeights(Struct):
+    """The body of ``update_weights`` (an extension): a Hugging Face directory of
+    ``*.safetensors`` that every engine can read, and the version its tokens will carry."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    version: WeightVersion
 
 
 class Empty(Struct):
@@ -146,6 +161,15 @@ class EpochSpan(Struct):
     end: int
 
 
+class WeightVersionSpan(Struct):
+    """Tokens ``[start, end)`` of a reply were generated with weights ``version`` (None: the
+    weights the engine started with, before any ``update_weights``)."""
+
+    version: WeightVersion | None
+    start: int
+    end: int
+
+
 class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     request_id: str
     client_request_id: ClientRequestId | None
@@ -155,6 +179,7 @@ class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     finish_reason: FinishReason
     epochs: list[EpochSpan] | None = None
     prompt_tokens: int | None = None  # the prompt's length in the engine's tokens (usage)
+    weight_versions: list[WeightVersionSpan] | None = None  # an extension, like ``epochs``
 
 
 class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
@@ -175,6 +200,9 @@ class Ack(Struct, tag="ack", tag_field="type", omit_defaults=True):
     engines: dict[str, str] | None = None
     revision: int | None = None
     replicas: int | None = None
+    weight_version: WeightVersion | None = None  # update_weights: the version every engine serves now
+    digest: str | None = None  # update_weights: the checkpoint's content digest, alike on every engine
+    mode: PauseMode | None = None  # pause: the mode it was applied in
 
 
 class ConnectAck(Struct, tag="connect_ack", tag_field="type"):
@@ -218,6 +246,7 @@ class EngineRegister(Struct):
     backend: str = "unknown"
     paused: bool = False
     served_model_name: ModelName | None = None
+    weight_version: WeightVersion | None = None  # an extension: the weights it serves (None: its own)
 
 
 class RegisterAck(Struct):
@@ -228,6 +257,10 @@ class RegisterAck(Struct):
     state: str
     epoch: int | None
     revision: int = 0
+    # Extensions: the fleet's weights. An engine that does not serve ``weight_version`` was not
+    # added to the pool; it loads ``weight_path`` and registers again.
+    weight_version: WeightVersion | None = None
+    weight_path: str | None = None
 
 
 class Heartbeat(Struct):
@@ -241,6 +274,7 @@ class Heartbeat(Struct):
     active: list[str] = msgspec.field(default_factory=list)
     served_model_name: ModelName | None = None  # so a coordinator that adopts the engine routes by model
     steps: Int64 | None = None  # steps taken since the engine started: progress while no reply is due
+    weight_version: WeightVersion | None = None  # an extension: the weights it serves
 
 
 class ResendReplies(Struct):
@@ -355,15 +389,34 @@ class EngineSignal(Struct):
 
     epoch: int | None = None
     revision: int | None = None
+    mode: PauseMode | None = None  # pause only
+
+
+class WeightSignal(Struct):
+    """``prepare_weights`` and ``commit_weights`` as broadcast to engines: the checkpoint
+    directory and its version. Commit only: ``revision`` is the control-state revision that
+    recorded the version (an engine commits only a revision newer than the one its weights came
+    from), ``digest`` the one every engine prepared (an engine already serving that version
+    with that digest has nothing to swap)."""
+
+    path: str
+    version: WeightVersion
+    revision: int | None = None
+    digest: str | None = None
 
 
 class EngineAck(Struct):
-    """An engine's confirmation of a broadcast control or profiler signal."""
+    """An engine's confirmation of a broadcast control or profiler signal. For the weight
+    phases, ``weight_version`` and ``digest`` say what it loaded, and ``code`` why it could not
+    (400: the checkpoint does not match its model)."""
 
     engine_id: str
     signal: str
     ok: bool = True
     detail: str = ""
+    weight_version: WeightVersion | None = None
+    digest: str | None = None
+    code: int | None = None
     # An extension, answering ``adopt`` alone: the requests this engine handed to the adopter.
     adopted: list[AdoptedRequest] | None = None
 

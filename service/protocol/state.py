@@ -71,6 +71,8 @@ class ControlRecord(Struct, kw_only=True):
 
     ``shutdown`` counts shutdown signals: a replica exits when it rises above the value it read
     at start. ``signal`` and ``coordinator_id`` say what wrote the record and which replica.
+    ``weight_version``, ``weight_path`` and ``weight_digest`` (extensions) are the weights the
+    fleet serves since the last ``update_weights``; None before any.
     """
 
     state: CoordinatorState = CoordinatorState.RUNNING
@@ -78,6 +80,9 @@ class ControlRecord(Struct, kw_only=True):
     shutdown: int = 0
     signal: str = ""
     coordinator_id: str = ""
+    weight_version: str | int | None = None
+    weight_path: str | None = None
+    weight_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class Header(enum.StrEnum):
     START_CUDA_PROFILER = "start_cuda_profiler"
     STOP_CUDA_PROFILER = "stop_cuda_profiler"
     SHUTDOWN = "shutdown"
+    UPDATE_WEIGHTS = "update_weights"  # an extension: the fleet's weights from a checkpoint directory
     # From engines.
     REGISTER = "register"
     HEARTBEAT = "heartbeat"
@@ -53,6 +54,13 @@ RESEND_REPLIES = "resend_replies"
 # Broadcast to every engine (``<prefix>.engines.adopt``) by the replica that adopts a dead one's
 # requests; not a coordinator subject.
 ADOPT = "adopt"
+
+# Broadcast to engines only (``<prefix>.engines.<name>``), the two phases of ``update_weights``:
+# every engine loads and checks the checkpoint, then, once all of them could, every one swaps.
+# There are no coordinator subjects of these names.
+PREPARE_WEIGHTS = "prepare_weights"
+COMMIT_WEIGHTS = "commit_weights"
+DISCARD_WEIGHTS = "discard_weights"  # an update refused: what was staged is freed
 
 CONTROL_HEADERS: frozenset[Header] = frozenset(
     {Header.PAUSE, Header.UNPAUSE, Header.SUSPEND, Header.RESUME, Header.STOP, Header.SET_GENERATION_EPOCH}

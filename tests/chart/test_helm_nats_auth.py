@@ -99,7 +99,7 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 
 # Who sends each header. A new header fails this test until it is given to a user here and in
 # templates/nats-auth.yaml.
-SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN}
+SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN, Header.UPDATE_WEIGHTS}
 BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT, Header.FORWARD_SUBMISSION, Header.FORWARD_ABORT}
 FROM_ENGINES = set(ENGINE_HEADERS)
 FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}

@@ -21,7 +21,7 @@ from engines.runtime import EngineRuntime
 from handlers import HANDLERS
 from service.coordinator.coordinator import Coordinator
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import ENGINE_HEADERS, Header
+from service.protocol.subjects import COMMIT_WEIGHTS, DISCARD_WEIGHTS, ENGINE_HEADERS, PREPARE_WEIGHTS, Header
 from tests.conftest import make_settings
 from tests.helpers import decode_reply
 
@@ -146,6 +146,7 @@ def subjects_of(target: FuzzTarget) -> list[str]:
         f"{prefix}.engine.{engine_id}.{header}" for header in (Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, "bogus")
     ]
     broadcast = [f"{prefix}.engines.{header}" for header in Header if header not in (Header.STOP, Header.SHUTDOWN)]
+    broadcast += [f"{prefix}.engines.{name}" for name in (PREPARE_WEIGHTS, COMMIT_WEIGHTS, DISCARD_WEIGHTS)]
     return coordinator + routed + broadcast
 
 

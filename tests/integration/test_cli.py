@@ -137,6 +137,12 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         assert json.loads(run(["control", "pause"], client_env).stdout)["state"] == "paused"
         suspended = run(["control", "suspend"], client_env)
         assert json.loads(suspended.stdout)["state"] == "suspended"
+        weights = tmp_path / "weights"
+        weights.mkdir()
+        (weights / "model.safetensors").write_bytes(b"echo engines digest the bytes")
+        updated = json.loads(run(["control", "update-weights", str(weights), "--version", "7"], client_env).stdout)
+        assert updated["weight_version"] == 7 and updated["digest"].startswith("xxh3-128:")
+        assert len(updated["engines"]) == 2
         again = run(["control", "unpause"], client_env)
         assert again.returncode == 1 and "409" in again.stderr
         assert json.loads(run(["control", "epoch", "9"], client_env).stdout)["epoch"] == 9

@@ -39,6 +39,7 @@ async def test_json_submission_gets_one_json_final(
         "finish_reason": "length",
         "epochs": [{"epoch": None, "start": 0, "end": 7}],
         "prompt_tokens": 5,
+        "weight_versions": [{"version": None, "start": 0, "end": 7}],
     }
 
 
