@@ -1,0 +1,146 @@
+"""Streamed chat completions through the official ``openai`` SDK, 200 at a time, each stream's
+text compared exactly with the echo engine's, and a fault injected mid-load.
+
+Each stream is counted once:
+
+- ``exact``: it ended with ``finish_reason`` ``length`` and its text is the echo engine's;
+- ``corrupt``: it ended normally (a ``finish_reason``) but its text or finish reason differs;
+- ``hung``: no chunk for :data:`HUNG_AFTER_S` (before the response or between two chunks); the
+  stream is then closed, so the suite's time stays bounded;
+- ``error``: a clear error: an HTTP error status, or an error event in the stream;
+- ``broken``: the connection failed, or the stream ended with neither a finish reason nor an
+  error event (silently truncated).
+
+The SDK runs with its default retries (2, on a 5xx or connection error before the response
+starts), as applications run it: a retried request that then streams exactly counts as exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx2
+import openai
+
+from tests.faults.chaos import MODEL, expected_text
+
+IN_FLIGHT = 200
+# Well below the suite's per-test timeout, well above a recovery that works (heartbeat 1.5 s).
+HUNG_AFTER_S = 10.0
+OUTCOMES = ("exact", "corrupt", "hung", "error", "broken")
+Fault = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Tally:
+    """One scenario's counts and how long it took."""
+
+    scenario: str
+    streams: int
+    counts: Counter[str] = field(default_factory=Counter)
+    max_gap_s: float = 0.0
+    wall_s: float = 0.0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def error_share(self) -> float:
+        return self.counts["error"] / self.streams if self.streams else 0.0
+
+    def line(self) -> str:
+        counts = "  ".join(f"{name} {self.counts[name]:>4}" for name in OUTCOMES)
+        return (
+            f"{self.scenario:<34} streams {self.streams:>4}  {counts}  "
+            f"max gap {self.max_gap_s:5.1f} s  wall {self.wall_s:5.1f} s"
+        )
+
+
+def sdk_client(base_url: str, concurrency: int = IN_FLIGHT) -> openai.AsyncOpenAI:
+    """An AsyncOpenAI whose connection pool holds every stream at once (the SDK default keeps fewer)."""
+    limits = httpx2.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
+    return openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        timeout=httpx2.Timeout(60.0, connect=10.0),
+        http_client=openai.DefaultAsyncHttpx2Client(limits=limits),
+    )
+
+
+async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, tally: Tally) -> str:
+    """Run one streamed chat completion and return its outcome (one of :data:`OUTCOMES`)."""
+    expected = expected_text(content, max_tokens)
+    last = time.monotonic()
+    try:
+        stream = await asyncio.wait_for(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=max_tokens,
+                stream=True,
+            ),
+            HUNG_AFTER_S,
+        )
+    except TimeoutError:
+        return "hung"
+    except openai.APIConnectionError:
+        return "broken"
+    except openai.APIError:
+        return "error"
+    text: list[str] = []
+    finish: str | None = None
+    try:
+        chunks = aiter(stream)
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), HUNG_AFTER_S)
+            except StopAsyncIteration:
+                break
+            now = time.monotonic()
+            tally.max_gap_s = max(tally.max_gap_s, now - last)
+            last = now
+            for choice in chunk.choices:
+                text.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+    except TimeoutError:
+        return "hung"
+    except (openai.APIConnectionError, httpx2.HTTPError):
+        return "broken"
+    except openai.APIError:
+        return "error"
+    finally:
+        await stream.close()
+    if finish is None:
+        return "broken"
+    got = "".join(text)
+    if finish == "length" and got == expected:
+        return "exact"
+    if len(tally.examples) < 3:
+        tally.examples.append(f"{content!r} max_tokens={max_tokens}: finish={finish} got {got!r} want {expected!r}")
+    return "corrupt"
+
+
+async def run_load(
+    base_url: str, scenario: str, streams: int, faults: dict[int, Fault], in_flight: int = IN_FLIGHT
+) -> Tally:
+    """``streams`` streamed chat completions, ``in_flight`` at a time; ``faults[i]`` starts when
+    stream ``i`` starts (so at full concurrency for ``i >= in_flight``) and runs beside the load."""
+    tally = Tally(scenario, streams)
+    slots = asyncio.Semaphore(in_flight)
+    fault_tasks: list[asyncio.Task[None]] = []
+    started = time.monotonic()
+    async with sdk_client(base_url, in_flight) as client:
+
+        async def one(index: int) -> None:
+            async with slots:
+                if index in faults:
+                    fault_tasks.append(asyncio.ensure_future(faults[index]()))
+                content = f"{scenario} stream {index:05d}"
+                tally.counts[await one_stream(client, content, 24 + index % 41, tally)] += 1
+
+        await asyncio.gather(*(one(index) for index in range(streams)))
+        await asyncio.gather(*fault_tasks)
+    tally.wall_s = time.monotonic() - started
+    return tally
