@@ -1,6 +1,7 @@
 """The chaos stack, as an operator runs it: one nats-server with JetStream and a store directory
 (restarted with its store on the same port), coordinator replicas as ``dpcoord coordinator``
-processes, echo engines as ``dpcoord engine --backend echo`` processes at 5 ms a token, and one
+processes, echo engines as ``dpcoord engine --backend echo`` processes at 5 ms a token (eight
+tokens a partial: :data:`STREAM_INTERVAL`), and one
 ``dpcoord gateway`` process; the clients are the official ``openai`` SDK.
 
 The stack is synchronous to build and tear down (a module-scoped fixture owns it across the
@@ -21,6 +22,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
+from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +40,10 @@ from tests.gateway_helpers import http
 from tests.helpers import REPO_ROOT
 
 TOKEN_DELAY_MS = 5
+# Tokens per streamed partial. Streams of a few hundred tokens last seconds on an engine, as a
+# model's do, so a fault meets requests mid-generation; eight tokens a partial keep the chunks
+# few enough for the clients on two cores to read 1,000 streams in the suite's time.
+STREAM_INTERVAL = 8
 MODEL = "dpcoord-echo"
 # Short failure detection, so a fault costs seconds: replicas and engines beat every 0.3 s.
 CHAOS_SETTINGS: dict[str, object] = {
@@ -60,6 +67,24 @@ def expected_text(content: str, max_tokens: int) -> str:
     """What the echo engine must stream for one user message: the plain chat rendering
     (engines/chat_template.py) ``user: <content>\\nassistant:``, echoed."""
     return echo_text(f"user: {content}\nassistant:", max_tokens)
+
+
+@dataclass
+class Snapshot:
+    """Requests in flight per replica, and per engine summed over the replicas that routed them."""
+
+    replicas: dict[str, int]
+    engines: Counter[str]
+
+    @property
+    def total(self) -> int:
+        return sum(self.replicas.values())
+
+    def busiest_replica(self) -> str:
+        return max(self.replicas, key=lambda coordinator_id: self.replicas[coordinator_id])
+
+    def busiest_engine(self) -> str:
+        return self.engines.most_common(1)[0][0]
 
 
 class _Child:
@@ -163,6 +188,7 @@ class ChaosStack:
             "--token-delay-ms",
             str(TOKEN_DELAY_MS),
             DPCOORD_ENGINE_ID=engine_id,
+            DPCOORD_STREAM_INTERVAL=str(STREAM_INTERVAL),
         )
         return engine_id
 
@@ -205,6 +231,30 @@ class ChaosStack:
         engine_ids = self.live(self.engines)
         statuses = await asyncio.gather(*(self.status(nc, "engine", engine_id) for engine_id in engine_ids))
         return {engine_id: status["active_requests"] for engine_id, status in zip(engine_ids, statuses, strict=True)}
+
+    async def snapshot(self, nc: NATS) -> Snapshot:
+        """Requests in flight as the live replicas report them (they answer status promptly
+        under load; a busy engine answers its own only between steps)."""
+        snap = Snapshot({}, Counter())
+        for coordinator_id in self.live(self.replicas):
+            status = await self.status(nc, "coordinator", coordinator_id)
+            snap.replicas[coordinator_id] = status["requests_in_flight"]
+            snap.engines.update({engine["engine_id"]: engine["in_flight"] for engine in status["engines"]})
+        return snap
+
+    async def replica_counters(self) -> Counter[str]:
+        """The live replicas' counters, summed (a killed replica's are gone with it)."""
+        nc = await self.connect()
+        try:
+            summed: Counter[str] = Counter()
+            for coordinator_id in self.live(self.replicas):
+                try:
+                    summed.update((await self.status(nc, "coordinator", coordinator_id))["counters"])
+                except (NatsError, TimeoutError):
+                    continue  # a replica still starting: its counters are all 0
+            return summed
+        finally:
+            await nc.close()
 
     async def heal(self, timeout_s: float = 45.0) -> None:
         """Bring the stack back to its full size (new replicas and engines for dead ones) and

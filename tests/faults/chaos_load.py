@@ -26,13 +26,19 @@ from dataclasses import dataclass, field
 import httpx2
 import openai
 
-from tests.faults.chaos import MODEL, expected_text
+from tests.faults.chaos import MODEL, ChaosStack, Snapshot, expected_text
 
 IN_FLIGHT = 200
+# Stream lengths: 160 to 400 tokens, 0.8 to 2 s at 5 ms a token.
+MIN_TOKENS = 160
+TOKEN_SPREAD = 241
 # Well below the suite's per-test timeout, well above a recovery that works (heartbeat 1.5 s).
 HUNG_AFTER_S = 10.0
 OUTCOMES = ("exact", "corrupt", "hung", "error", "broken")
-Fault = Callable[[], Awaitable[None]]
+# A fault gets the snapshot of requests in flight that set it off, to choose its victim from.
+Fault = Callable[[Snapshot], Awaitable[None]]
+LOADED_AT_FAULT = 60  # requests in flight at the replicas when the first fault strikes
+LOADED_WAIT_S = 15.0  # after which the faults strike anyway (the line shows the load they met)
 
 
 @dataclass
@@ -43,6 +49,7 @@ class Tally:
     streams: int
     counts: Counter[str] = field(default_factory=Counter)
     max_gap_s: float = 0.0
+    load_at_fault: int = 0
     wall_s: float = 0.0
     examples: list[str] = field(default_factory=list)
 
@@ -54,7 +61,7 @@ class Tally:
         counts = "  ".join(f"{name} {self.counts[name]:>4}" for name in OUTCOMES)
         return (
             f"{self.scenario:<34} streams {self.streams:>4}  {counts}  "
-            f"max gap {self.max_gap_s:5.1f} s  wall {self.wall_s:5.1f} s"
+            f"in flight at fault {self.load_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
         )
 
 
@@ -118,29 +125,57 @@ async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, 
     if finish == "length" and got == expected:
         return "exact"
     if len(tally.examples) < 3:
-        tally.examples.append(f"{content!r} max_tokens={max_tokens}: finish={finish} got {got!r} want {expected!r}")
+        tally.examples.append(difference(content, max_tokens, finish, got, expected))
     return "corrupt"
 
 
+def difference(content: str, max_tokens: int, finish: str, got: str, expected: str) -> str:
+    """Where a corrupt stream leaves the expected text, with a little of either side."""
+    at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
+    start = max(0, at - 20)
+    return (
+        f"{content!r} max_tokens={max_tokens} finish={finish}: {len(got)} characters for {len(expected)}, "
+        f"apart from {at}: got {got[start : at + 40]!r}, want {expected[start : at + 40]!r}"
+    )
+
+
+async def faults_when_loaded(stack: ChaosStack, faults: list[Fault], tally: Tally) -> None:
+    """Inject ``faults`` one after the other once the replicas hold :data:`LOADED_AT_FAULT`
+    requests, choosing their victims from that moment's snapshot. On this machine the clients,
+    not the engines, are the bottleneck: the engines finish a stream's tokens long before the
+    SDK has read them, so they are busy mostly while the first 200 streams start. A fault
+    injected then meets requests mid-generation on every engine and replica."""
+    nc = await stack.connect()
+    try:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + LOADED_WAIT_S
+        while True:  # remote state (requests in flight): nothing to wait on but the next answers
+            snapshot = await stack.snapshot(nc)
+            if snapshot.total >= LOADED_AT_FAULT or loop.time() > give_up:
+                break
+            await asyncio.sleep(0.005)
+        tally.load_at_fault = snapshot.total
+        for fault in faults:
+            await fault(snapshot)
+    finally:
+        await nc.close()
+
+
 async def run_load(
-    base_url: str, scenario: str, streams: int, faults: dict[int, Fault], in_flight: int = IN_FLIGHT
+    stack: ChaosStack, scenario: str, streams: int, faults: list[Fault], in_flight: int = IN_FLIGHT
 ) -> Tally:
-    """``streams`` streamed chat completions, ``in_flight`` at a time; ``faults[i]`` starts when
-    stream ``i`` starts (so at full concurrency for ``i >= in_flight``) and runs beside the load."""
+    """``streams`` streamed chat completions, ``in_flight`` at a time, through the stack's
+    gateway, with ``faults`` injected beside them (:func:`faults_when_loaded`)."""
     tally = Tally(scenario, streams)
     slots = asyncio.Semaphore(in_flight)
-    fault_tasks: list[asyncio.Task[None]] = []
     started = time.monotonic()
-    async with sdk_client(base_url, in_flight) as client:
+    async with sdk_client(stack.base_url, in_flight) as client:
 
         async def one(index: int) -> None:
             async with slots:
-                if index in faults:
-                    fault_tasks.append(asyncio.ensure_future(faults[index]()))
                 content = f"{scenario} stream {index:05d}"
-                tally.counts[await one_stream(client, content, 24 + index % 41, tally)] += 1
+                tally.counts[await one_stream(client, content, MIN_TOKENS + index % TOKEN_SPREAD, tally)] += 1
 
-        await asyncio.gather(*(one(index) for index in range(streams)))
-        await asyncio.gather(*fault_tasks)
+        await asyncio.gather(faults_when_loaded(stack, faults, tally), *(one(index) for index in range(streams)))
     tally.wall_s = time.monotonic() - started
     return tally

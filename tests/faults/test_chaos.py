@@ -25,13 +25,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import ClientError, DpcoordClient
 from service.protocol.messages import Final
-from tests.faults.chaos import MODEL, ChaosStack, echo_text
+from tests.faults.chaos import MODEL, ChaosStack, Snapshot, echo_text
 from tests.faults.chaos_load import Tally, run_load, sdk_client
 from tests.gateway_helpers import hang_up_after, http
 
@@ -39,7 +40,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
 STREAMS = 250  # per single-fault scenario; the combined one runs COMBINED_STREAMS: 1,050 in all
 COMBINED_STREAMS = 300
-FAULT_AT = 210  # a fault starts with this stream: 200 in flight, the load well under way
 MAX_ERROR_SHARE = 0.01
 
 
@@ -53,66 +53,56 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
         chaos.close()
 
 
-def report(tally: Tally, lines: list[str]) -> None:
-    """Print the scenario's line and check it against the targets."""
+async def report(stack: ChaosStack, tally: Tally, lines: list[str]) -> None:
+    """Print the scenario's line (and, for diagnosis, the live replicas' counters summed) and
+    check it against the targets."""
     line = tally.line()
     lines.append(line)
     print(f"\n[chaos] {line}")
     for example in tally.examples:
         print(f"[chaos]   corrupt: {example}")
+    counters = await stack.replica_counters()
+    print(f"[chaos]   live replicas' counters: {dict(sorted((k, v) for k, v in counters.items() if v))}")
     assert sum(tally.counts.values()) == tally.streams
     assert tally.counts["corrupt"] == 0, tally.examples
     assert tally.counts["hung"] == 0 and tally.counts["broken"] == 0, line
     assert tally.error_share <= MAX_ERROR_SHARE, line
 
 
-def kill_and_restart_a_replica(stack: ChaosStack) -> None:
-    stack.kill_replica(stack.live(stack.replicas)[0])
+async def kill_and_restart_a_replica(stack: ChaosStack, snapshot: Snapshot) -> None:
+    """SIGKILL the replica with the most requests in flight and start a new one."""
+    stack.kill_replica(snapshot.busiest_replica())
     stack.start_replica()
 
 
-def kill_an_engine(stack: ChaosStack) -> None:
-    stack.kill_engine(stack.live(stack.engines)[0])
+async def kill_an_engine(stack: ChaosStack, snapshot: Snapshot) -> None:
+    """SIGKILL the engine with the most requests (the stack gets a new one before the next test)."""
+    stack.kill_engine(snapshot.busiest_engine())
 
 
-async def test_nats_restart_mid_load(stack: ChaosStack, chaos_report: list[str]) -> None:
+async def restart_nats(stack: ChaosStack, snapshot: Snapshot) -> None:
+    await stack.restart_nats()
+
+
+# id: (the table's name, streams, faults in the order they strike)
+SCENARIOS = {
+    "nats-restart": ("nats-server restarted", STREAMS, [restart_nats]),
+    "replica-kill": ("replica SIGKILLed + restarted", STREAMS, [kill_and_restart_a_replica]),
+    "engine-kill": ("engine SIGKILLed", STREAMS, [kill_an_engine]),
+    "all-three": (
+        "replica + engine + nats-server",
+        COMBINED_STREAMS,
+        [kill_and_restart_a_replica, kill_an_engine, restart_nats],
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+async def test_streams_stay_exact_through_faults(scenario: str, stack: ChaosStack, chaos_report: list[str]) -> None:
     await stack.heal()
-    tally = await run_load(stack.base_url, "nats-server restarted", STREAMS, {FAULT_AT: stack.restart_nats})
-    report(tally, chaos_report)
-
-
-async def test_replica_killed_and_restarted_mid_load(stack: ChaosStack, chaos_report: list[str]) -> None:
-    await stack.heal()
-
-    async def fault() -> None:
-        kill_and_restart_a_replica(stack)
-
-    tally = await run_load(stack.base_url, "replica SIGKILLed + restarted", STREAMS, {FAULT_AT: fault})
-    report(tally, chaos_report)
-
-
-async def test_engine_killed_mid_load(stack: ChaosStack, chaos_report: list[str]) -> None:
-    await stack.heal()
-
-    async def fault() -> None:
-        kill_an_engine(stack)
-
-    tally = await run_load(stack.base_url, "engine SIGKILLed", STREAMS, {FAULT_AT: fault})
-    report(tally, chaos_report)
-
-
-async def test_all_three_faults_mid_load(stack: ChaosStack, chaos_report: list[str]) -> None:
-    await stack.heal()
-
-    async def replica() -> None:
-        kill_and_restart_a_replica(stack)
-
-    async def engine() -> None:
-        kill_an_engine(stack)
-
-    faults = {FAULT_AT: replica, FAULT_AT + 30: engine, FAULT_AT + 60: stack.restart_nats}
-    tally = await run_load(stack.base_url, "replica + engine + nats-server", COMBINED_STREAMS, faults)
-    report(tally, chaos_report)
+    title, streams, faults = SCENARIOS[scenario]
+    tally = await run_load(stack, title, streams, [partial(fault, stack) for fault in faults])
+    await report(stack, tally, chaos_report)
 
 
 # ---------------------------------------------------------------- a dead coordinator's requests
