@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 from typing import IO, Any
@@ -67,24 +66,6 @@ def expected_text(content: str, max_tokens: int) -> str:
     """What the echo engine must stream for one user message: the plain chat rendering
     (engines/chat_template.py) ``user: <content>\\nassistant:``, echoed."""
     return echo_text(f"user: {content}\nassistant:", max_tokens)
-
-
-@dataclass
-class Snapshot:
-    """Requests in flight per replica, and per engine summed over the replicas that routed them."""
-
-    replicas: dict[str, int]
-    engines: Counter[str]
-
-    @property
-    def total(self) -> int:
-        return sum(self.replicas.values())
-
-    def busiest_replica(self) -> str:
-        return max(self.replicas, key=lambda coordinator_id: self.replicas[coordinator_id])
-
-    def busiest_engine(self) -> str:
-        return self.engines.most_common(1)[0][0]
 
 
 class _Child:
@@ -231,16 +212,6 @@ class ChaosStack:
         engine_ids = self.live(self.engines)
         statuses = await asyncio.gather(*(self.status(nc, "engine", engine_id) for engine_id in engine_ids))
         return {engine_id: status["active_requests"] for engine_id, status in zip(engine_ids, statuses, strict=True)}
-
-    async def snapshot(self, nc: NATS) -> Snapshot:
-        """Requests in flight as the live replicas report them (they answer status promptly
-        under load; a busy engine answers its own only between steps)."""
-        snap = Snapshot({}, Counter())
-        for coordinator_id in self.live(self.replicas):
-            status = await self.status(nc, "coordinator", coordinator_id)
-            snap.replicas[coordinator_id] = status["requests_in_flight"]
-            snap.engines.update({engine["engine_id"]: engine["in_flight"] for engine in status["engines"]})
-        return snap
 
     async def replica_counters(self) -> Counter[str]:
         """The live replicas' counters, summed (a killed replica's are gone with it)."""

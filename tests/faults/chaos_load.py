@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx2
 import openai
 
-from tests.faults.chaos import MODEL, ChaosStack, Snapshot, expected_text
+from tests.faults.chaos import MODEL, ChaosStack, expected_text
 
 IN_FLIGHT = 200
 # Stream lengths: 160 to 400 tokens, 0.8 to 2 s at 5 ms a token.
@@ -35,10 +35,9 @@ TOKEN_SPREAD = 241
 # Well below the suite's per-test timeout, well above a recovery that works (heartbeat 1.5 s).
 HUNG_AFTER_S = 10.0
 OUTCOMES = ("exact", "corrupt", "hung", "error", "broken")
-# A fault gets the snapshot of requests in flight that set it off, to choose its victim from.
-Fault = Callable[[Snapshot], Awaitable[None]]
-LOADED_AT_FAULT = 60  # requests in flight at the replicas when the first fault strikes
-LOADED_WAIT_S = 15.0  # after which the faults strike anyway (the line shows the load they met)
+Fault = Callable[[], Awaitable[None]]
+STREAMING_AT_FAULT = 20  # streams whose text has begun to reach the SDK when the first fault strikes
+STREAMING_WAIT_S = 30.0
 
 
 @dataclass
@@ -49,7 +48,9 @@ class Tally:
     streams: int
     counts: Counter[str] = field(default_factory=Counter)
     max_gap_s: float = 0.0
-    load_at_fault: int = 0
+    streaming: int = 0  # streams that have had text and not ended, now
+    streaming_at_fault: int = 0
+    streams_began: asyncio.Event = field(default_factory=asyncio.Event)  # STREAMING_AT_FAULT reached
     wall_s: float = 0.0
     examples: list[str] = field(default_factory=list)
 
@@ -61,7 +62,7 @@ class Tally:
         counts = "  ".join(f"{name} {self.counts[name]:>4}" for name in OUTCOMES)
         return (
             f"{self.scenario:<34} streams {self.streams:>4}  {counts}  "
-            f"in flight at fault {self.load_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
+            f"streaming at fault {self.streaming_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
         )
 
 
@@ -98,6 +99,7 @@ async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, 
         return "error"
     text: list[str] = []
     finish: str | None = None
+    streaming = False
     try:
         chunks = aiter(stream)
         while True:
@@ -111,6 +113,11 @@ async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, 
             for choice in chunk.choices:
                 text.append(choice.delta.content or "")
                 finish = choice.finish_reason or finish
+            if not streaming and any(text):
+                streaming = True
+                tally.streaming += 1
+                if tally.streaming >= STREAMING_AT_FAULT:
+                    tally.streams_began.set()
     except TimeoutError:
         return "hung"
     except (openai.APIConnectionError, httpx2.HTTPError):
@@ -118,6 +125,7 @@ async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, 
     except openai.APIError:
         return "error"
     finally:
+        tally.streaming -= streaming
         await stream.close()
     if finish is None:
         return "broken"
@@ -139,26 +147,18 @@ def difference(content: str, max_tokens: int, finish: str, got: str, expected: s
     )
 
 
-async def faults_when_loaded(stack: ChaosStack, faults: list[Fault], tally: Tally) -> None:
-    """Inject ``faults`` one after the other once the replicas hold :data:`LOADED_AT_FAULT`
-    requests, choosing their victims from that moment's snapshot. On this machine the clients,
-    not the engines, are the bottleneck: the engines finish a stream's tokens long before the
-    SDK has read them, so they are busy mostly while the first 200 streams start. A fault
-    injected then meets requests mid-generation on every engine and replica."""
-    nc = await stack.connect()
-    try:
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + LOADED_WAIT_S
-        while True:  # remote state (requests in flight): nothing to wait on but the next answers
-            snapshot = await stack.snapshot(nc)
-            if snapshot.total >= LOADED_AT_FAULT or loop.time() > give_up:
-                break
-            await asyncio.sleep(0.005)
-        tally.load_at_fault = snapshot.total
-        for fault in faults:
-            await fault(snapshot)
-    finally:
-        await nc.close()
+async def faults_once_streaming(faults: list[Fault], tally: Tally) -> None:
+    """Inject ``faults`` one after the other once :data:`STREAMING_AT_FAULT` streams have begun.
+
+    On this machine the clients, not the engines, are the bottleneck: an engine finishes a
+    stream's tokens well before the SDK has read them, so the engines are busy mostly while the
+    first 200 streams start. Striking as their text begins to arrive meets requests
+    mid-generation on every engine and replica (the routing spreads them evenly). The status
+    of a replica is no guide to the moment: under this load it answers seconds late."""
+    await asyncio.wait_for(tally.streams_began.wait(), STREAMING_WAIT_S)
+    tally.streaming_at_fault = tally.streaming
+    for fault in faults:
+        await fault()
 
 
 async def run_load(
@@ -176,6 +176,6 @@ async def run_load(
                 content = f"{scenario} stream {index:05d}"
                 tally.counts[await one_stream(client, content, MIN_TOKENS + index % TOKEN_SPREAD, tally)] += 1
 
-        await asyncio.gather(faults_when_loaded(stack, faults, tally), *(one(index) for index in range(streams)))
+        await asyncio.gather(faults_once_streaming(faults, tally), *(one(index) for index in range(streams)))
     tally.wall_s = time.monotonic() - started
     return tally

@@ -2,7 +2,8 @@
 gateway, as processes on a private nats-server with JetStream; streamed chat completions through
 the official ``openai`` SDK, 200 at a time, each stream's text compared exactly with the echo
 engine's, while nats-server restarts with its store, a replica is SIGKILLed and restarted, an
-engine is SIGKILLed, and all three at once.
+engine is SIGKILLed, and all three at once. A fault strikes once 20 streams have begun
+(tests/faults/chaos_load.py says why then).
 
 Each scenario prints one line (exact, corrupt, hung, error, broken: tests/faults/chaos_load.py)
 and the terminal summary repeats them (tests/faults/conftest.py). Targets: 0 corrupt, 0 hung,
@@ -15,7 +16,8 @@ aborts) free 30 of 30 engine slots, read from the engines' Services API status.
 
 The stack is shared by the module's tests (started once, healed before each: dead replicas and
 engines replaced, every replica listing exactly the live engines). Run alone with
-``.venv/bin/python -m pytest tests/faults/test_chaos.py -p no:cacheprovider -q``.
+``.venv/bin/python -m pytest tests/faults/test_chaos.py -q`` (``-s`` adds each scenario's replica
+counters and the first corrupt streams; a child's log is in the stack's temporary directory).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.client import ClientError, DpcoordClient
 from service.protocol.messages import Final
-from tests.faults.chaos import MODEL, ChaosStack, Snapshot, echo_text
+from tests.faults.chaos import MODEL, ChaosStack, echo_text
 from tests.faults.chaos_load import Tally, run_load, sdk_client
 from tests.gateway_helpers import hang_up_after, http
 
@@ -69,18 +71,18 @@ async def report(stack: ChaosStack, tally: Tally, lines: list[str]) -> None:
     assert tally.error_share <= MAX_ERROR_SHARE, line
 
 
-async def kill_and_restart_a_replica(stack: ChaosStack, snapshot: Snapshot) -> None:
-    """SIGKILL the replica with the most requests in flight and start a new one."""
-    stack.kill_replica(snapshot.busiest_replica())
+async def kill_and_restart_a_replica(stack: ChaosStack) -> None:
+    """SIGKILL a replica (each owns about a third of the requests) and start a new one."""
+    stack.kill_replica(stack.live(stack.replicas)[0])
     stack.start_replica()
 
 
-async def kill_an_engine(stack: ChaosStack, snapshot: Snapshot) -> None:
-    """SIGKILL the engine with the most requests (the stack gets a new one before the next test)."""
-    stack.kill_engine(snapshot.busiest_engine())
+async def kill_an_engine(stack: ChaosStack) -> None:
+    """SIGKILL an engine (each runs about a third); the stack gets a new one before the next test."""
+    stack.kill_engine(stack.live(stack.engines)[0])
 
 
-async def restart_nats(stack: ChaosStack, snapshot: Snapshot) -> None:
+async def restart_nats(stack: ChaosStack) -> None:
     await stack.restart_nats()
 
 
