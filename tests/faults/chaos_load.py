@@ -133,16 +133,16 @@ async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, 
     if finish == "length" and got == expected:
         return "exact"
     if len(tally.examples) < 3:
-        tally.examples.append(difference(content, max_tokens, finish, got, expected))
+        tally.examples.append(difference(content, max_tokens, f"finish={finish}", got, expected))
     return "corrupt"
 
 
-def difference(content: str, max_tokens: int, finish: str, got: str, expected: str) -> str:
+def difference(content: str, max_tokens: int, label: str, got: str, expected: str) -> str:
     """Where a corrupt stream leaves the expected text, with a little of either side."""
     at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
     start = max(0, at - 20)
     return (
-        f"{content!r} max_tokens={max_tokens} finish={finish}: {len(got)} characters for {len(expected)}, "
+        f"{content!r} max_tokens={max_tokens} {label}: {len(got)} characters for {len(expected)}, "
         f"apart from {at}: got {got[start : at + 40]!r}, want {expected[start : at + 40]!r}"
     )
 

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.client import ClientError, DpcoordClient
 from service.protocol.messages import Final
 from tests.faults.chaos import MODEL, ChaosStack, echo_text
-from tests.faults.chaos_load import Tally, run_load, sdk_client
+from tests.faults.chaos_load import Tally, difference, run_load, sdk_client
 from tests.gateway_helpers import hang_up_after, http
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
@@ -109,7 +109,7 @@ async def test_streams_stay_exact_through_faults(scenario: str, stack: ChaosStac
 
 # ---------------------------------------------------------------- a dead coordinator's requests
 
-OWNED_REQUESTS = 45
+OWNED_REQUESTS = 150  # about 50 on each replica
 OWNED_MAX_TOKENS = 300  # 1.5 s at 5 ms a token: what is left after the kill fits in the bound
 
 
@@ -136,14 +136,13 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
                     owners[index].set_result(reply.request_id.rpartition("-")[0])
                 if isinstance(reply, Final):
                     want = echo_text(prompt, OWNED_MAX_TOKENS)
+                    outcome = "exact"
                     if reply.generated_text != want:
-                        outcome = "final differs"
+                        outcome, got = "final differs", reply.generated_text
                     elif not want.startswith(streamed):
-                        outcome = "partials differ"  # the final is right, the stream before it is not
-                    else:
-                        outcome = "exact"
+                        outcome, got = "partials differ", streamed  # the final is right, the stream before it not
                     if outcome != "exact" and len(examples) < 2:
-                        examples.append(f"{prompt!r}: final {reply.generated_text!r}, streamed {streamed!r}")
+                        examples.append(difference(prompt, OWNED_MAX_TOKENS, outcome, got, want))
                 else:
                     streamed += reply.text
         except (ClientError, TimeoutError):
