@@ -1,8 +1,8 @@
 """The chaos stack, as an operator runs it: one nats-server with JetStream and a store directory
 (restarted with its store on the same port), coordinator replicas as ``dpcoord coordinator``
 processes, echo engines as ``dpcoord engine --backend echo`` processes at 5 ms a token (eight
-tokens a partial: :data:`STREAM_INTERVAL`), and one
-``dpcoord gateway`` process; the clients are the official ``openai`` SDK.
+tokens a partial: :data:`STREAM_INTERVAL`), and one ``dpcoord gateway`` process; the clients
+are the official ``openai`` SDK.
 
 The stack is synchronous to build and tear down (a module-scoped fixture owns it across the
 tests' event loops); what waits on the services (:meth:`ChaosStack.heal`) is async and opens
@@ -237,7 +237,8 @@ class ChaosStack:
             self.start_replica()
         while len(self.live(self.engines)) < self.want_engines:
             self.start_engine()
-        assert self.gateway is not None and self.gateway.alive, f"the gateway exited:\n{self.gateway.log_tail()}"
+        assert self.gateway is not None, "heal() of a stack not started"
+        assert self.gateway.alive, f"the gateway exited:\n{self.gateway.log_tail()}"
         nc = await self.connect()
         try:
             await asyncio.wait_for(self._settled(nc), timeout_s)

@@ -67,7 +67,7 @@ class Tally:
 
 
 def sdk_client(base_url: str, concurrency: int = IN_FLIGHT) -> openai.AsyncOpenAI:
-    """An AsyncOpenAI whose connection pool holds every stream at once (the SDK default keeps fewer)."""
+    """An AsyncOpenAI that keeps a connection alive for each stream (the SDK default keeps 100)."""
     limits = httpx2.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
     return openai.AsyncOpenAI(
         base_url=base_url,
@@ -153,8 +153,9 @@ async def faults_once_streaming(faults: list[Fault], tally: Tally) -> None:
     On this machine the clients, not the engines, are the bottleneck: an engine finishes a
     stream's tokens well before the SDK has read them, so the engines are busy mostly while the
     first 200 streams start. Striking as their text begins to arrive meets requests
-    mid-generation on every engine and replica (the routing spreads them evenly). The status
-    of a replica is no guide to the moment: under this load it answers seconds late."""
+    mid-generation on every engine and replica (the queue group and the routing spread them
+    over all). A replica's status is no guide to the moment: under this load it answers late
+    (it showed requests in flight that had long ended)."""
     await asyncio.wait_for(tally.streams_began.wait(), STREAMING_WAIT_S)
     tally.streaming_at_fault = tally.streaming
     for fault in faults:
@@ -165,7 +166,7 @@ async def run_load(
     stack: ChaosStack, scenario: str, streams: int, faults: list[Fault], in_flight: int = IN_FLIGHT
 ) -> Tally:
     """``streams`` streamed chat completions, ``in_flight`` at a time, through the stack's
-    gateway, with ``faults`` injected beside them (:func:`faults_when_loaded`)."""
+    gateway, with ``faults`` injected beside them (:func:`faults_once_streaming`)."""
     tally = Tally(scenario, streams)
     slots = asyncio.Semaphore(in_flight)
     started = time.monotonic()

@@ -148,6 +148,8 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
         except (ClientError, TimeoutError):
             outcome = "error"
         ended[index] = (outcome, time.monotonic())
+        if not owners[index].done():
+            owners[index].set_result("")  # ended before its first reply: no owner to kill
 
     async with await DpcoordClient.connect(stack.settings) as client:
         owners.update({index: asyncio.get_running_loop().create_future() for index in range(OWNED_REQUESTS)})
@@ -177,7 +179,7 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
         print(f"[chaos]   not exact: {example}")
     assert len(in_flight) >= 5, "the test needs requests in flight on the killed replica"
     assert sum(within.values()) == len(in_flight), line
-    assert within["final differs"] == 0 and within["partials differ"] == 0, examples
+    assert set(within) <= {"exact", "error"}, (line, examples)  # not "no final", "final differs", "partials differ"
 
 
 # ---------------------------------------------------------------- clients that leave
