@@ -49,7 +49,7 @@ class Tally:
     counts: Counter[str] = field(default_factory=Counter)
     max_gap_s: float = 0.0
     streaming: int = 0  # streams that have had text and not ended, now
-    streaming_at_fault: int = 0
+    streaming_at_fault: int | None = None  # None: no fault
     streams_began: asyncio.Event = field(default_factory=asyncio.Event)  # STREAMING_AT_FAULT reached
     wall_s: float = 0.0
     examples: list[str] = field(default_factory=list)
@@ -62,7 +62,7 @@ class Tally:
         counts = "  ".join(f"{name} {self.counts[name]:>4}" for name in OUTCOMES)
         return (
             f"{self.scenario:<34} streams {self.streams:>4}  {counts}  "
-            f"streaming at fault {self.streaming_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
+            f"streaming at fault {'-' if self.streaming_at_fault is None else self.streaming_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
         )
 
 
@@ -156,6 +156,8 @@ async def faults_once_streaming(faults: list[Fault], tally: Tally) -> None:
     mid-generation on every engine and replica (the queue group and the routing spread them
     over all). A replica's status is no guide to the moment: under this load it answers late
     (it showed requests in flight that had long ended)."""
+    if not faults:
+        return
     await asyncio.wait_for(tally.streams_began.wait(), STREAMING_WAIT_S)
     tally.streaming_at_fault = tally.streaming
     for fault in faults:

@@ -2,7 +2,7 @@
 gateway, as processes on a private nats-server with JetStream; streamed chat completions through
 the official ``openai`` SDK, 200 at a time, each stream's text compared exactly with the echo
 engine's, while nats-server restarts with its store, a replica is SIGKILLed and restarted, an
-engine is SIGKILLed, and all three at once. A fault strikes once 20 streams have begun
+engine is SIGKILLed, and all three at once; first a control run with no fault. A fault strikes once 20 streams have begun
 (tests/faults/chaos_load.py says why then).
 
 Each scenario prints one line (exact, corrupt, hung, error, broken: tests/faults/chaos_load.py)
@@ -40,8 +40,9 @@ from tests.gateway_helpers import hang_up_after, http
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
-STREAMS = 250  # per single-fault scenario; the combined one runs COMBINED_STREAMS: 1,050 in all
-COMBINED_STREAMS = 300
+STREAMS = 220  # per single-fault scenario; with the combined one and the control, 1,000 in all
+COMBINED_STREAMS = 260
+CONTROL_STREAMS = 80  # no fault: what the counting gives when nothing goes wrong
 MAX_ERROR_SHARE = 0.01
 
 
@@ -88,6 +89,7 @@ async def restart_nats(stack: ChaosStack) -> None:
 
 # id: (the table's name, streams, faults in the order they strike)
 SCENARIOS = {
+    "no-fault": ("no fault (the control)", CONTROL_STREAMS, []),
     "nats-restart": ("nats-server restarted", STREAMS, [restart_nats]),
     "replica-kill": ("replica SIGKILLed + restarted", STREAMS, [kill_and_restart_a_replica]),
     "engine-kill": ("engine SIGKILLed", STREAMS, [kill_an_engine]),
