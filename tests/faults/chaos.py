@@ -1,6 +1,6 @@
 """The chaos stack, as an operator runs it: one nats-server with JetStream and a store directory
 (restarted with its store on the same port), coordinator replicas as ``dpcoord coordinator``
-processes, echo engines as ``dpcoord engine --backend echo`` processes at 5 ms a token (eight
+processes, echo engines as ``dpcoord engine --backend echo`` processes at 5 ms a token (sixteen
 tokens a partial: :data:`STREAM_INTERVAL`), and one ``dpcoord gateway`` process; the clients
 are the official ``openai`` SDK.
 
@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from itertools import count
 from pathlib import Path
@@ -40,10 +41,11 @@ from tests.helpers import REPO_ROOT
 
 TOKEN_DELAY_MS = 5
 # Tokens per streamed partial. Streams of a few hundred tokens last seconds on an engine, as a
-# model's do, so a fault meets requests mid-generation; eight tokens a partial keep the chunks
+# model's do, so a fault meets requests mid-generation; sixteen tokens a partial keep the chunks
 # few enough for the clients on two cores to read 1,000 streams in the suite's time.
-STREAM_INTERVAL = 8
+STREAM_INTERVAL = 16
 MODEL = "dpcoord-echo"
+STOP_WITHIN_S = 3.0
 # Short failure detection, so a fault costs seconds: replicas and engines beat every 0.3 s.
 CHAOS_SETTINGS: dict[str, object] = {
     "heartbeat_interval_s": 0.3,
@@ -75,9 +77,7 @@ class _Child:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[bytes] = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            command, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True
-        )
+        self.process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=self._log)
 
     @property
     def alive(self) -> bool:
@@ -87,14 +87,17 @@ class _Child:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=10)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.alive:
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def reap(self, timeout_s: float) -> None:
+        """Wait for the child to exit, SIGKILL it after ``timeout_s``, and close its log."""
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self._log.close()
 
     def log_tail(self, lines: int = 20) -> str:
@@ -187,10 +190,14 @@ class ChaosStack:
         await asyncio.to_thread(self.nats.restart)
 
     def close(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
-        for child in [*self.engines.values(), *self.replicas.values()]:
-            child.stop()
+        """SIGTERM every child at once, then SIGKILL what is left after a few seconds: the
+        gateway would otherwise give streams still running (a leaked abort's) its full grace."""
+        children = [*([self.gateway] if self.gateway else []), *self.engines.values(), *self.replicas.values()]
+        for child in children:
+            child.terminate()
+        give_up = time.monotonic() + STOP_WITHIN_S
+        for child in children:
+            child.reap(max(0.0, give_up - time.monotonic()))
         self.nats.close()
 
     def logs(self) -> str:
