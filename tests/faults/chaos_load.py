@@ -1,0 +1,184 @@
+"""Streamed chat completions through the official ``openai`` SDK, 200 at a time, each stream's
+text compared exactly with the echo engine's, and a fault injected mid-load.
+
+Each stream is counted once:
+
+- ``exact``: it ended with ``finish_reason`` ``length`` and its text is the echo engine's;
+- ``corrupt``: it ended normally (a ``finish_reason``) but its text or finish reason differs;
+- ``hung``: no chunk for :data:`HUNG_AFTER_S` (before the response or between two chunks); the
+  stream is then closed, so the suite's time stays bounded;
+- ``error``: a clear error: an HTTP error status, or an error event in the stream;
+- ``broken``: the connection failed, or the stream ended with neither a finish reason nor an
+  error event (silently truncated).
+
+The SDK runs with its default retries (2, on a 5xx or connection error before the response
+starts), as applications run it: a retried request that then streams exactly counts as exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx2
+import openai
+
+from tests.faults.chaos import MODEL, ChaosStack, expected_text
+
+IN_FLIGHT = 200
+# Stream lengths: 160 to 400 tokens, 0.8 to 2 s at 5 ms a token.
+MIN_TOKENS = 160
+TOKEN_SPREAD = 241
+# Well below the suite's per-test timeout, well above a recovery that works (heartbeat 1.5 s).
+HUNG_AFTER_S = 10.0
+OUTCOMES = ("exact", "corrupt", "hung", "error", "broken")
+Fault = Callable[[], Awaitable[None]]
+STREAMING_AT_FAULT = 20  # streams whose text has begun to reach the SDK when the first fault strikes
+STREAMING_WAIT_S = 30.0
+
+
+@dataclass
+class Tally:
+    """One scenario's counts and how long it took."""
+
+    scenario: str
+    streams: int
+    counts: Counter[str] = field(default_factory=Counter)
+    max_gap_s: float = 0.0
+    streaming: int = 0  # streams that have had text and not ended, now
+    streaming_at_fault: int | None = None  # None: no fault
+    streams_began: asyncio.Event = field(default_factory=asyncio.Event)  # STREAMING_AT_FAULT reached
+    wall_s: float = 0.0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def error_share(self) -> float:
+        return self.counts["error"] / self.streams if self.streams else 0.0
+
+    def line(self) -> str:
+        counts = "  ".join(f"{name} {self.counts[name]:>4}" for name in OUTCOMES)
+        return (
+            f"{self.scenario:<34} streams {self.streams:>4}  {counts}  "
+            f"streaming at fault {'-' if self.streaming_at_fault is None else self.streaming_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
+        )
+
+
+def sdk_client(base_url: str, concurrency: int = IN_FLIGHT) -> openai.AsyncOpenAI:
+    """An AsyncOpenAI that keeps a connection alive for each stream (the SDK default keeps 100)."""
+    limits = httpx2.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
+    return openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        timeout=httpx2.Timeout(60.0, connect=10.0),
+        http_client=openai.DefaultAsyncHttpx2Client(limits=limits),
+    )
+
+
+async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, tally: Tally) -> str:
+    """Run one streamed chat completion and return its outcome (one of :data:`OUTCOMES`)."""
+    expected = expected_text(content, max_tokens)
+    last = time.monotonic()
+    try:
+        stream = await asyncio.wait_for(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=max_tokens,
+                stream=True,
+            ),
+            HUNG_AFTER_S,
+        )
+    except TimeoutError:
+        return "hung"
+    except openai.APIConnectionError:
+        return "broken"
+    except openai.APIError:
+        return "error"
+    text: list[str] = []
+    finish: str | None = None
+    streaming = False
+    try:
+        chunks = aiter(stream)
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), HUNG_AFTER_S)
+            except StopAsyncIteration:
+                break
+            now = time.monotonic()
+            tally.max_gap_s = max(tally.max_gap_s, now - last)
+            last = now
+            for choice in chunk.choices:
+                text.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+            if not streaming and any(text):
+                streaming = True
+                tally.streaming += 1
+                if tally.streaming >= STREAMING_AT_FAULT:
+                    tally.streams_began.set()
+    except TimeoutError:
+        return "hung"
+    except (openai.APIConnectionError, httpx2.HTTPError):
+        return "broken"
+    except openai.APIError:
+        return "error"
+    finally:
+        tally.streaming -= streaming
+        await stream.close()
+    if finish is None:
+        return "broken"
+    got = "".join(text)
+    if finish == "length" and got == expected:
+        return "exact"
+    if len(tally.examples) < 3:
+        tally.examples.append(difference(content, max_tokens, f"finish={finish}", got, expected))
+    return "corrupt"
+
+
+def difference(content: str, max_tokens: int, label: str, got: str, expected: str) -> str:
+    """Where a corrupt stream leaves the expected text, with a little of either side."""
+    at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
+    start = max(0, at - 20)
+    return (
+        f"{content!r} max_tokens={max_tokens} {label}: {len(got)} characters for {len(expected)}, "
+        f"apart from {at}: got {got[start : at + 40]!r}, want {expected[start : at + 40]!r}"
+    )
+
+
+async def faults_once_streaming(faults: list[Fault], tally: Tally) -> None:
+    """Inject ``faults`` one after the other once :data:`STREAMING_AT_FAULT` streams have begun.
+
+    On this machine the clients, not the engines, are the bottleneck: an engine finishes a
+    stream's tokens well before the SDK has read them, so the engines are busy mostly while the
+    first 200 streams start. Striking as their text begins to arrive meets requests
+    mid-generation on every engine and replica (the queue group and the routing spread them
+    over all). A replica's status is no guide to the moment: under this load it answers late
+    (it showed requests in flight that had long ended)."""
+    if not faults:
+        return
+    await asyncio.wait_for(tally.streams_began.wait(), STREAMING_WAIT_S)
+    tally.streaming_at_fault = tally.streaming
+    for fault in faults:
+        await fault()
+
+
+async def run_load(
+    stack: ChaosStack, scenario: str, streams: int, faults: list[Fault], in_flight: int = IN_FLIGHT
+) -> Tally:
+    """``streams`` streamed chat completions, ``in_flight`` at a time, through the stack's
+    gateway, with ``faults`` injected beside them (:func:`faults_once_streaming`)."""
+    tally = Tally(scenario, streams)
+    slots = asyncio.Semaphore(in_flight)
+    started = time.monotonic()
+    async with sdk_client(stack.base_url, in_flight) as client:
+
+        async def one(index: int) -> None:
+            async with slots:
+                content = f"{scenario} stream {index:05d}"
+                tally.counts[await one_stream(client, content, MIN_TOKENS + index % TOKEN_SPREAD, tally)] += 1
+
+        await asyncio.gather(faults_once_streaming(faults, tally), *(one(index) for index in range(streams)))
+    tally.wall_s = time.monotonic() - started
+    return tally
