@@ -222,7 +222,7 @@ async def slots_left(stack: ChaosStack, answered_before: int, busy_before: int, 
         if now_busy <= busy_before and await answered(stack) >= answered_before + taken:
             return 0
         if loop.time() > deadline:
-            return now_busy - busy_before
+            return max(0, now_busy - busy_before)
         await asyncio.sleep(0.05)
 
 
