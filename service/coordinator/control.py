@@ -24,27 +24,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from msgspec import Struct
 
-from service.bus.direct import DirectClient
 from service.bus.registry import Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.broadcast import BroadcastResult, broadcast
 from service.coordinator.control_state import ControlState
+from service.coordinator.core import Core
 from service.coordinator.fleet import Fleet
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.shared_state import SharedControlState
-from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
 from service.protocol.state import ControlRecord, CoordinatorState, Written
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
 
@@ -54,32 +51,27 @@ Reply = Callable[[Incoming, Struct], Awaitable[None]]
 class Control:
     def __init__(
         self,
-        coordinator_id: str,
-        settings: Settings,
-        nc: DirectClient,
-        subjects: Subjects,
+        core: Core,
         current: ControlState,
         fleet: Fleet,
         admission: Admission,
         peers: CoordinatorPeers,
-        counters: Counter[str],
         reply: Reply,
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
         request_stop: Callable[[], None],
     ) -> None:
-        self._id = coordinator_id
-        self._settings = settings
-        self._nc = nc
-        self._subjects = subjects
+        self._id = core.id
+        self._settings = settings = core.settings
+        self._nc = core.nc
+        self._subjects = core.subjects
         self.current = current
         self._fleet = fleet
         self._admission = admission
         self._peers = peers
-        self._counters = counters
+        self._counters = core.counters
         self._reply = reply
-        self._spawn = spawn
+        self._spawn = core.spawn
         self._request_stop = request_stop
-        self.shared = SharedControlState(subjects.prefix, coordinator_id, settings.control_timeout_s, self._follow)
+        self.shared = SharedControlState(core.subjects.prefix, core.id, settings.control_timeout_s, self._follow)
         self.failure: str | None = None  # why this replica stopped itself, if it did
         self.changed = asyncio.Event()  # set whenever this replica learns a newer record
         self._finishing_stop = False

@@ -19,34 +19,36 @@ and the background tasks, and implements the narrow contexts handlers are typed 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
 from msgspec import Struct
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient, DirectSubscription
-from service.bus.registry import HandlerRegistry, HandlerSpec, Incoming
+from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
 from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.dispatch import Dispatch
+from service.coordinator.enrolment import Enrolment
 from service.coordinator.fleet import Fleet
 from service.coordinator.forwarding import Forwarding
+from service.coordinator.known_clients import KnownClients
 from service.coordinator.outbox import Outbox
 from service.coordinator.ownership import Ownership
 from service.coordinator.peer_replies import PeerReplies
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.relay import ReplyRelay
+from service.coordinator.replica_watch import ReplicaWatch
 from service.coordinator.requests import ClientKey, RequestTable
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
@@ -56,22 +58,19 @@ from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
 from service.ops.loops import keep_running
 from service.ops.settings import Settings
-from service.protocol.codec import detect_encoding, encode, encode_msgpack, return_hints
+from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedAbort, ForwardedSubmission
 from service.protocol.messages import (
     Ack,
     ControlSignal,
-    CoordinatorHeartbeat,
     Heartbeat,
-    RegisterAck,
     RoutedReply,
     ServedModel,
     SubmitEnvelope,
     SubmitRequest,
     UpdateWeights,
     WeightVersion,
-    error_reply,
 )
 from service.protocol.state import CoordinatorState, Written
 from service.protocol.subjects import (
@@ -80,14 +79,9 @@ from service.protocol.subjects import (
     ReplySubjects,
     Subjects,
     id_problem,
-    publishable,
-    utf8_length,
 )
 
 log = logging.getLogger(__name__)
-
-# Owners (inbox prefixes) remembered as having connected, for shutdown; the least recent are forgotten.
-MAX_KNOWN_CLIENTS = 10_000
 
 
 class Coordinator:
@@ -108,8 +102,6 @@ class Coordinator:
         self.control_state = ControlState()
         self.inboxes = InboxPrefixes(settings.reply_inbox_prefixes.split(","))
         self.replies = ReplySubjects(self.subjects, self.inboxes, settings.max_id_bytes)
-        self._owner_of = self.inboxes.owner
-        self._first_inbox, self._first_owner = self.inboxes.first
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
         core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn)
@@ -151,59 +143,27 @@ class Coordinator:
         )
         self._relay.on_slot_freed = self._admission.release_queue
         self._adoption = Adoption(core, self.requests, self.engines, self.peers, self._kept, self._relay, self.replies)
+        self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption)
         self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
         self._ownership = Ownership(
             core, self.requests, self.peers, self._admission, self._relay, self._forwarding, self.replies
         )
-        self._fleet = Fleet(
-            settings,
-            self.nc,
-            self.subjects,
-            self.engines,
-            self.requests,
-            self._admission,
-            self._relay,
-            self.control_state,
-            self.counters,
-            self.spawn,
-        )
+        self._fleet = Fleet(core, self.engines, self.requests, self._admission, self._relay, self.control_state)
         self._control = Control(
-            self.id,
-            settings,
-            self.nc,
-            self.subjects,
-            self.control_state,
-            self._fleet,
-            self._admission,
-            self.peers,
-            self.counters,
-            self.reply,
-            self.spawn,
-            self.request_stop,
+            core, self.control_state, self._fleet, self._admission, self.peers, self.reply, self.request_stop
         )
-        self._weights = WeightUpdates(
-            self.id,
-            settings,
-            self.nc,
-            self.subjects,
-            self._control.shared,
-            self.engines,
-            self._drop_engine,
-            self.counters,
-            self.reply,
-            self.spawn,
+        self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
+        self._enrolment = Enrolment(
+            core, self.control_state, self._control.shared, self._fleet, self._admission, self._weights
         )
         self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
-        self._max_body = settings.max_payload_bytes
-        self._max_reply = settings.max_id_bytes
+        self._dispatch = Dispatch(core, self, self.replies)
         self._refusal_log = RateLimitedLog(log)
         self._failure_log = RateLimitedLog(log)
-        self._known_clients: OrderedDict[str, None] = OrderedDict()
-        self._heartbeat_subject = self.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
-        self._heartbeat_body = encode_msgpack(CoordinatorHeartbeat(self.id))
+        self._known_clients = KnownClients()
 
     # ------------------------------------------------------------ state others read
 
@@ -260,26 +220,7 @@ class Coordinator:
         except BaseException:
             await close_nats(self.nc)
             raise
-        if self.nc.max_payload < self._max_body:
-            self._max_body = self.nc.max_payload
-        for header, spec in self._handlers.items():
-            queue = "" if spec.fanout or spec.addressed else self.settings.queue_group
-            subjects = [
-                self.subjects.addressed_to(header, self.id) if spec.addressed else self.subjects.coordinator(header)
-            ]
-            if spec.per_sender:  # engines send as themselves; those of earlier releases on the plain subject
-                subjects.append(self.subjects.sent_by_any(header))
-            for subject in subjects:
-                subscription: Subscription | DirectSubscription
-                if spec.direct:
-                    subscription = await self.nc.subscribe_direct(
-                        subject, functools.partial(self._dispatch, spec), queue=queue
-                    )
-                else:
-                    subscription = await self.nc.subscribe(
-                        subject, queue=queue, cb=functools.partial(self._on_message, spec)
-                    )
-                self._subscriptions.append(subscription)
+        self._subscriptions = await self._dispatch.subscribe(self._handlers)
         await flush_subscriptions(self.nc)
         self.spawn(keep_running("watchdog", self._fleet.watch_once, self.counters))
         self.spawn(keep_running("replicas", self._control.watch_replicas_once, self.counters))
@@ -334,72 +275,6 @@ class Coordinator:
             self.counters["task_errors"] += 1
             self._failure_log.exception("background task %s failed", task.get_coro(), exc=exc)
 
-    # ------------------------------------------------------------ dispatch
-
-    async def _on_message(self, spec: HandlerSpec, msg: Msg) -> None:
-        await self._dispatch(spec, msg.subject, msg.reply, msg.data)
-
-    async def _dispatch(self, spec: HandlerSpec, subject: str, reply: str, body: bytes) -> None:
-        """Decode, run the handler, answer any failure. ``subject`` is ``spec``'s own, or for a
-        ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender."""
-        owner = None
-        if reply:
-            owner = self._first_owner if reply.startswith(self._first_inbox) else self._owner_of(reply)
-            # self.replies.check, inline: under an inbox prefix, which settings keep apart from
-            # dpcoord's own subjects, a well-formed subject needs only to fit max_id_bytes.
-            too_long = len(reply) > self._max_reply or (not reply.isascii() and utf8_length(reply) > self._max_reply)
-            if owner is None or too_long or not publishable(reply):
-                self.counters["unsafe_reply_subject"] += 1
-                self._refusal_log.warning(
-                    "dropped %s (%d bytes): reply subject %r %s",
-                    spec.header,
-                    len(body),
-                    reply[:256],
-                    self.replies.check(reply)[1],
-                )
-                return
-        # The sender a per_sender subject names; None on the plain subject (engines of earlier releases).
-        sender = (subject[len(self.subjects.prefix) + len(spec.header) + 2 :] or None) if spec.per_sender else None
-        incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner)
-        try:
-            if len(body) > self._max_body:
-                raise WireError(
-                    ErrorCode.TOO_LARGE, f"{len(body)} bytes exceeds the {self._max_body}-byte payload limit"
-                )
-            await spec.fn(self, incoming, spec.decoder.decode(body, incoming.encoding))
-        except WireError as err:
-            await self._refuse(incoming, err)
-        except Exception:
-            self._failure_log.exception("handler for %s failed", spec.header)
-            await self._refuse(incoming, WireError(ErrorCode.INTERNAL, f"internal error handling {spec.header}"))
-
-    async def _refuse(self, incoming: Incoming, err: WireError) -> None:
-        self.counters[f"error_{err.code}"] += 1
-        hints = return_hints(incoming.body, incoming.encoding)
-        reply_to = hints.reply_to if self._usable_reply_to(hints.reply_to, incoming.owner) else incoming.reply
-        client_request_id = hints.client_request_id if isinstance(hints.client_request_id, (str, int)) else None
-        self._refusal_log.warning(
-            "refused %s (%d bytes, client_request_id=%s): %s %s",
-            incoming.header,
-            len(incoming.body),
-            client_request_id,
-            err.code,
-            err.message,
-        )
-        if not reply_to:
-            return
-        await self.nc.publish(reply_to, encode(error_reply(err, client_request_id), incoming.encoding))
-        if hints.stream is True:
-            await self.nc.publish(reply_to, b"")
-
-    def _usable_reply_to(self, reply_to: object, sender: str | None) -> bool:
-        """A ``reply_to`` read from a refused body: an inbox, the sender's own when it is known,
-        else under the shared inbox prefix (a plain publish names no sender)."""
-        if not isinstance(reply_to, str):
-            return False
-        owner, problem = self.replies.check(reply_to)
-        return problem is None and owner == (self._first_owner if sender is None else sender)
-
     # ------------------------------------------------------------ handler contexts (handlers/context.py)
 
     async def reply(self, incoming: Incoming, message: Struct) -> None:
@@ -426,23 +301,13 @@ class Coordinator:
         return await self._ownership.abort_held(forwarded)
 
     def client_connected(self, incoming: Incoming) -> None:
-        owner = incoming.owner
-        if owner is None:
-            return
-        known = self._known_clients
-        known[owner] = None
-        known.move_to_end(owner)
-        if len(known) > MAX_KNOWN_CLIENTS:
-            known.popitem(last=False)
+        self._known_clients.connected(incoming.owner)
 
     def served_models(self) -> list[ServedModel]:
         return self.engines.served()
 
     async def shut_down(self, incoming: Incoming) -> None:
-        if incoming.owner is None or incoming.owner not in self._known_clients:
-            raise WireError(
-                ErrorCode.FORBIDDEN, "shutdown is honoured only from a client that connected (send connect first)"
-            )
+        self._known_clients.check_shutdown(incoming.owner)
         written, replicas = await self._control.shut_down_all()
         await self.reply(incoming, Ack(Header.SHUTDOWN, state=self.state, revision=written.revision, replicas=replicas))
         await self.nc.flush()
@@ -470,20 +335,6 @@ class Coordinator:
         its heartbeats bring it back once they carry the fleet's version, if it registers no sooner."""
         await self._fleet.remove(engine_id, reason, departed=False)
 
-    def _on_other_weights(self, engine_id: str, weight_version: WeightVersion | None) -> bool:
-        """True (and counted) for an engine that does not serve the fleet's recorded weights."""
-        fleet_version = self.control_state.weight_version
-        if fleet_version is None or weight_version == fleet_version:
-            return False
-        self.counters["engines_on_other_weights"] += 1
-        self._refusal_log.warning(
-            "engine_id=%s serves weights %r, the fleet %r: not added until it loads them",
-            engine_id,
-            weight_version,
-            fleet_version,
-        )
-        return True
-
     async def register_engine(
         self,
         incoming: Incoming,
@@ -492,27 +343,10 @@ class Coordinator:
         model: str | None,
         weight_version: WeightVersion | None = None,
     ) -> None:
-        other_weights = self._on_other_weights(engine_id, weight_version)
-        if other_weights:
-            await self._fleet.remove(engine_id, "serves other weights than the fleet's")
-        else:
-            await self._fleet.register(engine_id, capacity, model, own_subjects=incoming.sender is not None)
-        if incoming.reply:
-            weights = self.control_state
-            ack = RegisterAck(
-                self.id, self.state, self.epoch, self.shared.revision, weights.weight_version, weights.weight_path
-            )
-            await self.nc.publish(incoming.reply, encode_msgpack(ack))
-        if not other_weights:
-            await self._admission.release_queue()
+        await self._enrolment.register(incoming, engine_id, capacity, model, weight_version)
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
-        if self.engines.get(heartbeat.engine_id) is None:
-            if self._on_other_weights(heartbeat.engine_id, heartbeat.weight_version):
-                return  # never adopted: it registers once it serves the fleet's weights
-        else:
-            self._weights.heard(heartbeat.engine_id, heartbeat.weight_version)
-        await self._fleet.heartbeat(heartbeat, own_subjects)
+        await self._enrolment.heartbeat(heartbeat, own_subjects)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         self._fleet.heard_from(engine_id)
@@ -538,27 +372,16 @@ class Coordinator:
         owners that hold no slot forgotten."""
         self.results.sweep()
         self.requests.forget_idle_owners()
-        self._kept.trim()
-        if self.peers.warmed_up:
-            for dead in self.peers.take_departed():
-                self._adoption.departed(dead)
-        if self.nc.is_connected:
-            await self.nc.publish(self._heartbeat_subject, self._heartbeat_body)
+        await self._replica_watch.beat()
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""
-
-        async def settle() -> None:
-            for peer in self._kept.peers():
-                if peer != self.id and not self.peers.is_live(peer):
-                    self._adoption.departed(peer)
-            await self._admission.release_queue()
-
-        self.spawn(settle())
+        self._replica_watch.warmed_up()
+        self.spawn(self._admission.release_queue())
 
     def _on_bus_back(self) -> None:
-        self.peers.restart_clocks()
+        self._replica_watch.reconnected()
         self._control.reconnected()
         self._fleet.forgive_silence()
         asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)

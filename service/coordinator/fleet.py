@@ -30,27 +30,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
 from nats.errors import Error as NatsError
 
-from service.bus.direct import DirectClient
 from service.coordinator.admission import Admission
 from service.coordinator.control_state import ControlState
+from service.coordinator.core import Core
 from service.coordinator.fleet_log import FleetLog
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest, RequestTable
 from service.ops.log_limit import RateLimitedLog
-from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import Heartbeat, ResendAnswer, ResendReplies
 from service.protocol.state import CoordinatorState
-from service.protocol.subjects import RESEND_REPLIES, Subjects, id_problem
+from service.protocol.subjects import RESEND_REPLIES, id_problem
 
 log = logging.getLogger(__name__)
 _resend_answer_decoder = msgpack_decoder(ResendAnswer)
@@ -59,27 +57,23 @@ _resend_answer_decoder = msgpack_decoder(ResendAnswer)
 class Fleet:
     def __init__(
         self,
-        settings: Settings,
-        nc: DirectClient,
-        subjects: Subjects,
+        core: Core,
         pool: EnginePool,
         requests: RequestTable,
         admission: Admission,
         relay: ReplyRelay,
         control: ControlState,
-        counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, object]], None],
     ) -> None:
-        self._settings = settings
-        self._nc = nc
-        self._subjects = subjects
+        self._settings = core.settings
+        self._nc = core.nc
+        self._subjects = core.subjects
         self.pool = pool
         self._requests = requests
         self._admission = admission
         self._relay = relay
         self._control = control
-        self._counters = counters
-        self._spawn = spawn
+        self._counters = core.counters
+        self._spawn = core.spawn
         self.changed = asyncio.Event()
         self._suspects: dict[str, float] = {}  # engine id -> when it was last heard
         self._refusals = RateLimitedLog(log)

@@ -28,24 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from msgspec import Struct
 
-from service.bus.direct import DirectClient
 from service.bus.registry import Incoming
 from service.coordinator.broadcast import BroadcastResult, broadcast
+from service.coordinator.core import Core
 from service.coordinator.pool import EnginePool
 from service.coordinator.shared_state import SharedControlState
-from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import Ack, UpdateWeights, WeightSignal, WeightVersion, error_reply
 from service.protocol.state import ControlRecord, CoordinatorState
-from service.protocol.subjects import COMMIT_WEIGHTS, DISCARD_WEIGHTS, PREPARE_WEIGHTS, Header, Subjects
+from service.protocol.subjects import COMMIT_WEIGHTS, DISCARD_WEIGHTS, PREPARE_WEIGHTS, Header
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +52,22 @@ UPDATABLE = frozenset({CoordinatorState.PAUSED, CoordinatorState.SUSPENDED})
 class WeightUpdates:
     def __init__(
         self,
-        coordinator_id: str,
-        settings: Settings,
-        nc: DirectClient,
-        subjects: Subjects,
+        core: Core,
         shared: SharedControlState,
         pool: EnginePool,
         remove_engine: Callable[[str, str], Awaitable[None]],
-        counters: Counter[str],
         reply: Callable[[Incoming, Struct], Awaitable[None]],
-        spawn: Callable[[Coroutine[Any, Any, None]], None],
     ) -> None:
-        self._id = coordinator_id
-        self._settings = settings
-        self._nc = nc
-        self._subjects = subjects
+        self._id = core.id
+        self._settings = core.settings
+        self._nc = core.nc
+        self._subjects = core.subjects
         self._shared = shared
         self._pool = pool
         self._remove_engine = remove_engine
-        self._counters = counters
+        self._counters = core.counters
         self._reply = reply
-        self._spawn = spawn
+        self._spawn = core.spawn
         self._lock = asyncio.Lock()
         self._lagging: dict[str, float] = {}  # engine id -> when its heartbeats first showed other weights
         self._repairing = False

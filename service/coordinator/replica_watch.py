@@ -1,0 +1,46 @@
+"""This replica among its peers: its heartbeat, and what follows from theirs.
+
+Contract: each beat publishes this replica's heartbeat (while connected), forgets the kept
+replies live peers have surely dealt with, and hands every peer found dead to adoption
+(:mod:`.adoption`), once this replica has been up a heartbeat timeout (before that, silence
+proves nothing). At that moment, the peers whose replies were kept but that were never heard
+are handed over too (they died before this replica started). After this replica's own
+reconnect its peers' clocks restart (:meth:`.peers.CoordinatorPeers.restart_clocks`).
+"""
+
+from __future__ import annotations
+
+from service.coordinator.adoption import Adoption
+from service.coordinator.core import Core
+from service.coordinator.peer_replies import PeerReplies
+from service.coordinator.peers import CoordinatorPeers
+from service.protocol.codec import encode_msgpack
+from service.protocol.messages import CoordinatorHeartbeat
+from service.protocol.subjects import Header
+
+
+class ReplicaWatch:
+    def __init__(self, core: Core, peers: CoordinatorPeers, kept: PeerReplies, adoption: Adoption) -> None:
+        self._core = core
+        self._peers = peers
+        self._kept = kept
+        self._adoption = adoption
+        self._subject = core.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
+        self._body = encode_msgpack(CoordinatorHeartbeat(core.id))
+
+    async def beat(self) -> None:
+        self._kept.trim()
+        if self._peers.warmed_up:
+            for dead in self._peers.take_departed():
+                self._adoption.departed(dead)
+        nc = self._core.nc
+        if nc.is_connected:
+            await nc.publish(self._subject, self._body)
+
+    def warmed_up(self) -> None:
+        for peer in self._kept.peers():
+            if peer != self._core.id and not self._peers.is_live(peer):
+                self._adoption.departed(peer)
+
+    def reconnected(self) -> None:
+        self._peers.restart_clocks()
