@@ -154,9 +154,16 @@ class EdgeProtocol(HttpToolsProtocol):
             "connection: close\r\n\r\n"
         )
         transport.write(head.encode() + body)
-        transport.close()
+        # A close with unread bytes sends a reset, which can destroy the answer on its way: end
+        # the sending side, discard what still comes in (data_received), close a moment later.
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
 
+LINGER_S = 1.0  # seconds a refused connection is read (and discarded) before it is closed
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 

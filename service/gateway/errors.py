@@ -105,7 +105,9 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError | Recursi
         return GatewayError(400, f"the body is not valid JSON: {text}")
     unknown = _UNKNOWN_FIELD.search(text)
     if unknown is not None:
-        return GatewayError(400, f"unrecognized request argument supplied: {unknown.group(1)}", unknown.group(1))
+        inside = _FIELD_PATH.search(text)
+        name = f"{inside.group(1)}.{unknown.group(1)}" if inside is not None else unknown.group(1)
+        return GatewayError(400, f"unrecognized request argument supplied: {name}", name)
     field = _FIELD_PATH.search(text) or _MISSING_FIELD.search(text)
     return GatewayError(400, text, field.group(1) if field else None)
 

@@ -20,6 +20,7 @@ longest stop string less one character). The events one reply produces go out as
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +39,8 @@ from service.gateway.schemas import (
 )
 from service.gateway.translate import Job, Plan, usage_of, visible_text
 from service.protocol.messages import Final, Partial
+
+log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = [
@@ -199,6 +202,9 @@ async def sse_events(writer: ChunkWriter, first: Reply, rest: AsyncIterator[Repl
         yield event(from_wire(exc.code, exc.message).body())
     except TimeoutError as exc:
         yield event(GatewayError(504, str(exc)).body())
+    except Exception as exc:  # a bug or an unforeseen failure still ends the stream in words
+        log.exception("stream %s failed", writer.plan.id)
+        yield event(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}").body())
     else:
         if writer.plan.include_usage:
             yield writer.usage()
