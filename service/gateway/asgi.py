@@ -3,13 +3,13 @@
 A route is a path and, per method, a handler ``(scope, receive, send) -> None``; a path is looked
 up in a dict. What no route serves is answered in OpenAI's error shape: 404 for an unknown path,
 405 (with ``Allow``) for a method the path does not serve. Bodies are read only after a handler
-decided to read them (so an API key is checked first), bounded in bytes and in time, and only
+decided to read them (so an API key is checked first), bounded in bytes (and in time by the
+HTTP edge, service/gateway/edge.py), and only
 JSON (``Content-Type: application/json``, or none at all) is read: anything else is 415.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -95,32 +95,28 @@ def check_json(scope: Scope) -> None:
         raise GatewayError(415, f"the body must be JSON (Content-Type: application/json), not {shown}", "content-type")
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
-    """The body, refused with 413 past ``limit`` bytes before it is all read, and with 408 when
-    it takes more than ``timeout_s`` to arrive."""
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The body, refused with 413 past ``limit`` bytes before it is all read. How long it may take
+    to arrive is the HTTP edge's bound (service/gateway/edge.py: 408, then the connection goes)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit)
-    try:
-        async with asyncio.timeout(timeout_s):
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                body: bytes = message.get("body", b"")  # the common case: one piece
-                if len(body) > limit:
-                    raise too_large(len(body), limit)
-                return body
-            parts = bytearray()
-            while True:
-                if message["type"] != "http.request":
-                    raise GatewayError(400, "the client left before sending the whole body")
-                parts += message.get("body", b"")
-                if len(parts) > limit:
-                    raise too_large(len(parts), limit)
-                if not message.get("more_body", False):
-                    return bytes(parts)
-                message = await receive()
-    except TimeoutError:
-        raise GatewayError(408, f"the body did not arrive within {timeout_s:g} s", code="request_timeout") from None
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        body: bytes = message.get("body", b"")  # the common case: one piece
+        if len(body) > limit:
+            raise too_large(len(body), limit)
+        return body
+    parts = bytearray()
+    while True:
+        if message["type"] != "http.request":
+            raise GatewayError(400, "the client left before sending the whole body")
+        parts += message.get("body", b"")
+        if len(parts) > limit:
+            raise too_large(len(parts), limit)
+        if not message.get("more_body", False):
+            return bytes(parts)
+        message = await receive()
 
 
 def too_large(size: int, limit: int) -> GatewayError:

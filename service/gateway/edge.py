@@ -9,8 +9,10 @@ uvicorn takes the protocol class as ``Config(http=...)``, so :class:`EdgeProtoco
 - a request head (request line and header fields) of more than ``max_header_bytes`` bytes, or
   with more than ``max_headers`` fields, is answered 431 and the connection closed: the bytes are
   counted as they arrive, before the parser has buffered a whole field;
-- the head must be complete within ``read_timeout_s`` of the connection opening, or of the first
-  byte of a later request on it (bytes trickling in do not extend it), else 408 and close;
+- a request, head and body, must arrive within ``read_timeout_s`` of the connection opening, or
+  of the first byte of a later request on it (bytes trickling in do not extend it), else 408 and
+  close (a new connection that sent nothing is closed without a word). The timer is armed only
+  for a request that did not arrive whole in one read, so the common request costs none;
 - an idle keep-alive connection is closed after uvicorn's ``timeout_keep_alive``;
 - a connection beyond ``max_connections`` is answered 503 at once and closed.
 
@@ -47,7 +49,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._message_done = True  # the last request arrived in full, body included
         self._header_count = 0
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._read_timer: asyncio.TimerHandle | None = None
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -55,10 +57,10 @@ class EdgeProtocol(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections:
             self._refuse(GatewayError(503, "too many connections; try again later", code="too_many_connections"))
             return
-        self._arm_head_timer()
+        self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._read_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
+        self._cancel_read_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -71,6 +73,8 @@ class EdgeProtocol(HttpToolsProtocol):
             return
         if self._in_head and self._head_bytes > self.limits.max_header_bytes:
             self._refuse(self._too_large())
+        elif self._read_timer is None and not self._message_done:  # a request arriving in pieces
+            self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._read_timed_out)
 
     # parser callbacks
 
@@ -78,8 +82,6 @@ class EdgeProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._message_done = False
         self._header_count = 0
-        if self._head_timer is None:  # a later request on the connection: its head gets its own time
-            self._arm_head_timer()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
@@ -88,7 +90,6 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._cancel_head_timer()
         if self._header_count > self.limits.max_headers:
             self._refuse(self._too_large())
             return
@@ -99,6 +100,7 @@ class EdgeProtocol(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._cancel_read_timer()
         self._message_done = True
         self._in_head = True
         self._head_bytes = 0
@@ -120,29 +122,26 @@ class EdgeProtocol(HttpToolsProtocol):
             code="request_header_fields_too_large",
         )
 
-    def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.limits.read_timeout_s, self._head_timed_out)
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self._in_head:
-            return
-        if self._head_bytes == 0:  # nothing of a request yet: close without a word
+    def _read_timed_out(self) -> None:
+        """The request (head or body) is late. Its handler, if it runs, waits for the body: it
+        has answered nothing yet (one that answers early has its connection closed), and sees the
+        connection go."""
+        self._read_timer = None
+        if self._message_done and self._head_bytes == 0:  # nothing of a request yet: close without a word
             self.transport.close()
             return
         seconds = f"{self.limits.read_timeout_s:g}"
-        self._refuse(GatewayError(408, f"the request head did not arrive within {seconds} s", code="request_timeout"))
+        self._refuse(GatewayError(408, f"the request did not arrive within {seconds} s", code="request_timeout"))
 
     def _refuse(self, err: GatewayError) -> None:
         """Answer ``err`` and close, reading nothing more from this connection."""
         self._refused = True
-        self._cancel_head_timer()
+        self._cancel_read_timer()
         transport = self.transport
         if transport.is_closing():
             return

@@ -4,7 +4,8 @@ submission per choice through the client library.
 
 A streamed request waits for its first reply before answering, so an error before the first token
 is a plain HTTP error; a choice that fails after that (any of several) ends the stream with an
-error event and ``[DONE]``, never silently. A client that disconnects gets its submissions
+error event and ``[DONE]``, never silently. The replies ready together go out as one write
+(:class:`service.gateway.streaming.Replies`). A client that disconnects gets its submissions
 aborted, which frees their engine slots and KV memory. While the gateway drains, the streams it
 must cut end the same way (:meth:`Streams.cut`).
 """
@@ -27,7 +28,7 @@ from service.gateway.asgi import check_json, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import chat_decoder, completion_decoder, json_encoder
-from service.gateway.streaming import ChunkWriter, DisconnectWatch, Reply, send_stream, sse_events
+from service.gateway.streaming import ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
 from service.gateway.translate import (
     Job,
     Plan,
@@ -112,8 +113,7 @@ class Generation:
         """Answers a non-streamed request itself; returns a stream whose first reply arrived."""
         self._authorize(scope)
         check_json(scope)
-        settings = self.settings
-        body = await read_body(scope, receive, settings.max_payload_bytes, settings.gateway_read_timeout_s)
+        body = await read_body(scope, receive, self.settings.max_payload_bytes)
         endpoint = self.endpoint
         try:
             plan = endpoint.plan(endpoint.decode(body))
@@ -158,51 +158,17 @@ class Generation:
 
     async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
-        replies = self._replies(client, plan, ids)
+        replies = Replies(
+            (job, client.stream(**self._submission(plan, job, rid))) for job, rid in zip(plan.jobs, ids, strict=True)
+        )
         try:
-            first = await anext(replies)
+            first = await replies.batch()
         except BaseException:
             watch.stop()
             await replies.aclose()
             raise
         writer = ChunkWriter(plan, self.endpoint.chat)
         return EventStream(writer, sse_events(writer, first, replies), replies, watch, lambda: aborted(client, ids))
-
-    async def _replies(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> AsyncGenerator[Reply, None]:
-        """Every reply of the plan's submissions, interleaved as they arrive; the first failure of
-        any is raised (the stream's error event)."""
-        if len(plan.jobs) == 1:
-            job = plan.jobs[0]
-            async with aclosing(client.stream(**self._submission(plan, job, ids[0]))) as replies:
-                async for reply in replies:
-                    yield job, reply
-            return
-        queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
-
-        async def pump(job: Job, client_request_id: str) -> None:
-            try:
-                async with aclosing(client.stream(**self._submission(plan, job, client_request_id))) as replies:
-                    async for reply in replies:
-                        queue.put_nowait((job, reply))
-            except Exception as exc:  # any failure of a choice reaches the stream, never silence
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(None)
-
-        pumps = [asyncio.ensure_future(pump(job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)]
-        try:
-            running = len(pumps)
-            while running:
-                item = await queue.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in pumps:
-                task.cancel()
 
 
 class EventStream:
@@ -212,7 +178,7 @@ class EventStream:
         self,
         writer: ChunkWriter,
         events: AsyncGenerator[bytes, None],
-        replies: AsyncGenerator[Reply, None],
+        replies: Replies,
         watch: DisconnectWatch,
         abort: Callable[[], Any],
     ) -> None:

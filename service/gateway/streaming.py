@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from starlette.types import Receive, Send
@@ -188,16 +189,67 @@ class ChunkWriter:
         return event(json_encoder.encode(chunk))
 
 
-async def sse_events(writer: ChunkWriter, first: Reply, rest: AsyncIterator[Reply]) -> AsyncGenerator[bytes, None]:
-    """Every event of a stream whose first reply already arrived, ending with one ``[DONE]``."""
+class Replies:
+    """Every reply of a plan's submissions, interleaved as they arrive, through one queue, so that
+    a stream takes all the replies ready at once and writes their events together. A submission's
+    failure is raised after the replies that came before it."""
+
+    def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[Partial | Final, None]]]) -> None:
+        self._queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
+        self._failure: BaseException | None = None
+        self._pumps = [asyncio.ensure_future(self._pump(job, stream)) for job, stream in streams]
+        self._running = len(self._pumps)
+
+    async def _pump(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> None:
+        queue = self._queue
+        try:
+            async with aclosing(stream):
+                async for reply in stream:
+                    queue.put_nowait((job, reply))
+        except Exception as exc:  # any failure of a choice reaches the stream, never silence
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    async def batch(self) -> list[Reply]:
+        """The replies ready now (waiting for one if none is); empty once every stream ended."""
+        if self._failure is not None:
+            raise self._failure
+        queue = self._queue
+        ready: list[Reply] = []
+        while self._running and not ready:
+            item = await queue.get()
+            while True:
+                if item is None:
+                    self._running -= 1
+                elif isinstance(item, BaseException):
+                    self._failure = item
+                    if not ready:
+                        raise item
+                    return ready
+                else:
+                    ready.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+        return ready
+
+    async def aclose(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+async def sse_events(writer: ChunkWriter, first: list[Reply], rest: Replies) -> AsyncGenerator[bytes, None]:
+    """Every event of a stream whose first replies already arrived, ending with one ``[DONE]``;
+    the events of the replies ready together are one piece."""
     try:
-        chunks = writer.chunks(*first)
-        if chunks:
-            yield b"".join(chunks)
-        async for job, reply in rest:
-            chunks = writer.chunks(job, reply)
+        batch = first
+        while batch:
+            chunks = [chunk for job, reply in batch for chunk in writer.chunks(job, reply)]
             if chunks:
                 yield b"".join(chunks) if len(chunks) > 1 else chunks[0]
+            batch = await rest.batch()
     except ClientError as exc:
         yield event(from_wire(exc.code, exc.message).body())
     except TimeoutError as exc:

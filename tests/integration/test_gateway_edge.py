@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
 
 from service.coordinator.coordinator import Coordinator
 from service.gateway.auth import ApiKeys
-from service.gateway.generation import COMPLETIONS, Generation, Streams
-from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import completion_decoder
-from service.gateway.streaming import ChunkWriter, sse_events
+from service.gateway.streaming import ChunkWriter, Replies, sse_events
 from service.gateway.translate import completion_plan
 from service.ops.settings import Settings
 from service.protocol.messages import Final, Partial
@@ -175,7 +173,7 @@ class ScriptedClient:
     def __init__(self) -> None:
         self.first_out = asyncio.Event()
 
-    async def stream(self, **submission: Any) -> AsyncIterator[Partial | Final]:
+    async def stream(self, **submission: Any) -> AsyncGenerator[Partial | Final, None]:
         rid = submission["client_request_id"]
         if rid.endswith("-0"):
             yield Partial(rid, rid, [104], "h")
@@ -185,16 +183,13 @@ class ScriptedClient:
         raise ValueError("an engine failed")  # any exception, not only the client library's own
 
 
-async def test_a_failing_choice_of_a_started_stream_is_an_error_event_then_done(settings: Settings) -> None:
+async def test_a_failing_choice_of_a_started_stream_is_an_error_event_then_done() -> None:
     client = ScriptedClient()
-    generation = Generation(
-        COMPLETIONS, settings, GatewayMetrics(lambda: None), lambda: client, lambda _: None, Streams()
-    )  # type: ignore[arg-type, return-value]
     plan = completion_plan(completion_decoder.decode(b'{"model": "m", "prompt": ["a", "b"], "stream": true}'))
-    ids = [f"{plan.id}-{job.index}" for job in plan.jobs]
-    replies = generation._replies(client, plan, ids)  # type: ignore[arg-type]
-    first = await anext(replies)
+    replies = Replies((job, client.stream(client_request_id=f"{plan.id}-{job.index}")) for job in plan.jobs)
+    first = await replies.batch()
     events = [event async for event in sse_events(ChunkWriter(plan, chat=False), first, replies)]
+    await replies.aclose()
     data = sse_data(b"".join(events))
     assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
     assert json.loads(data[0])["choices"][0]["text"] == "h"
