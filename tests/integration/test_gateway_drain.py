@@ -1,6 +1,6 @@
-"""Drain: on SIGTERM the gateway (a real ``dpcoord gateway`` process) fails readiness and stops
+"""The gateway as a process (``dpcoord gateway``): on SIGTERM it fails readiness and stops
 accepting, lets streams finish within ``gateway_drain_s``, ends those still running with an error
-event and ``[DONE]``, and exits 0."""
+event and ``[DONE]``, and exits 0; with ``--workers N`` several processes share its port."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from service.gateway.app import Gateway
 from service.gateway.auth import ApiKeys
 from service.ops.settings import Settings
 from tests.conftest import EngineFactory
-from tests.gateway_helpers import sse_data
+from tests.gateway_helpers import http, sse_data
 from tests.helpers import REPO_ROOT
 
 ECHO = "dpcoord-echo"
@@ -106,6 +106,61 @@ async def test_sigterm_lets_short_streams_finish_and_cuts_long_ones_with_an_erro
         assert json.loads(cut[-2])["error"]["code"] == "shutting_down"
         code = await asyncio.to_thread(gateway.wait, DRAIN_S + 10)
         assert code == 0, (tmp_path / "gateway.log").read_text()
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+        gateway.wait()
+        log.close()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def test_workers_share_the_port_and_stop_with_the_gateway(
+    settings: Settings, coordinator: Coordinator, start_engines: EngineFactory, tmp_path: Path
+) -> None:
+    """``--workers 2``: two processes accept on one port (SO_REUSEPORT spreads new connections
+    over them, so each counted some of the requests but none all of them), and both exit 0 on
+    SIGTERM."""
+    await start_engines(1)
+    port = free_port()
+    env = dict(
+        os.environ,
+        DPCOORD_NATS_URL=settings.nats_url,
+        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
+        DPCOORD_GATEWAY_HOST="127.0.0.1",
+        DPCOORD_GATEWAY_PORT=str(port),
+    )
+    log = (tmp_path / "gateway.log").open("w")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "service", "gateway", "--workers", "2"], env=env, cwd=REPO_ROOT, stderr=log
+    )
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        served = 0
+        counted: set[float] = set()
+        while len(counted) < 2 or 0 in counted:  # until both have served (the second starts a moment later)
+            assert loop.time() < deadline, (counted, (tmp_path / "gateway.log").read_text())
+            for _ in range(20):  # each on a new connection
+                try:
+                    payload = {"model": ECHO, "prompt": "hi", "max_tokens": 2}
+                    served += (await http(port, "POST", "/v1/completions", payload)).status == 200
+                except OSError:
+                    await asyncio.sleep(0.1)  # not listening yet
+            counted = set()
+            for _ in range(30):
+                metrics = (await http(port, "GET", "/metrics")).body.decode()
+                counted.add(_metric(metrics, 'dpcoord_gateway_requests_total{endpoint="completions",status="200"}'))
+        assert all(0 < count < served for count in counted) and sum(counted) == served, (counted, served)
+        workers = [int(pid) for pid in Path(f"/proc/{gateway.pid}/task/{gateway.pid}/children").read_text().split()]
+        assert len(workers) == 1
+        gateway.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gateway.wait, 20) == 0
+        assert (
+            not Path(f"/proc/{workers[0]}").exists() or "Z" in Path(f"/proc/{workers[0]}/stat").read_text().split()[2]
+        )
     finally:
         if gateway.poll() is None:
             gateway.kill()
