@@ -48,7 +48,6 @@ class EdgeProtocol(HttpToolsProtocol):
         self._in_head = True  # before a request head ends: bytes arriving now count towards it
         self._head_bytes = 0
         self._message_done = True  # the last request arrived in full, body included
-        self._header_count = 0
         self._read_timer: asyncio.TimerHandle | None = None
         self._refused = False
 
@@ -81,16 +80,10 @@ class EdgeProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._message_done = False
-        self._header_count = 0
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        if self._header_count <= self.limits.max_headers:
-            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self._header_count > self.limits.max_headers:
+        if len(self.headers) > self.limits.max_headers:  # their bytes are bounded as they arrive
             self._refuse(self._too_large())
             return
         super().on_headers_complete()
