@@ -1,6 +1,6 @@
 """The gateway's HTTP edge: uvicorn's httptools protocol with the bounds a public server needs.
 
-Stock uvicorn (0.30 to 0.54 at least) bounds none of these on its httptools path: httptools
+Stock uvicorn (0.54, the version this is tested with) bounds none of these on its httptools path: httptools
 buffers a header field of any size before uvicorn sees it (a 100 MB header was read in full),
 nothing times out a connection that has not sent its request head (idle or a byte at a time),
 and its ``limit_concurrency`` answers per request in plain text rather than capping connections.

@@ -21,7 +21,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import uvicorn
 
@@ -100,13 +100,22 @@ def drain(gateway: Gateway, server: uvicorn.Server, drain_s: float) -> None:
     asyncio.get_running_loop().call_later(drain_s, cut)
 
 
-async def serve_on(settings: Settings, api_keys: ApiKeys, sock: socket.socket) -> bool:
-    """Serve on ``sock`` until a signal drains this process; whether uvicorn started."""
+async def serve_on(
+    settings: Settings, api_keys: ApiKeys, sock: socket.socket, on_signal: Callable[[], None] | None = None
+) -> bool:
+    """Serve on ``sock`` until a signal drains this process (and calls ``on_signal``); whether
+    uvicorn started."""
     gateway = Gateway(settings, api_keys)
     server = _Server(uvicorn_config(gateway, settings))
+
+    def signalled() -> None:
+        drain(gateway, server, settings.gateway_drain_s)
+        if on_signal is not None:
+            on_signal()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, drain, gateway, server, settings.gateway_drain_s)
+        loop.add_signal_handler(signum, signalled)
     await server.serve(sockets=[sock])
     return server.started
 
@@ -129,12 +138,16 @@ async def serve(settings: Settings, api_keys: ApiKeys) -> int:
         workers,
         "required" if api_keys.required else "not required",
     )
-    try:
-        started = await serve_on(settings, api_keys, sock)
-    finally:
+
+    def stop_workers() -> None:  # they drain alongside this process, not after it
         for child in children:
             if child.returncode is None:
                 child.send_signal(signal.SIGTERM)
+
+    try:
+        started = await serve_on(settings, api_keys, sock, stop_workers)
+    finally:
+        stop_workers()
         for child in children:
             await child.wait()
     return 0 if started else 1

@@ -288,7 +288,7 @@ class Settings(BaseSettings):
     gateway_read_timeout_s: GatewaySetting[float] = Field(
         10.0,
         gt=0,
-        description="Seconds an HTTP client has to send a request head (from connecting, or from the first byte of a later request), and again its body",
+        description="Seconds an HTTP client has to send a whole request, head and body, from connecting or from the first byte of a later request (408 after it)",
     )
     gateway_idle_timeout_s: GatewaySetting[float] = Field(
         30.0, gt=0, description="Seconds an idle keep-alive HTTP connection is kept open"
