@@ -43,11 +43,14 @@ def shown_on(stream: TextIO, raw: bool) -> Callable[[str], str]:
 
 
 def in_foreground(stream: TextIO) -> bool:
-    """Whether this process is in the foreground process group of the terminal ``stream`` is."""
+    """Whether this process is in the foreground process group of the terminal ``stream`` is; a
+    terminal that is not this process's controlling one has no job control, so there it is."""
     try:
         return os.tcgetpgrp(stream.fileno()) == os.getpgrp()
-    except (OSError, ValueError):  # not a terminal, not ours, or closed
+    except ValueError:  # closed
         return False
+    except OSError:  # not our controlling terminal (a pseudo-terminal handed to us, say)
+        return True
 
 
 class Spinner:

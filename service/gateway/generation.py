@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +27,7 @@ from service.client import ClientError, DpcoordClient
 from service.gateway.asgi import check_json, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
-from service.gateway.schemas import chat_decoder, completion_decoder, json_encoder
+from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
 from service.gateway.streaming import ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
 from service.gateway.translate import (
     Job,
@@ -180,7 +180,7 @@ class EventStream:
         events: AsyncGenerator[bytes, None],
         replies: Replies,
         watch: DisconnectWatch,
-        abort: Callable[[], Any],
+        abort: Callable[[], Awaitable[bool]],
     ) -> None:
         self.writer = writer
         self.events = events
@@ -188,7 +188,7 @@ class EventStream:
         self.watch = watch
         self.abort = abort
 
-    def usage(self) -> Any:
+    def usage(self) -> Usage:
         writer = self.writer
         finals = [(index, choice.final) for index, choice in writer.choices.items() if choice.final is not None]
         return usage_of(writer.plan, finals)

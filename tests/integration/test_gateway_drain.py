@@ -149,6 +149,8 @@ async def test_workers_share_the_port_and_stop_with_the_gateway(
                     served += (await http(port, "POST", "/v1/completions", payload)).status == 200
                 except OSError:
                     await asyncio.sleep(0.1)  # not listening yet
+            if not served:  # the first process is not listening yet
+                continue
             counted = set()
             for _ in range(30):
                 metrics = (await http(port, "GET", "/metrics")).body.decode()

@@ -13,10 +13,8 @@ import pytest
 
 SPIN = textwrap.dedent(
     """
-    import asyncio, os, sys
+    import asyncio, sys
     from service.cli.terminal import Spinner
-    if sys.argv[1] == "background":
-        os.setpgid(0, 0)  # a process group that is not the terminal's foreground one
     async def main():
         async with Spinner(sys.stderr, "waiting", interval_s=0.01):
             await asyncio.sleep(0.2)
@@ -24,18 +22,27 @@ SPIN = textwrap.dedent(
     sys.stderr.write("END\\n")
     """
 )
+# The session leader on the pseudo-terminal runs the spinner in its own (foreground) process
+# group, or in a new one, which is then a background job of that terminal.
+LAUNCH = textwrap.dedent(
+    """
+    import subprocess, sys
+    background = sys.argv[2] == "background"
+    subprocess.run([sys.executable, "-c", sys.argv[1]], process_group=0 if background else None, check=True)
+    """
+)
 
 
 def _drawn(where: str) -> str:
-    """What the spinner wrote to its terminal, run in a new session on a pseudo-terminal."""
+    """What the spinner wrote to its terminal, run under a new session on a pseudo-terminal."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the pty is its controlling terminal, and it leads the foreground group
-        os.execv(sys.executable, [sys.executable, "-c", SPIN, where])
+        os.execv(sys.executable, [sys.executable, "-c", LAUNCH, SPIN, where])
     out = b""
     try:
-        while b"END" not in out:
-            out += os.read(fd, 4096)
-    except OSError:  # the child closed the terminal
+        while chunk := os.read(fd, 4096):
+            out += chunk
+    except OSError:  # EIO: every writer has closed the terminal
         pass
     os.waitpid(pid, 0)
     os.close(fd)
@@ -44,5 +51,6 @@ def _drawn(where: str) -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal job control as on Linux")
 def test_the_spinner_draws_only_in_the_foreground() -> None:
-    assert "waiting" in _drawn("foreground")
-    assert "waiting" not in _drawn("background")
+    foreground, background = _drawn("foreground"), _drawn("background")
+    assert "END" in foreground and "waiting" in foreground
+    assert "END" in background and "waiting" not in background
