@@ -5,21 +5,23 @@ started it exits, even when that parent was SIGKILLed and could run no clean-up:
 and a gateway with several workers start their children with :func:`die_with_parent` as the
 ``preexec_fn``, so none outlives them. Elsewhere it does nothing (the parent's own stop path
 remains the only clean-up there).
+
+``preexec_fn`` runs in the child between fork and exec, where looking a library up (which may
+start a process) or loading one could deadlock: libc is opened here, at import, in the parent,
+and the child only makes the one call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def die_with_parent() -> None:
     """Run in the child between fork and exec: SIGTERM it when its parent dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
