@@ -10,7 +10,10 @@ on the same coordinator and engines. Three workloads, each both ways:
 - pipelined short completions (``--connections`` in flight): requests/s, p50 / p99 under load,
   and the gateway's CPU per request;
 - streamed completions of 64 tokens (``--streams`` in flight, one SSE event per token):
-  streams/s and the gateway's CPU per stream.
+  streams/s and the gateway's CPU per stream;
+- the pipelined load against a bare ASGI "hello" app under the same server
+  (benchmarks/hello_asgi.py): the gateway's CPU per request as a multiple of the bare app's,
+  and the gateway's CPU per SSE event (a stream's CPU less a request's, over its tokens).
 
 Rounds are interleaved and flip order; each figure is the median over rounds. The HTTP load
 generator (benchmarks/http_load.py) and the client library share the benchmark process and the
@@ -52,17 +55,23 @@ TARGETS = {
     "gateway_requests_per_s": (">=", 3500.0),
     "gateway_streams_per_s": (">=", 800.0),
     "gateway_added_p50_us": ("<=", 1000.0),
+    # issue 22: at most 1.5x the bare app's CPU per request, at most 10 us per SSE event.
+    "gateway_vs_hello_cpu_per_request": ("<=", 1.5),
+    "gateway_cpu_us_per_sse_event": ("<=", 10.0),
 }
 
 
 class Measure:
     """Runs one workload for one round and returns its figures."""
 
-    def __init__(self, args: argparse.Namespace, stack: BenchStack, client: DpcoordClient, port: int) -> None:
+    def __init__(
+        self, args: argparse.Namespace, stack: BenchStack, client: DpcoordClient, port: int, hello_port: int
+    ) -> None:
         self.args = args
         self.stack = stack
         self.client = client
         self.port = port
+        self.hello_port = hello_port
         self.completion = post(
             "127.0.0.1",
             "/v1/completions",
@@ -76,7 +85,7 @@ class Measure:
         self.watch = {
             name: pid
             for name, pid in stack.pids.items()
-            if name in ("client", "gateway", "coordinator", "engine0", "nats_server")
+            if name in ("client", "gateway", "hello", "coordinator", "engine0", "nats_server")
         }
 
     def steps(self) -> list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]]:
@@ -85,6 +94,7 @@ class Measure:
             ("sequential_gateway", lambda: self._sequential_gateway()),
             ("pipelined_client", lambda: self._window(self._client_load(stream=False))),
             ("pipelined_gateway", lambda: self._window(self._http_load(stream=False))),
+            ("pipelined_hello", lambda: self._window(self._http_load(stream=False, port=self.hello_port))),
             ("streaming_client", lambda: self._window(self._client_load(stream=True))),
             ("streaming_gateway", lambda: self._window(self._http_load(stream=True))),
         ]
@@ -113,9 +123,10 @@ class Measure:
             self.args.tokens if stream else self.args.max_tokens,
         )
 
-    def _http_load(self, stream: bool) -> Pipelined:
+    def _http_load(self, stream: bool, port: int | None = None) -> Pipelined:
         raw = self.stream if stream else self.completion
-        return Pipelined("127.0.0.1", self.port, raw, self.args.streams if stream else self.args.connections, stream)
+        connections = self.args.streams if stream else self.args.connections
+        return Pipelined("127.0.0.1", port or self.port, raw, connections, stream)
 
     async def _window(self, load: Any) -> dict[str, Any]:
         stop = asyncio.Event()
@@ -182,7 +193,8 @@ def _latency(latencies: list[float], errors: int) -> dict[str, Any]:
     }
 
 
-def figures(measured: dict[str, dict[str, Any]]) -> dict[str, float]:
+def figures(measured: dict[str, dict[str, Any]], tokens: int) -> dict[str, float]:
+    """The round's figures; ``tokens``: the SSE events of a stream (one per token)."""
     out: dict[str, float] = {}
     if "pipelined_gateway" in measured and "pipelined_client" in measured:
         gateway, client = measured["pipelined_gateway"], measured["pipelined_client"]
@@ -196,6 +208,14 @@ def figures(measured: dict[str, dict[str, Any]]) -> dict[str, float]:
         out["client_streams_per_s"] = client["per_s"]
         out["gateway_vs_client_streams"] = gateway["per_s"] / client["per_s"]
         out["gateway_cpu_us_per_stream"] = gateway["cpu_us_per"]["gateway"]
+    if "pipelined_gateway" in measured and "pipelined_hello" in measured:
+        hello = measured["pipelined_hello"]["cpu_us_per"]["hello"]
+        out["hello_cpu_us_per_request"] = hello
+        out["gateway_vs_hello_cpu_per_request"] = measured["pipelined_gateway"]["cpu_us_per"]["gateway"] / hello
+    if "pipelined_gateway" in measured and "streaming_gateway" in measured:
+        per_stream = measured["streaming_gateway"]["cpu_us_per"]["gateway"]
+        per_request = measured["pipelined_gateway"]["cpu_us_per"]["gateway"]
+        out["gateway_cpu_us_per_sse_event"] = (per_stream - per_request) / tokens
     if "sequential_gateway" in measured and "sequential_client" in measured:
         out["gateway_sequential_p50_us"] = measured["sequential_gateway"]["p50_us"]
         out["client_sequential_p50_us"] = measured["sequential_client"]["p50_us"]
@@ -263,9 +283,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await stack.start_dpcoord(probe)
         port = free_port()
         await stack.start_gateway(port)
+        hello_port = free_port()
+        await stack.start_hello(hello_port)
         settings = Settings.model_validate({"nats_url": stack.nats_url, "subject_prefix": config.prefix})
         async with await DpcoordClient.connect(settings) as client:
-            measure = Measure(args, stack, client, port)
+            measure = Measure(args, stack, client, port, hello_port)
             steps = [step for step in measure.steps() if not args.only or step[0].split("_")[0] in args.only]
             progress = Progress(len(steps) * args.rounds)
             rounds: list[dict[str, Any]] = []
@@ -275,7 +297,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for name, step in ordered:
                     progress.step(f"round {index + 1}/{args.rounds} {name}")
                     measured[name] = await step()
-                rounds.append({"measured": measured, "figures": figures(measured)})
+                rounds.append({"measured": measured, "figures": figures(measured, args.tokens)})
                 progress.note(" ".join(f"{key}={value:.4g}" for key, value in rounds[-1]["figures"].items()))
             progress.done()
     return {

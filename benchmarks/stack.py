@@ -133,6 +133,19 @@ class BenchStack:
             await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
         raise RuntimeError("the gateway was not ready in 30 s")
 
+    async def start_hello(self, port: int) -> None:
+        """The bare ASGI baseline (benchmarks/hello_asgi.py) on 127.0.0.1:``port``, once it answers."""
+        await self._spawn("hello", "-m", "benchmarks.hello_asgi", str(port), env=self._dpcoord_env())
+        for _ in range(600):
+            self._check_children()
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
+        raise RuntimeError("the hello app was not up in 30 s")
+
     def _check_children(self) -> None:
         children = [name for name in self.pids if name not in ("client", "nats_server")]
         for name, child in zip(children, self._children, strict=True):

@@ -38,6 +38,8 @@ class GenerationRequest:
     # Tokens an earlier run of this request generated and streamed (a migration): the backend
     # continues after them exactly as if it had generated them itself.
     resume_tokens: tuple[int, ...] = ()
+    ignore_eos: bool = False  # EOS ids do not end the request
+    min_tokens: int = 0  # no EOS id and no stop string ends the request before this many tokens
 
     @classmethod
     def from_submit(cls, request_id: str, submit: SubmitRequest, prompt: str | list[int]) -> GenerationRequest:
@@ -52,6 +54,8 @@ class GenerationRequest:
             top_p=params.top_p if params.top_p is not None else DEFAULT_TOP_P,
             seed=params.seed,
             stop=tuple(params.stop or ()),
+            ignore_eos=params.ignore_eos,
+            min_tokens=params.min_tokens,
         )
 
 

@@ -286,7 +286,10 @@ class DpcoordClient:
             params.timeout_s = timeout
         request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
         chat = list(messages) if messages is not None else None
-        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
+        try:
+            body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
+        except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
+            raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
         hashes = prefix_hashes(prompt, chat) or None
         return encode_msgpack(
             SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)

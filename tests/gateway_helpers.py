@@ -86,8 +86,9 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
 
 
 def _request_bytes(method: str, path: str, body: bytes, headers: dict[str, str] | None) -> bytes:
-    head = [f"{method} {path} HTTP/1.1", "Host: test", f"Content-Length: {len(body)}", "Content-Type: application/json"]
-    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    head = [f"{method} {path} HTTP/1.1", "Host: test", f"Content-Length: {len(body)}"]
+    head += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 

@@ -33,15 +33,18 @@ class RequestState:
         self.resumed_text = "".join(self.text(token)[0] for token in tokens)
 
     def token_finish(self, token: int, eos_token_ids: tuple[int, ...], max_context: int) -> FinishReason | None:
-        """Whether the token just appended ends the request, by the token alone."""
-        if token in eos_token_ids:
+        """Whether the token just appended ends the request, by the token alone (an EOS id only
+        without ``ignore_eos`` and from ``min_tokens`` on)."""
+        request = self.request
+        if token in eos_token_ids and not request.ignore_eos and self.sequence.num_generated > request.min_tokens:
             return "stop"
         if self.sequence.num_generated >= self.request.max_tokens or len(self.sequence.token_ids) >= max_context:
             return "length"
         return None
 
     def text(self, token: int) -> tuple[str, bool]:
-        """The text the token completes, and whether that text completes a stop string."""
+        """The text the token completes, and whether that text completes a stop string (from
+        ``min_tokens`` tokens on: a stop string completed before is not matched later)."""
         text = self.detokenizer.push(token)
         stops = self.request.stop
         if not stops or not text:
@@ -49,4 +52,7 @@ class RequestState:
         window = self.stop_window + text
         keep = max(len(stop) for stop in stops) - 1
         self.stop_window = window[-keep:] if keep else ""
+        if self.sequence.num_generated < self.request.min_tokens:
+            self.stop_window = ""
+            return text, False
         return text, any(stop in window for stop in stops)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,15 @@ def free_port() -> int:
 class EmbeddedNatsServer:
     """A nats-server child process on 127.0.0.1; ``start`` returns once it logs that it is ready."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), jetstream: bool = True) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        jetstream: bool = True,
+        preexec_fn: Callable[[], None] | None = None,  # run in the child before exec (dpcoord up: die with it)
+    ) -> None:
         self.port = port or free_port()
+        self._preexec_fn = preexec_fn
         self._extra_args = extra_args
         self._store: tempfile.TemporaryDirectory[str] | None = (
             tempfile.TemporaryDirectory(prefix="dpcoord-jetstream-") if jetstream else None
@@ -64,7 +72,12 @@ class EmbeddedNatsServer:
             args += ["-js", "-sd", self._store.name]
         # A session of its own: Ctrl-C in a terminal must not kill the bus under the services using it.
         self._process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=self._preexec_fn,
         )
         threading.Thread(target=self._read_log, args=(self._process,), daemon=True).start()
         if not self._ready.wait(timeout_s):
@@ -72,6 +85,11 @@ class EmbeddedNatsServer:
             raise RuntimeError(f"nats-server did not become ready on port {self.port}:\n" + "\n".join(self.log_tail))
         log.info("nats-server ready at %s", self.url)
         return self
+
+    def exit_code(self) -> int | None:
+        """The server's exit status once it exited by itself; None while it runs or after ``stop``."""
+        process = self._process
+        return None if process is None else process.poll()
 
     def _read_log(self, process: subprocess.Popen[str]) -> None:
         assert process.stderr is not None  # set by Popen(stderr=PIPE)

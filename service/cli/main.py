@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gateway = commands.add_parser("gateway", parents=[gateway_settings], help="run the OpenAI-compatible HTTP gateway")
     gateway.add_argument(
+        "--workers",
+        dest="setting_gateway_workers",
+        default=None,
+        metavar="N",
+        help="gateway processes sharing the port through SO_REUSEPORT (the same as --gateway-workers)",
+    )
+    gateway.add_argument(
         "--api-key",
         action="append",
         default=[],

@@ -1,10 +1,16 @@
 """``dpcoord up``: an embedded nats-server with JetStream in a temporary store (unless a NATS
 URL is given), one coordinator, N engines and the OpenAI-compatible HTTP gateway (unless
-``--no-gateway``) as child processes, stopped together on Ctrl-C or SIGTERM."""
+``--no-gateway``) as child processes, stopped together on Ctrl-C or SIGTERM.
+
+The parts are supervised (service/cli/supervise.py): when any of them exits, during start or
+later, ``up`` names it with its exit code, its last log lines and a fix when it knows one (the
+``gateway`` extra missing, the gateway's port taken), stops the rest and exits 1. Without the
+gateway extra installed it says so before starting anything."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -19,7 +25,9 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from service.bus.server import EmbeddedNatsServer, free_port
+from service.cli.supervise import GATEWAY_EXTRA_HINT, Parts
 from service.client import ClientError, DpcoordClient
+from service.ops.children import die_with_parent
 from service.ops.services_api import CoordinatorStatus
 from service.ops.settings import SettingGroup, Settings, settings_in
 
@@ -80,23 +88,18 @@ async def _registered_engines(client: DpcoordClient) -> int | None:
     return len(msgspec.json.decode(reply.data, type=CoordinatorStatus).engines)
 
 
-async def _until_ready(settings: Settings, engines: list[asyncio.subprocess.Process]) -> int:
-    """Wait for the coordinator, then until every engine still running has registered (a model
-    takes a while to load); returns how many did."""
+async def _until_ready(settings: Settings, engines: int) -> int:
+    """Wait for the coordinator, then until every engine has registered (a model takes a while to
+    load; an engine that exits instead ends the stack, see :class:`Parts`); returns how many did."""
     client = await _wait_for_coordinator(settings)
     try:
         while True:
             registered = await _registered_engines(client)
-            if registered is not None and registered >= sum(engine.returncode is None for engine in engines):
-                break
+            if registered is not None and registered >= engines:
+                return registered
             await asyncio.sleep(0.1)
     finally:
         await client.close()
-    if 0 < registered < len(engines):
-        log.warning(
-            "%d of %d engines exited before registering; their logs are above", len(engines) - registered, len(engines)
-        )
-    return registered
 
 
 def dpcoord_command() -> str:
@@ -206,62 +209,89 @@ def _banner(settings: Settings, model: str | None, registered: int, ports: list[
     )
 
 
+# Settings `up` gives its children unless set: the gateway drains briefly (Ctrl-C stops everything
+# within seconds), and health and metrics listen on the loopback, as NATS and the gateway do.
+UP_DEFAULTS = {"gateway_drain_s": "2", "http_host": "127.0.0.1"}
+GATEWAY_MODULES = ("starlette", "uvicorn", "httptools")
+
+
+def missing_gateway_modules() -> list[str]:
+    return [name for name in GATEWAY_MODULES if importlib.util.find_spec(name) is None]
+
+
 async def run_stack(settings: Settings, engines: int, model: str | None, gateway: bool = True) -> int:
+    """Run the stack until Ctrl-C or SIGTERM (exit 0) or until any part exits (exit 1, naming it)."""
+    missing = missing_gateway_modules() if gateway else []
+    if missing:
+        sys.stderr.write(
+            f"dpcoord up: the gateway cannot start: {', '.join(missing)} not installed.\n{GATEWAY_EXTRA_HINT}\n"
+        )
+        return 1
     server: EmbeddedNatsServer | None = None
     if "nats_url" not in settings.model_fields_set:
-        server = EmbeddedNatsServer().start()
+        try:
+            server = EmbeddedNatsServer(preexec_fn=die_with_parent).start()
+        except (RuntimeError, OSError) as exc:
+            sys.stderr.write(f"dpcoord up: the embedded nats-server did not start: {exc}\n")
+            return 1
         settings = settings.model_copy(update={"nats_url": server.url})
         settings.model_fields_set.add("nats_url")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    parts = Parts()
+    try:
+        if server is not None:
+            parts.watch_nats(server)
+        return await _supervise(settings, engines, model, gateway, parts, stop)
+    finally:
+        await parts.stop()
+        if server is not None:
+            server.close()
+
+
+async def _supervise(
+    settings: Settings, engines: int, model: str | None, gateway: bool, parts: Parts, stop: asyncio.Event
+) -> int:
     env = _child_env(settings)
+    for name, value in UP_DEFAULTS.items():
+        if name not in settings.model_fields_set:
+            env[f"DPCOORD_{name.upper()}"] = value
     if "cpu_threads" not in settings.model_fields_set:
         # Engines sharing one machine's cores must not each start a thread per core.
         env["DPCOORD_CPU_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(engines, 1)))
     ports = http_ports(settings, engines)
     python = [sys.executable, "-m", "service"]
     engine_args = ["--model", model] if model else []
-    children = [await asyncio.create_subprocess_exec(*python, "coordinator", env=env | {_PORT_ENV: str(ports[0])})]
-    engine_processes = [
-        await asyncio.create_subprocess_exec(*python, "engine", *engine_args, env=env | {_PORT_ENV: str(port)})
-        for port in ports[1:]
-    ]
-    children += engine_processes
+    await parts.start("coordinator", [*python, "coordinator"], env | {_PORT_ENV: str(ports[0])})
+    for rank, port in enumerate(ports[1:]):
+        await parts.start(f"engine {rank}", [*python, "engine", *engine_args], env | {_PORT_ENV: str(port)})
     gateway_host = settings.gateway_host if "gateway_host" in settings.model_fields_set else "127.0.0.1"
     gateway_address = ("127.0.0.1" if gateway_host == "0.0.0.0" else gateway_host, gateway_port(settings))
     if gateway:
         gateway_env = env | {"DPCOORD_GATEWAY_HOST": gateway_host, "DPCOORD_GATEWAY_PORT": str(gateway_address[1])}
-        children.append(await asyncio.create_subprocess_exec(*python, "gateway", env=gateway_env))
+        await parts.start("gateway", [*python, "gateway"], gateway_env)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    coordinator_exit = asyncio.ensure_future(children[0].wait())
-    coordinator_exit.add_done_callback(lambda _: stop.set())
-    exit_code = 0
+    async def start_up() -> None:
+        registered = await _until_ready(settings, engines)
+        lines = await _gateway_lines(settings, *gateway_address) if gateway else ""
+        sys.stdout.write(_banner(settings, model, registered, ports, lines))
+        sys.stdout.flush()
+
+    stopping = asyncio.ensure_future(stop.wait())
+    starting = asyncio.ensure_future(start_up())
     try:
-        ready = asyncio.ensure_future(_until_ready(settings, engine_processes))
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait((ready, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if not stopping.done() and ready.result() == 0 < engines:
-            log.error("every engine exited before registering; their logs are above")
-            exit_code = 1
-            stop.set()
-        elif not stopping.done():
-            lines = await _gateway_lines(settings, *gateway_address) if gateway else ""
-            sys.stdout.write(_banner(settings, model, ready.result(), ports, lines))
-            sys.stdout.flush()
-        ready.cancel()
-        await stopping
+        await asyncio.wait((starting, stopping, parts.exited), return_when=asyncio.FIRST_COMPLETED)
+        if starting.done() and starting.exception() is not None:
+            sys.stderr.write(f"dpcoord up: the stack did not come up: {starting.exception()}\n")
+            return 1
+        if starting.done():
+            await asyncio.wait((stopping, parts.exited), return_when=asyncio.FIRST_COMPLETED)
+        if parts.exited.done() and not stop.is_set():
+            sys.stderr.write(parts.exited.result().report())
+            return 1
+        return 0
     finally:
-        for child in children:
-            if child.returncode is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                await asyncio.wait_for(child.wait(), 15)
-            except TimeoutError:
-                child.kill()
-                await child.wait()
-        if server is not None:
-            server.close()
-    return exit_code
+        starting.cancel()
+        stopping.cancel()

@@ -4,7 +4,9 @@ Generated text can hold any character (the random default model writes noise): w
 ESC starts an escape sequence, a carriage return overwrites the line, a bidi override reorders
 what follows. On a terminal those characters are written as ``\\uXXXX`` escapes, the JSON
 spelling, so an escaped JSON line is still valid JSON; pipes and ``--raw`` get the text as it is.
-A non-streamed submission shows a spinner while it waits, on a terminal only.
+A non-streamed submission shows a spinner while it waits, on a terminal only, and only while its
+process is in the terminal's foreground process group: a submission held in the background
+(``dpcoord submit ... &``) draws nothing over the next command's output.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 from collections.abc import Callable
 from typing import Self, TextIO
 
@@ -39,15 +42,27 @@ def shown_on(stream: TextIO, raw: bool) -> Callable[[str], str]:
     return escape_nonprintable if stream.isatty() and not raw else str
 
 
+def in_foreground(stream: TextIO) -> bool:
+    """Whether this process is in the foreground process group of the terminal ``stream`` is; a
+    terminal that is not this process's controlling one has no job control, so there it is."""
+    try:
+        return os.tcgetpgrp(stream.fileno()) == os.getpgrp()
+    except ValueError:  # closed
+        return False
+    except OSError:  # not our controlling terminal (a pseudo-terminal handed to us, say)
+        return True
+
+
 class Spinner:
     """``| waiting 1.2 s`` redrawn on ``stream`` while the block runs, erased after it; nothing
-    at all when ``stream`` is not a terminal."""
+    at all when ``stream`` is not a terminal, and nothing while the process is in the background."""
 
     def __init__(self, stream: TextIO, label: str, interval_s: float = 0.1) -> None:
         self._stream = stream
         self._label = label
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._drawn = False  # a frame is on the line, to erase
 
     async def __aenter__(self) -> Self:
         if self._stream.isatty():
@@ -61,13 +76,16 @@ class Spinner:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        self._stream.write(_ERASE_LINE)
-        self._stream.flush()
+        if self._drawn and in_foreground(self._stream):
+            self._stream.write(_ERASE_LINE)
+            self._stream.flush()
 
     async def _spin(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         for frame in itertools.cycle(_FRAMES):
-            self._stream.write(f"{_ERASE_LINE}{frame} {self._label} {loop.time() - started:.1f} s")
-            self._stream.flush()
+            if in_foreground(self._stream):
+                self._stream.write(f"{_ERASE_LINE}{frame} {self._label} {loop.time() - started:.1f} s")
+                self._stream.flush()
+                self._drawn = True
             await asyncio.sleep(self._interval_s)

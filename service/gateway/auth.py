@@ -36,6 +36,16 @@ class ApiKeys:
             every += from_file
         return cls(every)
 
+    @classmethod
+    def from_digests(cls, digests: Iterable[str]) -> ApiKeys:
+        """Keys as :meth:`digests` gives them (hex), for a gateway worker process."""
+        keys = cls()
+        keys._digests = frozenset(bytes.fromhex(digest) for digest in digests)
+        return keys
+
+    def digests(self) -> list[str]:
+        return sorted(digest.hex() for digest in self._digests)
+
     @property
     def required(self) -> bool:
         return bool(self._digests)

@@ -9,16 +9,23 @@ field is a 400 naming it, as OpenAI answers an unrecognised argument.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
+
+from service.protocol.messages import Int64, ModelName
+
+# Integers the engines take fit 31 bits; a bigger one is a 400 naming its field, here, rather
+# than an error on its way to the wire (JSON integers have no bound).
+Count = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 
 # ---------------------------------------------------------------- requests
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage in every chunk
 
 
 class ContentPart(Struct):
@@ -37,13 +44,13 @@ class ChatMessageIn(Struct):
 class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
     """Fields both endpoints share."""
 
-    model: str | None = None
+    model: ModelName | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # an extension, as vLLM has it
-    seed: int | None = None
+    top_k: Count | None = None  # an extension, as vLLM has it
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: Count = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -55,23 +62,26 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions that load generators (guidellm, aiperf) send, honoured by the engines.
+    ignore_eos: bool = False
+    min_tokens: Count = 0
 
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]  # or a list of strings, token ids, or lists of token ids: see translate.prompts
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: Count | None = None
+    logprobs: Count | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Count | None = None
     suffix: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessageIn]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

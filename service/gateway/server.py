@@ -1,45 +1,79 @@
-"""``dpcoord gateway``: the gateway's ASGI app under uvicorn, with httptools parsing HTTP and the
-event loop the settings choose (uvloop when installed). SIGINT and SIGTERM stop it as they stop
-the other dpcoord processes: uvicorn stops accepting, lets requests in progress finish, the app
-closes its NATS connection, and the process exits 0 (uvicorn's own handlers would re-raise the
-signal and exit with it)."""
+"""``dpcoord gateway``: the gateway's ASGI app under uvicorn, with httptools parsing HTTP behind the
+bounds of service/gateway/edge.py, on the event loop the settings choose (uvloop when installed).
+
+SIGINT and SIGTERM start a drain: ``/readyz`` and ``/health`` fail at once, the listening socket
+closes, idle connections close, and requests in progress get ``gateway_drain_s`` to finish; the
+streams still running then end with an error event and ``[DONE]`` (service/gateway/generation.py),
+the app closes its NATS connection, and the process exits 0.
+
+``gateway_workers`` > 1 runs that many processes on one port: this one and ``N - 1`` workers it
+starts, each with its own socket bound with ``SO_REUSEPORT`` (the kernel spreads connections over
+them) and its own NATS connection. A worker gets its settings on standard input, so no secret is
+on its command line, dies with this process (``PR_SET_PDEATHSIG``), and is stopped with it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
-from collections.abc import Generator
+import socket
+import sys
+from collections.abc import Callable, Generator
 
 import uvicorn
 
 from service.gateway.app import Gateway
 from service.gateway.auth import ApiKeys
+from service.gateway.edge import EdgeLimits, edge_protocol
+from service.ops import event_loop
+from service.ops.children import die_with_parent
 from service.ops.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Seconds an idle keep-alive connection is kept: load generators and SDKs reuse connections.
-KEEP_ALIVE_S = 30
-# Seconds requests in progress get to finish on shutdown.
-GRACEFUL_SHUTDOWN_S = 10
+# Seconds past gateway_drain_s for the streams it cut to write their last event and close.
+CUT_GRACE_S = 2.0
+WORKER_ENTRY = "from service.gateway.server import worker_main; raise SystemExit(worker_main())"
+
+
+def edge_limits(settings: Settings) -> EdgeLimits:
+    return EdgeLimits(
+        max_header_bytes=settings.gateway_max_header_bytes,
+        max_headers=settings.gateway_max_headers,
+        read_timeout_s=settings.gateway_read_timeout_s,
+        max_connections=settings.gateway_max_connections,
+    )
 
 
 def uvicorn_config(gateway: Gateway, settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(
-        gateway.app,
+        gateway,
         host=settings.gateway_host,
         port=settings.gateway_port,
         loop="none",  # the caller's loop: service.ops.event_loop picks uvloop or asyncio
-        http="httptools",
+        http=edge_protocol(edge_limits(settings)),
         lifespan="on",
         access_log=False,
         proxy_headers=False,  # X-Forwarded-* change nothing the gateway does
         log_config=None,  # dpcoord's logging configuration stays in force
-        timeout_keep_alive=KEEP_ALIVE_S,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=int(max(1, settings.gateway_idle_timeout_s)),
+        timeout_graceful_shutdown=int(settings.gateway_drain_s + CUT_GRACE_S),
     )
+
+
+def listener(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -50,17 +84,96 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(settings: Settings, api_keys: ApiKeys) -> int:
+def drain(gateway: Gateway, server: uvicorn.Server, drain_s: float) -> None:
+    """Fail readiness, stop accepting, and cut the streams still running after ``drain_s``."""
+    if gateway.draining:
+        return
+    gateway.draining = True
+    server.should_exit = True
+    log.info("gateway draining: %d stream(s) get %.0f s to finish", len(gateway.streams), drain_s)
+
+    def cut() -> None:
+        cut_count = gateway.streams.cut()
+        if cut_count:
+            log.warning("gateway drain: cut %d stream(s) still running after %.0f s", cut_count, drain_s)
+
+    asyncio.get_running_loop().call_later(drain_s, cut)
+
+
+async def serve_on(
+    settings: Settings, api_keys: ApiKeys, sock: socket.socket, on_signal: Callable[[], None] | None = None
+) -> bool:
+    """Serve on ``sock`` until a signal drains this process (and calls ``on_signal``); whether
+    uvicorn started."""
     gateway = Gateway(settings, api_keys)
     server = _Server(uvicorn_config(gateway, settings))
+
+    def signalled() -> None:
+        drain(gateway, server, settings.gateway_drain_s)
+        if on_signal is not None:
+            on_signal()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, setattr, server, "should_exit", True)
+        loop.add_signal_handler(signum, signalled)
+    await server.serve(sockets=[sock])
+    return server.started
+
+
+async def serve(settings: Settings, api_keys: ApiKeys) -> int:
+    workers = settings.gateway_workers
+    try:
+        sock = listener(settings.gateway_host, settings.gateway_port, reuse_port=workers > 1)
+    except OSError as exc:
+        log.error("gateway: cannot listen on %s:%d: %s", settings.gateway_host, settings.gateway_port, exc)
+        return 1
+    port = sock.getsockname()[1]
+    children = [
+        await _start_worker(settings.model_copy(update={"gateway_port": port}), api_keys) for _ in range(1, workers)
+    ]
     log.info(
-        "gateway on http://%s:%d (API keys %s)",
+        "gateway on http://%s:%d (%d process(es); API keys %s)",
         settings.gateway_host,
-        settings.gateway_port,
+        port,
+        workers,
         "required" if api_keys.required else "not required",
     )
-    await server.serve()
-    return 0 if server.started else 1
+
+    def stop_workers() -> None:  # they drain alongside this process, not after it
+        for child in children:
+            if child.returncode is None:
+                child.send_signal(signal.SIGTERM)
+
+    try:
+        started = await serve_on(settings, api_keys, sock, stop_workers)
+    finally:
+        stop_workers()
+        for child in children:
+            await child.wait()
+    return 0 if started else 1
+
+
+async def _start_worker(settings: Settings, api_keys: ApiKeys) -> asyncio.subprocess.Process:
+    setup = json.dumps({"settings": settings.model_dump(mode="json"), "keys": api_keys.digests()}).encode()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WORKER_ENTRY, stdin=asyncio.subprocess.PIPE, preexec_fn=die_with_parent
+    )
+    if child.stdin is None:
+        raise RuntimeError("the worker's standard input is not a pipe")
+    child.stdin.write(setup)
+    await child.stdin.drain()
+    child.stdin.close()
+    return child
+
+
+def worker_main() -> int:
+    """A worker process: settings and key digests from standard input, then :func:`serve_on`
+    on its own ``SO_REUSEPORT`` socket."""
+    setup = json.loads(sys.stdin.buffer.read())
+    settings = Settings(**{**setup["settings"], "gateway_workers": 1})
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    sock = listener(settings.gateway_host, settings.gateway_port, reuse_port=True)
+    started = event_loop.run(serve_on(settings, ApiKeys.from_digests(setup["keys"]), sock), settings.event_loop)
+    return 0 if started else 1

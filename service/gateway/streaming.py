@@ -4,8 +4,14 @@ A stream is ``data: {chunk}`` events, then ``data: [DONE]``: for a chat, a first
 choice with ``role: assistant``, content deltas as partials arrive, a last chunk with the
 ``finish_reason``; for a completion, text chunks and a last one with the ``finish_reason``. With
 ``stream_options.include_usage`` a chunk with empty ``choices`` and the ``usage`` comes before
-``[DONE]``. An error after the stream began is a ``data: {"error": ...}`` event, then ``[DONE]``:
-exactly one ``[DONE]`` ends every stream.
+``[DONE]``; with ``stream_options.continuous_usage_stats`` every chunk carries the usage so far
+too (its ``prompt_tokens`` counts the prompts whose length is known yet: token-id prompts from
+the start, text prompts once their final arrived). An error after the stream began is a
+``data: {"error": ...}`` event, then ``[DONE]``: exactly one ``[DONE]`` ends every stream.
+
+Stop strings are left out of the text as OpenAI does: with stop strings, the last characters
+that could begin one are held back until the next partial or the final tells (at most the
+longest stop string less one character). The events one reply produces go out as one write.
 
 :class:`DisconnectWatch` listens for ``http.disconnect`` while a request is served and calls its
 ``on_disconnect`` (the gateway aborts the request's submissions, so the engine frees them).
@@ -14,7 +20,9 @@ exactly one ``[DONE]`` ends every stream.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from starlette.types import Receive, Send
@@ -27,10 +35,13 @@ from service.gateway.schemas import (
     ChatMessageOut,
     Completion,
     CompletionChoice,
+    Usage,
     json_encoder,
 )
-from service.gateway.translate import Job, Plan, usage_of
+from service.gateway.translate import Job, Plan, usage_of, visible_text
 from service.protocol.messages import Final, Partial
+
+log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = [
@@ -82,7 +93,10 @@ class DisconnectWatch:
 
 @dataclass(slots=True)
 class _Choice:
-    streamed: str = ""  # text sent so far
+    received: str = ""  # text of the partials so far
+    sent: int = 0  # of it, characters sent
+    stopped: bool = False  # a stop string was seen: nothing more is sent before the final
+    tokens: int = 0  # tokens of the partials so far
     started: bool = False  # a chat choice's role chunk is out
     final: Final | None = None
 
@@ -94,27 +108,66 @@ class ChunkWriter:
     plan: Plan
     chat: bool
     choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt group -> its length, once known
 
     def chunks(self, job: Job, reply: Partial | Final) -> list[bytes]:
-        choice = self.choices.setdefault(job.index, _Choice())
+        choice = self.choices.get(job.index)
+        if choice is None:
+            choice = self.choices[job.index] = _Choice()
+            if isinstance(job.prompt, list):
+                self.prompt_tokens[job.index // self.plan.n] = len(job.prompt)
         out: list[bytes] = []
         if self.chat and not choice.started:
             choice.started = True
             out.append(self._chat(job.index, ChatMessageOut("assistant", ""), None))
         if isinstance(reply, Partial):
-            choice.streamed += reply.text
-            if reply.text:
-                out.append(self._piece(job.index, reply.text, None))
+            choice.received += reply.text
+            choice.tokens += len(reply.new_tokens)
+            text = self._releasable(choice)
+            if text:
+                out.append(self._piece(job.index, text, None))
             return out
         choice.final = reply
-        text = reply.generated_text
-        rest = text[len(choice.streamed) :] if text.startswith(choice.streamed) else ""
+        choice.tokens = len(reply.generated_tokens)
+        if reply.prompt_tokens is not None:
+            self.prompt_tokens[job.index // self.plan.n] = reply.prompt_tokens
+        text = visible_text(self.plan, reply)
+        sent = choice.received[: choice.sent]
+        rest = text[len(sent) :] if text.startswith(sent) else ""
         out.append(self._piece(job.index, rest, reply.finish_reason))
         return out
 
+    def _releasable(self, choice: _Choice) -> str:
+        """The partials' text that can be sent now: all of it without stop strings; else what
+        cannot be the start of a stop string, and nothing from a stop string on."""
+        received, sent, stops = choice.received, choice.sent, self.plan.stops
+        if not stops:
+            choice.sent = len(received)
+            return received[sent:]
+        if choice.stopped:
+            return ""
+        end = len(received) - max(len(stop) for stop in stops) + 1
+        if not self.plan.min_tokens:  # the first stop string to occur is the one that ends the choice
+            for stop in stops:
+                at = received.find(stop, sent)
+                if at >= 0:
+                    choice.stopped = True
+                    end = min(end, at)
+        if end <= sent:
+            return ""
+        choice.sent = end
+        return received[sent:end]
+
+    def _usage_so_far(self) -> Usage | None:
+        if not self.plan.continuous_usage:
+            return None
+        prompt = sum(self.prompt_tokens.values())
+        completion = sum(choice.tokens for choice in self.choices.values())
+        return Usage(prompt, completion, prompt + completion)
+
     def usage(self) -> bytes:
-        finals = [choice.final for choice in self.choices.values() if choice.final is not None]
-        usage = usage_of(finals)
+        finals = [(index, choice.final) for index, choice in self.choices.items() if choice.final is not None]
+        usage = usage_of(self.plan, finals)
         if self.chat:
             return event(
                 json_encoder.encode(ChatCompletionChunk(self.plan.id, self.plan.created, self.plan.model, [], usage))
@@ -126,30 +179,84 @@ class ChunkWriter:
             delta = ChatMessageOut(content=text) if text or finish_reason is None else ChatMessageOut()
             return self._chat(index, delta, finish_reason)
         plan = self.plan
-        return event(
-            json_encoder.encode(
-                Completion(plan.id, plan.created, plan.model, [CompletionChoice(index, text, finish_reason)])
-            )
-        )
+        choices = [CompletionChoice(index, text, finish_reason)]
+        return event(json_encoder.encode(Completion(plan.id, plan.created, plan.model, choices, self._usage_so_far())))
 
     def _chat(self, index: int, delta: ChatMessageOut, finish_reason: str | None) -> bytes:
         plan = self.plan
-        chunk = ChatCompletionChunk(plan.id, plan.created, plan.model, [ChatDeltaChoice(index, delta, finish_reason)])
+        choices = [ChatDeltaChoice(index, delta, finish_reason)]
+        chunk = ChatCompletionChunk(plan.id, plan.created, plan.model, choices, self._usage_so_far())
         return event(json_encoder.encode(chunk))
 
 
-async def sse_events(writer: ChunkWriter, first: Reply, rest: AsyncIterator[Reply]) -> AsyncGenerator[bytes, None]:
-    """Every event of a stream whose first reply already arrived, ending with one ``[DONE]``."""
+class Replies:
+    """Every reply of a plan's submissions, interleaved as they arrive, through one queue, so that
+    a stream takes all the replies ready at once and writes their events together. A submission's
+    failure is raised after the replies that came before it."""
+
+    def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[Partial | Final, None]]]) -> None:
+        self._queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
+        self._failure: BaseException | None = None
+        self._pumps = [asyncio.ensure_future(self._pump(job, stream)) for job, stream in streams]
+        self._running = len(self._pumps)
+
+    async def _pump(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> None:
+        queue = self._queue
+        try:
+            async with aclosing(stream):
+                async for reply in stream:
+                    queue.put_nowait((job, reply))
+        except Exception as exc:  # any failure of a choice reaches the stream, never silence
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    async def batch(self) -> list[Reply]:
+        """The replies ready now (waiting for one if none is); empty once every stream ended."""
+        if self._failure is not None:
+            raise self._failure
+        queue = self._queue
+        ready: list[Reply] = []
+        while self._running and not ready:
+            item = await queue.get()
+            while True:
+                if item is None:
+                    self._running -= 1
+                elif isinstance(item, BaseException):
+                    self._failure = item
+                    if not ready:
+                        raise item
+                    return ready
+                else:
+                    ready.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+        return ready
+
+    async def aclose(self) -> None:
+        for task in self._pumps:
+            task.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+
+async def sse_events(writer: ChunkWriter, first: list[Reply], rest: Replies) -> AsyncGenerator[bytes, None]:
+    """Every event of a stream whose first replies already arrived, ending with one ``[DONE]``;
+    the events of the replies ready together are one piece."""
     try:
-        for chunk in writer.chunks(*first):
-            yield chunk
-        async for job, reply in rest:
-            for chunk in writer.chunks(job, reply):
-                yield chunk
+        batch = first
+        while batch:
+            chunks = [chunk for job, reply in batch for chunk in writer.chunks(job, reply)]
+            if chunks:
+                yield b"".join(chunks) if len(chunks) > 1 else chunks[0]
+            batch = await rest.batch()
     except ClientError as exc:
         yield event(from_wire(exc.code, exc.message).body())
     except TimeoutError as exc:
         yield event(GatewayError(504, str(exc)).body())
+    except Exception as exc:  # a bug or an unforeseen failure still ends the stream in words
+        log.exception("stream %s failed", writer.plan.id)
+        yield event(GatewayError(500, f"internal error: {type(exc).__name__}: {exc}").body())
     else:
         if writer.plan.include_usage:
             yield writer.usage()

@@ -4,12 +4,16 @@ One HTTP request becomes one submission per choice: a completion's prompts (a st
 strings, token ids, or a list of token-id lists) times ``n``, choice ``i * n + j`` being sample
 ``j`` of prompt ``i``; a chat request's ``messages`` times ``n``. The engine renders ``messages``
 with its chat template. What the engines cannot honour is a 400 naming the parameter.
+
+As OpenAI does, a stop string that ended a choice is left out of its text (:func:`visible_text`;
+the engines' wire ``generated_text`` keeps it), and ``usage.prompt_tokens`` counts each prompt
+once, however many samples ``n`` draws from it.
 """
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,7 @@ from service.gateway.schemas import (
 from service.protocol.messages import ChatMessage, Final
 
 MAX_CHOICES = 128  # submissions one HTTP request may fan out into
+MAX_TOKEN_ID = 2**31 - 1  # every tokenizer's ids fit 31 bits (service.protocol.messages.TokenId)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +56,10 @@ class Plan:
     sampling: dict[str, Any]  # SamplingParams fields for the client library
     stream: bool
     include_usage: bool
+    n: int = 1  # samples per prompt: choices ``i * n .. i * n + n - 1`` share prompt ``i``
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    stops: tuple[str, ...] = ()
+    min_tokens: int = 0
 
 
 def completion_plan(request: CompletionRequest) -> Plan:
@@ -65,7 +74,7 @@ def completion_plan(request: CompletionRequest) -> Plan:
     prompts = _prompts(request.prompt)
     n = _choices(request.n, len(prompts))
     jobs = [Job(i * n + j, prompt=prompt) for i, prompt in enumerate(prompts) for j in range(n)]
-    return _plan("cmpl", request, jobs, request.max_tokens, "max_tokens")
+    return _plan("cmpl", request, jobs, request.max_tokens, "max_tokens", n)
 
 
 def chat_plan(request: ChatCompletionRequest) -> Plan:
@@ -89,7 +98,7 @@ def chat_plan(request: ChatCompletionRequest) -> Plan:
         if request.max_completion_tokens is not None
         else (request.max_tokens, "max_tokens")
     )
-    return _plan("chatcmpl", request, [Job(j, messages=messages) for j in range(n)], max_tokens, name)
+    return _plan("chatcmpl", request, [Job(j, messages=messages) for j in range(n)], max_tokens, name, n)
 
 
 def _plan(
@@ -98,6 +107,7 @@ def _plan(
     jobs: list[Job],
     max_tokens: int | None,
     max_tokens_name: str,
+    n: int,
 ) -> Plan:
     _refuse_unsupported(
         [
@@ -114,6 +124,8 @@ def _plan(
     _check(request.temperature is None or request.temperature >= 0, "temperature", "must be at least 0")
     _check(request.top_p is None or 0 < request.top_p <= 1, "top_p", "must be in (0, 1]")
     _check(request.top_k is None or request.top_k >= -1, "top_k", "must be -1 or 0 (off) or a positive count")
+    _check(request.min_tokens >= 0, "min_tokens", "must be at least 0")
+    _check(max_tokens is None or request.min_tokens <= max_tokens, "min_tokens", f"must be at most {max_tokens_name}")
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     sampling: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -122,10 +134,22 @@ def _plan(
         "top_k": max(request.top_k, 0) if request.top_k is not None else None,
         "seed": request.seed,
         "stop": stop or None,
+        "ignore_eos": request.ignore_eos or None,
+        "min_tokens": request.min_tokens or None,
     }
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    options = request.stream_options
     return Plan(
-        f"{kind}-{uuid.uuid4().hex}", int(time.time()), request.model, jobs, sampling, request.stream, include_usage
+        f"{kind}-{os.urandom(16).hex()}",  # as random as uuid4().hex, at less cost
+        int(time.time()),
+        request.model,
+        jobs,
+        sampling,
+        request.stream,
+        include_usage=options is not None and options.include_usage,
+        n=n,
+        continuous_usage=options is not None and options.continuous_usage_stats,
+        stops=tuple(stop or ()),
+        min_tokens=request.min_tokens,
     )
 
 
@@ -161,12 +185,14 @@ def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     if all(isinstance(item, list) and item and all(_is_token_id(t) for t in item) for item in prompt):
         return [list(item) for item in prompt]
     raise GatewayError(
-        400, "prompt must be a string, a list of strings, token ids, or a list of token-id lists", "prompt"
+        400,
+        f"prompt must be a string, a list of strings, token ids (0 to {MAX_TOKEN_ID}), or a list of token-id lists",
+        "prompt",
     )
 
 
 def _is_token_id(item: object) -> bool:
-    return isinstance(item, int) and not isinstance(item, bool) and item >= 0
+    return isinstance(item, int) and not isinstance(item, bool) and 0 <= item <= MAX_TOKEN_ID
 
 
 def _message(message: ChatMessageIn) -> ChatMessage:
@@ -181,25 +207,53 @@ def _message(message: ChatMessageIn) -> ChatMessage:
 # ---------------------------------------------------------------- responses
 
 
-def usage_of(finals: Iterable[Final]) -> Usage:
-    prompt = completion = 0
-    for final in finals:
-        prompt += final.prompt_tokens or 0
+def usage_of(plan: Plan, finals: Iterable[tuple[int, Final]]) -> Usage:
+    """Usage of the choices ``(index, final)``: completion tokens of each, prompt tokens once per
+    prompt (the largest count among its samples, which all share it)."""
+    prompts: dict[int, int] = {}
+    completion = 0
+    for index, final in finals:
+        group = index // plan.n
+        prompts[group] = max(prompts.get(group, 0), final.prompt_tokens or 0)
         completion += len(final.generated_tokens)
+    prompt = sum(prompts.values())
     return Usage(prompt, completion, prompt + completion)
 
 
+def visible_text(plan: Plan, final: Final) -> str:
+    """The text a client sees: without the stop string that ended the choice, and what followed it
+    in the same token."""
+    cut = stop_cut(final.generated_text, plan) if final.finish_reason == "stop" else None
+    return final.generated_text if cut is None else final.generated_text[:cut]
+
+
+def stop_cut(text: str, plan: Plan) -> int | None:
+    """Where the stop string that ended ``text`` starts, or None. Without ``min_tokens`` the first
+    stop string to occur ended it; with ``min_tokens`` an earlier occurrence may have been passed
+    over, so the last one found is taken."""
+    if not plan.stops:
+        return None
+    found = [text.find(stop) if not plan.min_tokens else text.rfind(stop) for stop in plan.stops]
+    found = [at for at in found if at >= 0]
+    if not found:
+        return None
+    return min(found) if not plan.min_tokens else max(found)
+
+
+def _with_text(plan: Plan, finals: list[Final]) -> list[tuple[int, Final, str]]:
+    return [(job.index, final, visible_text(plan, final)) for job, final in zip(plan.jobs, finals, strict=True)]
+
+
 def completion_response(plan: Plan, finals: list[Final]) -> Completion:
-    choices = [
-        CompletionChoice(job.index, final.generated_text, final.finish_reason)
-        for job, final in zip(plan.jobs, finals, strict=True)
-    ]
-    return Completion(plan.id, plan.created, plan.model, choices, usage_of(finals))
+    choices = [CompletionChoice(index, text, final.finish_reason) for index, final, text in _with_text(plan, finals)]
+    usage = usage_of(plan, ((job.index, final) for job, final in zip(plan.jobs, finals, strict=True)))
+    return Completion(plan.id, plan.created, plan.model, choices, usage)
 
 
 def chat_response(plan: Plan, finals: list[Final]) -> ChatCompletion:
     choices = [
-        ChatChoice(job.index, ChatMessageOut("assistant", final.generated_text), final.finish_reason)
-        for job, final in zip(plan.jobs, finals, strict=True)
+        ChatChoice(index, ChatMessageOut("assistant", text), final.finish_reason)
+        for index, final, text in _with_text(plan, finals)
     ]
-    return ChatCompletion(plan.id, plan.created, plan.model, choices, usage_of(finals))
+    usage = usage_of(plan, ((job.index, final) for job, final in zip(plan.jobs, finals, strict=True)))
+    return ChatCompletion(plan.id, plan.created, plan.model, choices, usage)

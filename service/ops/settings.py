@@ -292,6 +292,31 @@ class Settings(BaseSettings):
         None,
         description="File of API keys, one per line, the gateway accepts as 'Authorization: Bearer <key>'; unset (and no --api-key): no key needed",
     )
+    gateway_drain_s: GatewaySetting[float] = Field(
+        30.0,
+        ge=0,
+        description="Seconds the gateway lets streams run after SIGTERM (it stops accepting and fails /readyz at once); those still running then end with an error event. Match the pod's terminationGracePeriodSeconds",
+    )
+    gateway_read_timeout_s: GatewaySetting[float] = Field(
+        10.0,
+        gt=0,
+        description="Seconds an HTTP client has to send a whole request, head and body, from connecting or from the first byte of a later request (408 after it)",
+    )
+    gateway_idle_timeout_s: GatewaySetting[float] = Field(
+        30.0, gt=0, description="Seconds an idle keep-alive HTTP connection is kept open"
+    )
+    gateway_max_connections: GatewaySetting[int] = Field(
+        4096, ge=1, description="Concurrent HTTP connections per gateway process; one more is answered 503 and closed"
+    )
+    gateway_max_header_bytes: GatewaySetting[int] = Field(
+        16384, ge=1024, description="Bytes of a request head (request line and header fields); beyond it: 431"
+    )
+    gateway_max_headers: GatewaySetting[int] = Field(
+        100, ge=8, description="Header fields of a request; beyond it: 431"
+    )
+    gateway_workers: GatewaySetting[int] = Field(
+        1, ge=1, le=256, description="Gateway processes sharing the port through SO_REUSEPORT (for many-core hosts)"
+    )
 
     log_level: ServiceSetting[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field("INFO", description="Log level")
     event_loop: ServiceSetting[Literal["auto", "asyncio", "uvloop"]] = Field(

@@ -40,6 +40,10 @@ class SamplingParams(Struct, omit_defaults=True):
     seed: Int64 | None = None
     stop: list[str] | None = None
     timeout_s: Annotated[float, Meta(gt=0.0)] | None = None
+    # Extensions as vLLM has them (older engines ignore them): generate past EOS ids, and no EOS
+    # or stop string ends the request before ``min_tokens`` tokens.
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
 
 
 class ChatMessage(Struct, omit_defaults=True):

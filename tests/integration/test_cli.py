@@ -157,7 +157,7 @@ def test_up_exits_1_without_a_banner_when_every_engine_fails_to_start(tmp_path: 
     result = run(["up", "--engines", "1", "--backend", "echo", "--model", str(tmp_path)], env)
     assert result.returncode == 1 and result.stdout == ""
     assert "--model needs the torch backend" in result.stderr
-    assert "every engine exited before registering" in result.stderr
+    assert "dpcoord up: the engine 0 exited with code" in result.stderr
 
 
 def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:

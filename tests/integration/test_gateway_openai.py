@@ -61,16 +61,19 @@ async def test_sync_completion_with_usage(start_engines: EngineFactory, gateway:
 async def test_async_completion_of_several_prompts_and_n(
     start_engines: EngineFactory, aclient: openai.AsyncOpenAI
 ) -> None:
-    """Choice ``i * n + j`` is sample ``j`` of prompt ``i``; token-id prompts are used as they are."""
+    """Choice ``i * n + j`` is sample ``j`` of prompt ``i``; token-id prompts are used as they are;
+    the stop string that ended a choice is left out of its text, as OpenAI does, and each prompt's
+    tokens count once however many samples are drawn from it."""
     await start_engines(2)
     completion = await aclient.completions.create(model=ECHO, prompt=["ab", "xyz"], n=2, max_tokens=3, stop=["z"])
     assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [
         (0, "aba", "length"),
         (1, "aba", "length"),
-        (2, "xyz", "stop"),
-        (3, "xyz", "stop"),
+        (2, "xy", "stop"),
+        (3, "xy", "stop"),
     ]
-    assert completion.usage is not None and completion.usage.prompt_tokens == 2 * 2 + 3 * 2
+    assert completion.usage is not None and completion.usage.prompt_tokens == 2 + 3
+    assert completion.usage.completion_tokens == 3 * 4
     by_ids = await aclient.completions.create(model=ECHO, prompt=[104, 105], max_tokens=3)
     assert by_ids.choices[0].text == "hih"
 

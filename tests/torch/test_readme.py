@@ -1,7 +1,7 @@
 """The README's "First five minutes", run as written: `make up` in one terminal, the commands of
 the second terminal in bash, and the `nats` CLI lines reproduced with nats-py (the same subjects
-and bodies; `--replies 0 --wait-for-empty` reads until the empty message). The banner the
-README shows must be the one `dpcoord up` prints, ports apart."""
+and bodies; `--replies 0 --wait-for-empty` reads until the empty message; `nats sub` subscribes, `nats pub`
+publishes). The banner the README shows must be the one `dpcoord up` prints, ports apart."""
 
 from __future__ import annotations
 
@@ -64,10 +64,31 @@ async def nats_cli(url: str, lines: list[list[str]]) -> list[Any]:
         await nc.close()
 
 
+async def nats_sub_pub(url: str, sub: list[str], pub: list[str]) -> list[dict[str, Any]]:
+    """The replies `nats sub SUBJECT` prints after `nats pub SUBJECT BODY`, up to the final."""
+    assert sub[:2] == ["nats", "sub"] and pub[:2] == ["nats", "pub"] and len(sub) == 3 and len(pub) == 4
+    nc = await nats.connect(url)
+    try:
+        printed: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        async def print_reply(msg: Any) -> None:
+            printed.put_nowait(decode_reply(msg.data) if msg.data else {})
+
+        await nc.subscribe(sub[2], cb=print_reply)
+        await nc.flush()
+        await nc.publish(pub[2], pub[3].encode())
+        got = [await asyncio.wait_for(printed.get(), 30)]
+        while got[-1].get("type") != "final":
+            got.append(await asyncio.wait_for(printed.get(), 30))
+        return got
+    finally:
+        await nc.close()
+
+
 def test_first_five_minutes_runs_as_written() -> None:
     blocks = first_five_minutes()
-    assert [language for language, _ in blocks] == ["bash", "text", "bash", "bash"]
-    (_, up_block), (_, shown_banner), (_, terminal_2), (_, nats_block) = blocks
+    assert [language for language, _ in blocks] == ["bash", "text", "bash", "bash", "bash", "bash"]
+    (_, up_block), (_, shown_banner), (_, terminal_2), (_, nats_block), (_, sub_block), (_, pub_block) = blocks
     assert commands(up_block) == [["make", "up"]]
     makefile = (REPO_ROOT / "Makefile").read_text()
     assert "\nENGINES ?= 2\n" in makefile and "\t$(VENV)/bin/dpcoord up --engines $(ENGINES)" in makefile
@@ -115,6 +136,11 @@ def test_first_five_minutes_runs_as_written() -> None:
         assert stream[-1] == {} and stream[-2]["type"] == "final"
         assert {reply["type"] for reply in stream[:-2]} == {"partial"}
         assert (paused["state"], running["state"]) == ("paused", "running")
+
+        [sub], [pub] = commands(sub_block), commands(pub_block)
+        printed = asyncio.run(nats_sub_pub(url, sub, pub))
+        assert printed[-1]["type"] == "final" and len(printed) > 1
+        assert {reply["type"] for reply in printed[:-1]} == {"partial"}
     finally:
         stack.send_signal(signal.SIGINT)
         assert stack.wait(timeout=30) == 0

@@ -1,0 +1,164 @@
+"""The gateway's HTTP edge: uvicorn's httptools protocol with the bounds a public server needs.
+
+Stock uvicorn (0.54, the version this is tested with) bounds none of these on its httptools path: httptools
+buffers a header field of any size before uvicorn sees it (a 100 MB header was read in full),
+nothing times out a connection that has not sent its request head (idle or a byte at a time),
+and its ``limit_concurrency`` answers per request in plain text rather than capping connections.
+uvicorn takes the protocol class as ``Config(http=...)``, so :class:`EdgeProtocol` adds them:
+
+- a request head (request line and header fields) of more than ``max_header_bytes`` bytes, or
+  with more than ``max_headers`` fields, is answered 431 and the connection closed: the bytes are
+  counted as they arrive, before the parser has buffered a whole field;
+- a request, head and body, must arrive within ``read_timeout_s`` of the connection opening, or
+  of the first byte of a later request on it (bytes trickling in do not extend it), else 408 and
+  close (a new connection that sent nothing is closed without a word). The timer is armed only
+  for a request that did not arrive whole in one read, so the common request costs none;
+- an idle keep-alive connection is closed after uvicorn's ``timeout_keep_alive``;
+- a connection beyond ``max_connections`` is answered 503 at once and closed.
+
+Each refusal is an OpenAI error body (service/gateway/errors.py) with ``Connection: close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service.gateway.errors import GatewayError
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    max_header_bytes: int = 16384
+    max_headers: int = 100
+    read_timeout_s: float = 10.0
+    max_connections: int = 4096
+
+
+class EdgeProtocol(HttpToolsProtocol):
+    """One HTTP connection; :func:`edge_protocol` makes the class for a set of limits."""
+
+    limits: ClassVar[EdgeLimits] = EdgeLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # before a request head ends: bytes arriving now count towards it
+        self._head_bytes = 0
+        self._message_done = True  # the last request arrived in full, body included
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(GatewayError(503, "too many connections; try again later", code="too_many_connections"))
+            return
+        self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._read_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._refused:
+            return
+        if self._in_head and self._head_bytes > self.limits.max_header_bytes:
+            self._refuse(self._too_large())
+        elif self._read_timer is None and not self._message_done:  # a request arriving in pieces
+            self._read_timer = self.loop.call_later(self.limits.read_timeout_s, self._read_timed_out)
+
+    # parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._message_done = False
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if len(self.headers) > self.limits.max_headers:  # their bytes are bounded as they arrive
+            self._refuse(self._too_large())
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._cancel_read_timer()
+        self._message_done = True
+        self._in_head = True
+        self._head_bytes = 0
+        if not self._refused:
+            super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self._message_done:  # answered before its body was read (401, 413, ...): stop reading it
+            self.transport.close()
+
+    # bounds
+
+    def _too_large(self) -> GatewayError:
+        limits = self.limits
+        return GatewayError(
+            431,
+            f"the request head exceeds {limits.max_header_bytes} bytes or {limits.max_headers} header fields",
+            code="request_header_fields_too_large",
+        )
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        """The request (head or body) is late. Its handler, if it runs, waits for the body: it
+        has answered nothing yet (one that answers early has its connection closed), and sees the
+        connection go."""
+        self._read_timer = None
+        if self._message_done and self._head_bytes == 0:  # nothing of a request yet: close without a word
+            self.transport.close()
+            return
+        seconds = f"{self.limits.read_timeout_s:g}"
+        self._refuse(GatewayError(408, f"the request did not arrive within {seconds} s", code="request_timeout"))
+
+    def _refuse(self, err: GatewayError) -> None:
+        """Answer ``err`` and close, reading nothing more from this connection."""
+        self._refused = True
+        self._cancel_read_timer()
+        transport = self.transport
+        if transport.is_closing():
+            return
+        body = err.body()
+        head = (
+            f"HTTP/1.1 {err.status} {_REASONS.get(err.status, 'Error')}\r\n"
+            "content-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n"
+        )
+        transport.write(head.encode() + body)
+        # A close with unread bytes sends a reset, which can destroy the answer on its way: end
+        # the sending side, discard what still comes in (data_received), close a moment later.
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
+
+
+LINGER_S = 1.0  # seconds a refused connection is read (and discarded) before it is closed
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def edge_protocol(limits: EdgeLimits) -> type[EdgeProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``limits``."""
+    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})

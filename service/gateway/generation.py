@@ -1,0 +1,251 @@
+"""The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``, as plain
+ASGI handlers: API key, then Content-Type, then the body (bounded in bytes and time), then one
+submission per choice through the client library.
+
+A streamed request waits for its first reply before answering, so an error before the first token
+is a plain HTTP error; a choice that fails after that (any of several) ends the stream with an
+error event and ``[DONE]``, never silently. The replies ready together go out as one write
+(:class:`service.gateway.streaming.Replies`). A client that disconnects gets its submissions
+aborted, which frees their engine slots and KV memory. While the gateway drains, the streams it
+must cut end the same way (:meth:`Streams.cut`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.types import Receive, Scope, Send
+
+from service.client import ClientError, DpcoordClient
+from service.gateway.asgi import check_json, read_body, respond, respond_error
+from service.gateway.errors import GatewayError, from_validation, from_wire
+from service.gateway.metrics import GatewayMetrics
+from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
+from service.gateway.streaming import ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
+from service.gateway.translate import (
+    Job,
+    Plan,
+    chat_plan,
+    chat_response,
+    completion_plan,
+    completion_response,
+    usage_of,
+)
+from service.ops.settings import Settings
+from service.protocol.errors import ErrorCode
+from service.protocol.messages import Final
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One generation route: how its body is read, planned and answered."""
+
+    name: str
+    decode: Callable[[bytes], Any]
+    plan: Callable[[Any], Plan]
+    respond: Callable[[Plan, list[Final]], msgspec.Struct]
+    chat: bool
+
+
+COMPLETIONS = Endpoint("completions", completion_decoder.decode, completion_plan, completion_response, chat=False)
+CHAT = Endpoint("chat.completions", chat_decoder.decode, chat_plan, chat_response, chat=True)
+
+
+class Generation:
+    """Serves one endpoint; ``client`` raises a 503 GatewayError while not connected and
+    ``authorize`` a 401 for a missing or wrong key."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        settings: Settings,
+        metrics: GatewayMetrics,
+        client: Callable[[], DpcoordClient],
+        authorize: Callable[[Scope], None],
+        streams: Streams,
+    ) -> None:
+        self.endpoint = endpoint
+        self.settings = settings
+        self.metrics = metrics
+        self._client = client
+        self._authorize = authorize
+        self._streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        metrics = self.metrics
+        metrics.in_flight += 1
+        status = 200
+        try:
+            stream = await self._answer(scope, receive, send)
+        except GatewayError as err:
+            stream, status = None, err.status
+            await respond_error(send, err)
+        except ClientError as exc:
+            refusal = from_wire(exc.code, exc.message)
+            stream, status = None, refusal.status
+            await respond_error(send, refusal)
+        except TimeoutError as exc:
+            stream, status = None, ErrorCode.TIMED_OUT
+            await respond_error(send, GatewayError(ErrorCode.TIMED_OUT, str(exc)))
+        if stream is None:
+            metrics.in_flight -= 1
+            metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
+            return
+        try:
+            await self._streams.run(stream, send)
+        finally:
+            metrics.disconnects += stream.watch.disconnected
+            metrics.in_flight -= 1
+            metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
+            metrics.used(stream.usage())
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> EventStream | None:
+        """Answers a non-streamed request itself; returns a stream whose first reply arrived."""
+        self._authorize(scope)
+        check_json(scope)
+        body = await read_body(scope, receive, self.settings.max_payload_bytes)
+        endpoint = self.endpoint
+        try:
+            plan = endpoint.plan(endpoint.decode(body))
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+            raise from_validation(exc, body) from None
+        client = self._client()
+        ids = [f"{plan.id}-{job.index}" for job in plan.jobs]
+        watch = DisconnectWatch(receive, lambda: aborted(client, ids))
+        if plan.stream:
+            return await self._stream(client, plan, ids, watch)
+        try:
+            finals = await self._complete(client, plan, ids)
+        finally:
+            watch.stop()
+            self.metrics.disconnects += watch.disconnected
+        self.metrics.used(usage_of(plan, ((job.index, final) for job, final in zip(plan.jobs, finals, strict=True))))
+        await respond(send, 200, json_encoder.encode(endpoint.respond(plan, finals)))
+        return None
+
+    def _submission(self, plan: Plan, job: Job, client_request_id: str) -> dict[str, Any]:
+        return dict(
+            prompt=job.prompt,
+            messages=job.messages,
+            model=plan.model,
+            client_request_id=client_request_id,
+            timeout=self.settings.request_timeout_s,
+            **plan.sampling,
+        )
+
+    async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> list[Final]:
+        if len(plan.jobs) == 1:
+            return [await client.submit(**self._submission(plan, plan.jobs[0], ids[0]))]
+        outcomes = await asyncio.gather(
+            *(client.submit(**self._submission(plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)),
+            return_exceptions=True,
+        )
+        finals = [outcome for outcome in outcomes if isinstance(outcome, Final)]
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return finals
+
+    async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
+        """Wait for the first reply, so an error before the first token is a plain HTTP error."""
+        replies = Replies(
+            (job, client.stream(**self._submission(plan, job, rid))) for job, rid in zip(plan.jobs, ids, strict=True)
+        )
+        try:
+            first = await replies.batch()
+        except BaseException:
+            watch.stop()
+            await replies.aclose()
+            raise
+        writer = ChunkWriter(plan, self.endpoint.chat)
+        return EventStream(writer, sse_events(writer, first, replies), replies, watch, lambda: aborted(client, ids))
+
+
+class EventStream:
+    """A stream whose first reply arrived: its events, written by :meth:`Streams.run`."""
+
+    def __init__(
+        self,
+        writer: ChunkWriter,
+        events: AsyncGenerator[bytes, None],
+        replies: Replies,
+        watch: DisconnectWatch,
+        abort: Callable[[], Awaitable[bool]],
+    ) -> None:
+        self.writer = writer
+        self.events = events
+        self.replies = replies
+        self.watch = watch
+        self.abort = abort
+
+    def usage(self) -> Usage:
+        writer = self.writer
+        finals = [(index, choice.final) for index, choice in writer.choices.items() if choice.final is not None]
+        return usage_of(writer.plan, finals)
+
+
+class Streams:
+    """The streams being written, so that a drain can cut those still running at its deadline:
+    each then ends with an error event and ``[DONE]``, and its submissions are aborted."""
+
+    def __init__(self) -> None:
+        self._running: dict[asyncio.Task[Any], EventStream] = {}
+        self._cut = False
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    async def run(self, stream: EventStream, send: Send) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a stream is written from a task")
+        self._running[task] = stream
+        try:
+            async with aclosing(stream.replies), aclosing(stream.events):
+                await send_stream(send, stream.events, stream.watch)
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            task.uncancel()
+            cut = GatewayError(503, "the gateway is shutting down; the stream was cut", code="shutting_down")
+            await send({"type": "http.response.body", "body": b"data: " + cut.body() + b"\n\ndata: [DONE]\n\n"})
+            await asyncio.shield(stream.abort())
+        finally:
+            del self._running[task]
+
+    def cut(self) -> int:
+        """End every running stream now; returns how many."""
+        self._cut = True
+        for task in self._running:
+            task.cancel()
+        return len(self._running)
+
+
+async def aborted(client: DpcoordClient, ids: list[str]) -> bool:
+    """The HTTP client left: abort its submissions, so engines free their slots and KV memory.
+    False when some submission was not found (not arrived yet, or already ended)."""
+    found = await asyncio.gather(*(_abort(client, client_request_id) for client_request_id in ids))
+    return all(found)
+
+
+async def _abort(client: DpcoordClient, client_request_id: str) -> bool:
+    """True when the coordinator held the request (and so aborts it)."""
+    try:
+        await client.abort(client_request_id, timeout=5.0)
+        return True
+    except ClientError as exc:
+        if exc.code != ErrorCode.NOT_FOUND:
+            log.warning("abort of client_request_id=%s failed: %s", client_request_id, exc)
+    except TimeoutError as exc:
+        log.warning("abort of client_request_id=%s not answered: %s", client_request_id, exc)
+    return False
