@@ -31,6 +31,7 @@ def engine_readiness(runtime: EngineRuntime) -> Check:
 
 def engine_status(runtime: EngineRuntime) -> EngineStatus:
     stats = runtime.backend.prefix_cache_stats()
+    path = runtime.backend.execution_path()
     return EngineStatus(
         engine_id=runtime.engine_id,
         subject_prefix=runtime.subjects.prefix,
@@ -50,6 +51,8 @@ def engine_status(runtime: EngineRuntime) -> EngineStatus:
             stats.evicted_pages,
             stats.total_pages,
         ),
+        execution_path=None if path is None else path.describe(),
+        fast_path_failures=0 if path is None else len(path.failures),
     )
 
 

@@ -78,6 +78,9 @@ class EngineStatus(msgspec.Struct):
     epoch: int | None
     counters: dict[str, int]
     prefix_cache: PrefixCacheStatus | None = None  # None: a backend without a KV cache (echo)
+    # The fast pieces decode runs (ExecutionPath.describe()); None: a backend without any (echo).
+    execution_path: str | None = None
+    fast_path_failures: int = 0  # pieces asked for that failed to build (their tracebacks are in the log)
 
 
 async def add_status_service(
