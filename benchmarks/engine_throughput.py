@@ -159,6 +159,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--full", action="store_true", help="also step times, the bandwidth floor, a static batch and the shared prefix"
     )
+    parser.add_argument("--no-shared-prefix", action="store_true", help="with --full: leave out the shared-prefix rows")
+    parser.add_argument(
+        "--shared-prefix-only", action="store_true", help="only the shared-prefix rows (no transformers baseline)"
+    )
     parser.add_argument("--prefix-requests", type=int, default=256)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--own-tokens", type=int, default=32)
@@ -173,9 +177,10 @@ async def main() -> None:
     config = shape or ModelConfig()
     dtype = resolve_dtype(args.dtype, config, device)
     model_dir = None if shape is None else checkpoint(args.shape, args.checkpoint_dir, dtype, device)
-    await throughput_table(args, config, model_dir, dtype, device)
-    free_memory()
-    if args.full:
+    if not args.shared_prefix_only:
+        await throughput_table(args, config, model_dir, dtype, device)
+        free_memory()
+    if args.shared_prefix_only or (args.full and not args.no_shared_prefix):
         await shared_prefix_rows(args, config, model_dir)
 
 

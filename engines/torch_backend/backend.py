@@ -36,7 +36,13 @@ from engines.torch_backend.batch import build_batch
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.cuda_graphs import DecodeGraphs
-from engines.torch_backend.fast_path import capture_graphs, execution_path, possible_path, require_fast
+from engines.torch_backend.fast_path import (
+    LoadPhases,
+    capture_graphs,
+    execution_path,
+    possible_path,
+    require_fast,
+)
 from engines.torch_backend.kernels import Kernels
 from engines.torch_backend.memory import (
     activation_peak,
@@ -99,6 +105,7 @@ class TorchBackend(Backend):
             torch.cuda.set_device(self.device)  # kernels launch on the current device; steps set it per thread
         if options.require_fast_path:  # before loading anything when the options alone rule it out
             require_fast(possible_path(self.device, options.cuda_graphs, options.torch_compile))
+        self.load_phases = phases = LoadPhases()
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
         self.dtype = resolve_dtype(options.dtype, self.config, self.device)
@@ -112,6 +119,7 @@ class TorchBackend(Backend):
         self.model_name = str(model_dir) if model_dir else f"random default model (seed {options.model_seed})"
         self.default_model_name = (model_dir.resolve().name or str(model_dir)) if model_dir else "dpcoord-random"
         self.chat_template = ChatTemplate.from_dir(model_dir) if model_dir else None
+        phases.done("weights")
 
         max_context = options.max_context or self.config.max_position_embeddings
         if max_context > self.config.max_position_embeddings:
@@ -123,6 +131,7 @@ class TorchBackend(Backend):
         self._failures: list[str] = []  # fast-path pieces that failed to build
         if self.device.type == "cuda":
             self.model.kernels, self._failures = checked_cuda_kernels(self.model, self._rotary, options.torch_compile)
+        phases.done("kernel checks")
         peak = (
             activation_peak(self.model, self._rotary, min(options.max_prefill_tokens, max_context - 1), block_size)
             if self.device.type == "cuda"
@@ -147,8 +156,10 @@ class TorchBackend(Backend):
             )
         self._cache_shape = cache_shape(self.config, plan.num_blocks, block_size)
         self._kv_cache: torch.Tensor | None = allocate_cache(self._cache_shape, self.dtype, self.device)
+        phases.done("activation peak and cache")
         self._use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.kernels.paged_decode is not None
         self._graphs: DecodeGraphs | None = self._capture_graphs()
+        phases.done("graph capture")
         self._path = execution_path(self.device, self.kernels, self._graphs is not None, self._failures)
         if options.require_fast_path:
             require_fast(self._path)
@@ -167,7 +178,7 @@ class TorchBackend(Backend):
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
-            "decode %s; path %s; prefix caching %s; steps %s",
+            "decode %s; path %s; prefix caching %s; steps %s; loaded in %s",
             self.model_name,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             self.dtype,
@@ -180,6 +191,7 @@ class TorchBackend(Backend):
             self._path.describe(),
             "on" if options.prefix_caching else "off",
             "overlapped" if self._overlap else "one at a time",
+            phases.describe(),
         )
 
     @property

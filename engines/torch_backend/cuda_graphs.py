@@ -8,7 +8,8 @@ are fixed, so:
 - it is captured per batch bucket (:func:`decode_buckets`: 1, 2, 4, 8, then every 16 up to
   ``max_batch``); a step runs the smallest bucket that holds its sequences;
 - its inputs live in static buffers (token ids, positions, cache slots, block tables,
-  sequence lengths) that each step overwrites before the replay. Rows past the step's
+  sequence lengths) that each step overwrites before the replay, copied from pinned host
+  mirrors. Rows past the step's
   sequences are padding: they read and write only the scratch page (the cache's last page,
   which the block manager never hands out);
 - attention must not depend on the context length's shape: it is the paged decode kernel,
@@ -39,41 +40,50 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 @dataclass(slots=True)
 class GraphInputs:
-    """One step's inputs on the host, padded to the bucket ``size``."""
+    """One step's inputs on the host: ``count`` rows of a bucket of ``size``. Rows past
+    ``count`` are padding, written by :meth:`StaticDecodeBatch.load`."""
 
     size: int
     count: int
-    longs: torch.Tensor  # [3, size]: token ids, positions, cache slots
-    lengths: torch.Tensor  # [size] int32
-    tables: torch.Tensor  # [size, width] int32
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]  # count rows of one width, padded with the scratch page
 
     @classmethod
     def of(cls, sequences: list[Sequence], size: int, block_size: int, scratch_page: int) -> GraphInputs:
-        """The decode inputs of ``sequences`` (read under the scheduler's lock), padded to ``size``
-        rows that feed token 0 at position 0 into the scratch page and read only that slot."""
-        count = len(sequences)
-        padding = size - count
+        """The decode inputs of ``sequences`` (read under the scheduler's lock)."""
         positions = [len(sequence.token_ids) - 1 for sequence in sequences]
-        token_ids = [sequence.token_ids[-1] for sequence in sequences] + [0] * padding
-        slots = [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)]
-        lengths = [position + 1 for position in positions] + [1] * padding
         width = max(len(sequence.block_table) for sequence in sequences)
-        tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
-        tables += [[scratch_page] * width] * padding
-        longs = [token_ids, positions + [0] * padding, slots + [scratch_page * block_size] * padding]
         return cls(
             size,
-            count,
-            torch.tensor(longs, dtype=torch.long),
-            torch.tensor(lengths, dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32),
+            len(sequences),
+            [sequence.token_ids[-1] for sequence in sequences],
+            positions,
+            [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)],
+            [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences],
         )
+
+
+class _Mirror:
+    """Host copies of the static buffers, pinned on CUDA: a copy from pageable memory with
+    ``non_blocking`` is staged through a driver buffer and synchronous in effect. Two mirrors
+    alternate, and a mirror is rewritten only once its last copy is done (``copied``)."""
+
+    def __init__(self, largest: int, max_pages: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.longs = torch.zeros((3, largest), dtype=torch.long, pin_memory=pin)
+        self.lengths = torch.ones(largest, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.zeros((largest, max_pages), dtype=torch.int32, pin_memory=pin)
+        self.longs_np, self.lengths_np, self.tables_np = self.longs.numpy(), self.lengths.numpy(), self.tables.numpy()
+        self.copied: torch.cuda.Event | None = None
 
 
 class StaticDecodeBatch:
     """The buffers a decode graph reads: ``largest`` rows, block tables ``max_pages`` wide.
     Each step overwrites the rows of its bucket; table columns past a row's pages keep stale
-    values that the kernel never reads (it stops at the row's length)."""
+    values that the kernel never reads (it stops at the row's length). Padding rows feed token
+    0 at position 0 into the scratch page and read only that slot."""
 
     def __init__(self, largest: int, max_pages: int, block_size: int, scratch_page: int, device: torch.device) -> None:
         self.longs = torch.zeros((3, largest), dtype=torch.long, device=device)
@@ -81,6 +91,9 @@ class StaticDecodeBatch:
         self.lengths = torch.ones(largest, dtype=torch.int32, device=device)
         self.tables = torch.full((largest, max_pages), scratch_page, dtype=torch.int32, device=device)
         self.last = torch.arange(largest, device=device)
+        self._scratch_slot, self._scratch_page = scratch_page * block_size, scratch_page
+        self._mirrors = [_Mirror(largest, max_pages, device), _Mirror(largest, max_pages, device)]
+        self._turn = 0
 
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
@@ -89,10 +102,25 @@ class StaticDecodeBatch:
         )
 
     def load(self, inputs: GraphInputs) -> None:
-        size = inputs.size
-        self.longs[:, :size].copy_(inputs.longs, non_blocking=True)
-        self.lengths[:size].copy_(inputs.lengths, non_blocking=True)
-        self.tables[:size, : inputs.tables.shape[1]].copy_(inputs.tables, non_blocking=True)
+        """Stage ``inputs`` in a pinned mirror and start its copy to the device (stream-ordered
+        before the replay that reads it)."""
+        mirror = self._mirrors[self._turn]
+        self._turn ^= 1
+        if mirror.copied is not None:
+            mirror.copied.synchronize()
+        count, size, width = inputs.count, inputs.size, len(inputs.tables[0])
+        longs, lengths, tables = mirror.longs_np, mirror.lengths_np, mirror.tables_np
+        longs[0, :count], longs[0, count:size] = inputs.token_ids, 0
+        longs[1, :count], longs[1, count:size] = inputs.positions, 0
+        longs[2, :count], longs[2, count:size] = inputs.slots, self._scratch_slot
+        lengths[:count], lengths[count:size] = longs[1, :count] + 1, 1
+        tables[:count, :width], tables[count:size, :width] = inputs.tables, self._scratch_page
+        self.longs[:, :size].copy_(mirror.longs[:, :size], non_blocking=True)
+        self.lengths[:size].copy_(mirror.lengths[:size], non_blocking=True)
+        self.tables[:size, :width].copy_(mirror.tables[:size, :width], non_blocking=True)
+        if self.longs.device.type == "cuda":
+            mirror.copied = torch.cuda.Event(blocking=True)
+            mirror.copied.record()
 
 
 class DecodeGraphs:
@@ -122,7 +150,10 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.buckets):
             batch = self._static.batch(size)
-            self._model(batch, self._rotary, self._kv_cache)  # compiles and autotunes outside the capture
+            # Outside the capture: the first run compiles and autotunes, the second runs what
+            # the first left cached (lazy initialisations, allocator pools) as the capture will.
+            for _ in range(2):
+                self._model(batch, self._rotary, self._kv_cache)
             torch.cuda.synchronize(self._kv_cache.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

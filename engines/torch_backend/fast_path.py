@@ -13,6 +13,7 @@ every benchmark row. ``require_fast_path`` turns a missing piece into a refusal 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -22,6 +23,23 @@ from engines.torch_backend.kernels import Kernels, rms_norm
 from engines.torch_backend.model import LlamaModel
 
 log = logging.getLogger(__name__)
+
+
+class LoadPhases:
+    """Seconds each phase of loading took (weights, kernel checks, cache, graph capture), for
+    the startup log and the GPU preflight: a slow load says where its time went."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._mark = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._mark
+        self._mark = now
+
+    def describe(self) -> str:
+        return ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.seconds.items())
 
 
 class FastPathUnavailable(RuntimeError):
