@@ -71,7 +71,7 @@ class ReplayTimer:
 def bucket_times(graphs: DecodeGraphs, replays: int) -> None:
     """The GPU time of one replay of each bucket's graph as captured (padding rows only)."""
     for size in graphs.buckets:
-        inputs = GraphInputs(size, 1, [0], [0], [graphs.scratch_page * graphs.block_size], [[graphs.scratch_page]])
+        inputs = GraphInputs.of([], size, graphs.block_size, graphs.scratch_page)
         times = []
         for _ in range(replays):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -40,28 +40,34 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 @dataclass(slots=True)
 class GraphInputs:
-    """One step's inputs on the host: ``count`` rows of a bucket of ``size``. Rows past
-    ``count`` are padding, written by :meth:`StaticDecodeBatch.load`."""
+    """One step's inputs on the host, padded to the bucket ``size``: rows past ``count`` feed
+    token 0 at position 0 into the scratch page and read only that slot (length 1)."""
 
     size: int
     count: int
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    tables: list[list[int]]  # count rows of one width, padded with the scratch page
+    longs: list[list[int]]  # [3][size]: token ids, positions, cache slots
+    tables: list[list[int]]  # [size][width], padded with the scratch page
 
     @classmethod
     def of(cls, sequences: list[Sequence], size: int, block_size: int, scratch_page: int) -> GraphInputs:
         """The decode inputs of ``sequences`` (read under the scheduler's lock)."""
+        padding = size - len(sequences)
         positions = [len(sequence.token_ids) - 1 for sequence in sequences]
-        width = max(len(sequence.block_table) for sequence in sequences)
+        width = max((len(sequence.block_table) for sequence in sequences), default=1)
+        tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
+        slots = [
+            table[position // block_size] * block_size + position % block_size
+            for table, position in zip(tables, positions, strict=True)
+        ]
         return cls(
             size,
             len(sequences),
-            [sequence.token_ids[-1] for sequence in sequences],
-            positions,
-            [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)],
-            [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences],
+            [
+                [sequence.token_ids[-1] for sequence in sequences] + [0] * padding,
+                positions + [0] * padding,
+                slots + [scratch_page * block_size] * padding,
+            ],
+            tables + [[scratch_page] * width] * padding,
         )
 
 
@@ -82,8 +88,7 @@ class _Mirror:
 class StaticDecodeBatch:
     """The buffers a decode graph reads: ``largest`` rows, block tables ``max_pages`` wide.
     Each step overwrites the rows of its bucket; table columns past a row's pages keep stale
-    values that the kernel never reads (it stops at the row's length). Padding rows feed token
-    0 at position 0 into the scratch page and read only that slot."""
+    values that the kernel never reads (it stops at the row's length)."""
 
     def __init__(self, largest: int, max_pages: int, block_size: int, scratch_page: int, device: torch.device) -> None:
         self.longs = torch.zeros((3, largest), dtype=torch.long, device=device)
@@ -91,7 +96,6 @@ class StaticDecodeBatch:
         self.lengths = torch.ones(largest, dtype=torch.int32, device=device)
         self.tables = torch.full((largest, max_pages), scratch_page, dtype=torch.int32, device=device)
         self.last = torch.arange(largest, device=device)
-        self._scratch_slot, self._scratch_page = scratch_page * block_size, scratch_page
         self._mirrors = [_Mirror(largest, max_pages, device), _Mirror(largest, max_pages, device)]
         self._turn = 0
 
@@ -108,13 +112,10 @@ class StaticDecodeBatch:
         self._turn ^= 1
         if mirror.copied is not None:
             mirror.copied.synchronize()
-        count, size, width = inputs.count, inputs.size, len(inputs.tables[0])
-        longs, lengths, tables = mirror.longs_np, mirror.lengths_np, mirror.tables_np
-        longs[0, :count], longs[0, count:size] = inputs.token_ids, 0
-        longs[1, :count], longs[1, count:size] = inputs.positions, 0
-        longs[2, :count], longs[2, count:size] = inputs.slots, self._scratch_slot
-        lengths[:count], lengths[count:size] = longs[1, :count] + 1, 1
-        tables[:count, :width], tables[count:size, :width] = inputs.tables, self._scratch_page
+        size, width = inputs.size, len(inputs.tables[0])
+        mirror.longs_np[:, :size] = inputs.longs
+        mirror.lengths_np[:size] = mirror.longs_np[1, :size] + 1
+        mirror.tables_np[:size, :width] = inputs.tables
         self.longs[:, :size].copy_(mirror.longs[:, :size], non_blocking=True)
         self.lengths[:size].copy_(mirror.lengths[:size], non_blocking=True)
         self.tables[:size, :width].copy_(mirror.tables[:size, :width], non_blocking=True)
