@@ -308,10 +308,12 @@ class TorchBackend(Backend):
                 states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
                 params = self._sampling_params(states)
                 replay = (
-                    graphs.inputs(scheduled.decode)
+                    graphs.inputs(scheduled.decode, self.scheduler.grown)
                     if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode))
                     else None
                 )
+                if graphs and replay is None:
+                    graphs.forget_rows()
                 batch = (
                     None
                     if replay

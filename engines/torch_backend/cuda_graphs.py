@@ -23,10 +23,9 @@ the device: the step samples from them, and reading the sampled ids is its only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
 from engines.torch_backend.model import AttentionGroup, ForwardBatch, LlamaModel
 from engines.torch_backend.sequence import Sequence
 
@@ -36,39 +35,6 @@ def decode_buckets(max_batch: int) -> list[int]:
     sizes = [size for size in (1, 2, 4, 8) if size < max_batch]
     sizes += range(16, max_batch, 16)
     return [*sizes, max_batch]
-
-
-@dataclass(slots=True)
-class GraphInputs:
-    """One step's inputs on the host, padded to the bucket ``size``: rows past ``count`` feed
-    token 0 at position 0 into the scratch page and read only that slot (length 1)."""
-
-    size: int
-    count: int
-    longs: list[list[int]]  # [3][size]: token ids, positions, cache slots
-    tables: list[list[int]]  # [size][width], padded with the scratch page
-
-    @classmethod
-    def of(cls, sequences: list[Sequence], size: int, block_size: int, scratch_page: int) -> GraphInputs:
-        """The decode inputs of ``sequences`` (read under the scheduler's lock)."""
-        padding = size - len(sequences)
-        positions = [len(sequence.token_ids) - 1 for sequence in sequences]
-        width = max((len(sequence.block_table) for sequence in sequences), default=1)
-        tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
-        slots = [
-            table[position // block_size] * block_size + position % block_size
-            for table, position in zip(tables, positions, strict=True)
-        ]
-        return cls(
-            size,
-            len(sequences),
-            [
-                [sequence.token_ids[-1] for sequence in sequences] + [0] * padding,
-                positions + [0] * padding,
-                slots + [scratch_page * block_size] * padding,
-            ],
-            tables + [[scratch_page] * width] * padding,
-        )
 
 
 class _Mirror:
@@ -82,7 +48,9 @@ class _Mirror:
         self.lengths = torch.ones(largest, dtype=torch.int32, pin_memory=pin)
         self.tables = torch.zeros((largest, max_pages), dtype=torch.int32, pin_memory=pin)
         self.longs_np, self.lengths_np, self.tables_np = self.longs.numpy(), self.lengths.numpy(), self.tables.numpy()
-        self.copied: torch.cuda.Event | None = None
+        # Recorded after each copy from this mirror; reused, as creating one costs a few µs.
+        self.copied = torch.cuda.Event(blocking=True) if pin else None
+        self.pending = False
 
 
 class StaticDecodeBatch:
@@ -98,6 +66,9 @@ class StaticDecodeBatch:
         self.last = torch.arange(largest, device=device)
         self._mirrors = [_Mirror(largest, max_pages, device), _Mirror(largest, max_pages, device)]
         self._turn = 0
+        # Per bucket size and mirror, the (device, host) views a step copies: slicing a tensor
+        # costs microseconds, so each view is made once. Tables are copied whole rows wide.
+        self._copies: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
@@ -105,23 +76,34 @@ class StaticDecodeBatch:
             self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None
         )
 
+    def _views(self, size: int, turn: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = self._copies.get((size, turn))
+        if views is None:
+            mirror = self._mirrors[turn]
+            views = self._copies[size, turn] = [
+                (self.longs[:, :size], mirror.longs[:, :size]),
+                (self.lengths[:size], mirror.lengths[:size]),
+                (self.tables[:size], mirror.tables[:size]),
+            ]
+        return views
+
     def load(self, inputs: GraphInputs) -> None:
         """Stage ``inputs`` in a pinned mirror and start its copy to the device (stream-ordered
         before the replay that reads it)."""
-        mirror = self._mirrors[self._turn]
+        turn = self._turn
         self._turn ^= 1
-        if mirror.copied is not None:
+        mirror = self._mirrors[turn]
+        if mirror.copied is not None and mirror.pending:
             mirror.copied.synchronize()
-        size, width = inputs.size, len(inputs.tables[0])
+        size, width = inputs.size, inputs.tables.shape[1]
         mirror.longs_np[:, :size] = inputs.longs
-        mirror.lengths_np[:size] = mirror.longs_np[1, :size] + 1
+        mirror.lengths_np[:size] = inputs.longs[1] + 1
         mirror.tables_np[:size, :width] = inputs.tables
-        self.longs[:, :size].copy_(mirror.longs[:, :size], non_blocking=True)
-        self.lengths[:size].copy_(mirror.lengths[:size], non_blocking=True)
-        self.tables[:size, :width].copy_(mirror.tables[:size, :width], non_blocking=True)
-        if self.longs.device.type == "cuda":
-            mirror.copied = torch.cuda.Event(blocking=True)
+        for device, host in self._views(size, turn):
+            device.copy_(host, non_blocking=True)
+        if mirror.copied is not None:
             mirror.copied.record()
+            mirror.pending = True
 
 
 class DecodeGraphs:
@@ -141,6 +123,7 @@ class DecodeGraphs:
         self.scratch_page = kv_cache.shape[1] - 1
         self._model, self._rotary, self._kv_cache = model, rotary, kv_cache
         self._static = StaticDecodeBatch(self.buckets[-1], max_pages, block_size, self.scratch_page, kv_cache.device)
+        self._rows = DecodeRows(self.buckets[-1], max_pages, block_size, self.scratch_page)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._capture()
@@ -166,13 +149,22 @@ class DecodeGraphs:
     def fits(self, count: int) -> bool:
         return 0 < count <= self.buckets[-1]
 
-    def inputs(self, sequences: list[Sequence]) -> GraphInputs:
-        """The step's inputs, read from the sequences (call under the scheduler's lock)."""
+    def inputs(self, sequences: list[Sequence], grown: list[Sequence]) -> GraphInputs:
+        """The step's inputs, read from the sequences (call under the scheduler's lock);
+        ``grown``: those the scheduler gave a page since the last step."""
         size = next(bucket for bucket in self.buckets if bucket >= len(sequences))
-        return GraphInputs.of(sequences, size, self.block_size, self.scratch_page)
+        self._rows.update(sequences, grown, size)
+        return self._rows.inputs(size, len(sequences))
+
+    def forget_rows(self) -> None:
+        """A step ran eagerly: the next graph step rewrites its rows from the sequences."""
+        self._rows.forget()
 
     def replay(self, inputs: GraphInputs) -> torch.Tensor:
         """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe."""
         self._static.load(inputs)
         self._graphs[inputs.size].replay()
         return self._logits[inputs.size][: inputs.count]
+
+
+__all__ = ["DecodeGraphs", "GraphInputs", "StaticDecodeBatch", "decode_buckets"]
