@@ -59,7 +59,8 @@ class Scheduler:
     def append(self, sequence: Sequence, token: int) -> None:
         """Record a sampled token; the pages it filled join the prefix cache."""
         sequence.append(token)
-        self.blocks.commit(sequence)
+        if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
+            self.blocks.commit(sequence)
 
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
