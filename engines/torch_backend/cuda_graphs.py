@@ -23,6 +23,7 @@ the device: the step samples from them, and reading the sampled ids is its only 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
@@ -69,6 +70,7 @@ class StaticDecodeBatch:
         # Per bucket size and mirror, the (device, host) views a step copies: slicing a tensor
         # costs microseconds, so each view is made once. Tables are copied whole rows wide.
         self._copies: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._tables_size = 0  # rows of the device's block tables the last copy wrote
 
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
@@ -95,12 +97,16 @@ class StaticDecodeBatch:
         mirror = self._mirrors[turn]
         if mirror.copied is not None and mirror.pending:
             mirror.copied.synchronize()
-        size, width = inputs.size, inputs.tables.shape[1]
+        size = inputs.size
         mirror.longs_np[:, :size] = inputs.longs
-        mirror.lengths_np[:size] = inputs.longs[1] + 1
-        mirror.tables_np[:size, :width] = inputs.tables
-        for device, host in self._views(size, turn):
-            device.copy_(host, non_blocking=True)
+        np.add(inputs.longs[1], 1, out=mirror.lengths_np[:size])
+        longs, lengths, tables = self._views(size, turn)
+        longs[0].copy_(longs[1], non_blocking=True)
+        lengths[0].copy_(lengths[1], non_blocking=True)
+        if inputs.tables_changed or size != self._tables_size:
+            mirror.tables_np[:size, : inputs.tables.shape[1]] = inputs.tables
+            tables[0].copy_(tables[1], non_blocking=True)
+            self._tables_size = size
         if mirror.copied is not None:
             mirror.copied.record()
             mirror.pending = True
