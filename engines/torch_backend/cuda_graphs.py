@@ -70,7 +70,9 @@ class StaticDecodeBatch:
         # Per bucket size and mirror, the (device, host) views a step copies: slicing a tensor
         # costs microseconds, so each view is made once. Tables are copied whole rows wide.
         self._copies: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._tables_size = 0  # rows of the device's block tables the last copy wrote
+        # What the last tables copy wrote: its rows and the array they came from (kept alive).
+        self._tables_size = 0
+        self._tables_rows: np.ndarray | None = None
 
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
@@ -103,10 +105,11 @@ class StaticDecodeBatch:
         longs, lengths, tables = self._views(size, turn)
         longs[0].copy_(longs[1], non_blocking=True)
         lengths[0].copy_(lengths[1], non_blocking=True)
-        if inputs.tables_changed or size != self._tables_size:
+        rows = inputs.tables.base  # the DecodeRows array the device's tables would come from
+        if inputs.tables_changed or size != self._tables_size or rows is not self._tables_rows:
             mirror.tables_np[:size, : inputs.tables.shape[1]] = inputs.tables
             tables[0].copy_(tables[1], non_blocking=True)
-            self._tables_size = size
+            self._tables_size, self._tables_rows = size, rows
         if mirror.copied is not None:
             mirror.copied.record()
             mirror.pending = True

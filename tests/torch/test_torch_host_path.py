@@ -1,4 +1,5 @@
-"""The host side of a decode step, kept from step to step (``DecodeRows``), against the same
+"""The host side of a decode step, kept from step to step (``DecodeRows``) and staged into the
+static buffers a CUDA graph reads (``StaticDecodeBatch.load``, on CPU tensors), against the same
 inputs built from scratch (``GraphInputs.of``) over a real scheduler's life: requests joining,
 decoding across page boundaries, finishing and being preempted; and the incremental
 detokeniser against decoding everything at once."""
@@ -9,9 +10,10 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from engines.torch_backend.block_manager import BlockManager
-from engines.torch_backend.cuda_graphs import decode_buckets
+from engines.torch_backend.cuda_graphs import StaticDecodeBatch, decode_buckets
 from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence
@@ -26,7 +28,8 @@ def same_inputs(kept: GraphInputs, fresh: GraphInputs, sequences: list[Sequence]
     for row, sequence in enumerate(sequences):  # columns past a row's pages are never read
         pages = len(sequence.block_table)
         np.testing.assert_array_equal(kept.tables[row, :pages], fresh.tables[row, :pages])
-    np.testing.assert_array_equal(kept.tables[len(sequences) :], fresh.tables[len(sequences) :])
+    width = fresh.tables.shape[1]  # a padding row reads column 0 only; the rest is scratch too
+    np.testing.assert_array_equal(kept.tables[len(sequences) :, :width], fresh.tables[len(sequences) :])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -36,6 +39,7 @@ def test_rows_kept_between_steps_equal_rows_built_from_scratch(seed: int) -> Non
     scheduler = Scheduler(BlockManager(num_blocks, BLOCK, prefix_caching=True), max_batch, max_prefill_tokens=64)
     scratch = num_blocks
     rows = DecodeRows(max_batch, num_blocks, BLOCK, scratch)
+    static = StaticDecodeBatch(max_batch, num_blocks, BLOCK, scratch, torch.device("cpu"))
     buckets = decode_buckets(max_batch)
     graph_steps = kept_steps = 0
     for step in range(300):
@@ -51,7 +55,12 @@ def test_rows_kept_between_steps_equal_rows_built_from_scratch(seed: int) -> Non
             decode = scheduled.decode
             size = next(bucket for bucket in buckets if bucket >= len(decode))
             rows.update(decode, scheduler.grown, size)
-            same_inputs(rows.inputs(size, len(decode)), GraphInputs.of(decode, size, BLOCK, scratch), decode)
+            fresh = GraphInputs.of(decode, size, BLOCK, scratch)
+            same_inputs(rows.inputs(size, len(decode)), fresh, decode)
+            static.load(rows.inputs(size, len(decode)))  # what a replay reads, tables copied only when changed
+            staged = GraphInputs(size, len(decode), static.longs[:, :size].numpy(), static.tables[:size].numpy())
+            same_inputs(staged, fresh, decode)
+            np.testing.assert_array_equal(static.lengths[:size].numpy(), fresh.longs[1] + 1)
             graph_steps += 1
             kept_steps += rows.reused
         for sequence in scheduled.sequences:
