@@ -112,6 +112,7 @@ class Stack:
             "DPCOORD_DTYPE": self.args.dtype,
             "DPCOORD_MAX_BATCH": str(self.args.requests),
             "DPCOORD_KV_CACHE_GB": str(self.args.kv_cache_gb),
+            "DPCOORD_REQUIRE_FAST_PATH": str(self.args.require_fast_path).lower(),
         }
         if self.model_dir is not None:
             env["DPCOORD_MAX_CONTEXT"] = str(self.args.max_context)
@@ -157,6 +158,10 @@ class Stack:
         assert self.client is not None, "the stack is started"
         msg = await self.client.nc.request(self.subjects.status("engine", engine_id), b"{}", timeout=5)
         return json.loads(msg.data)
+
+    async def path(self, engine_id: str) -> str:
+        """The execution path an engine's status names."""
+        return str((await self.status(engine_id)).get("execution_path"))
 
     async def _wait_registered(self, engine_id: str) -> None:
         """Loading a model (and on CUDA compiling and capturing graphs) takes a while: poll its status."""
@@ -226,6 +231,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--own-tokens", type=int, default=32)
+    parser.add_argument(
+        "--require-fast-path", action="store_true", help="every engine's require_fast_path setting (CUDA)"
+    )
+    parser.add_argument("--no-shared-prefix", action="store_true", help="leave out the shared-prefix rows")
     parser.add_argument("--routing-policy", default="least_loaded", help="the coordinator's routing_policy setting")
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds an engine may take to load")
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -255,9 +264,11 @@ async def main() -> None:
             max_batch=args.requests,
             max_context=args.max_context if model_dir else None,
             kv_cache_gb=args.kv_cache_gb,
+            require_fast_path=args.require_fast_path,
         ),
         str(model_dir) if model_dir else None,
     )
+    path = backend.execution_path().describe()
     await run_engine(backend, greedy_requests("warm", prompts[:4], 8))
     local = await run_engine(backend, greedy_requests("local", prompts, args.max_tokens))
     await backend.close()
@@ -269,17 +280,20 @@ async def main() -> None:
         f"{args.shape} model on {device}; {args.requests} concurrent requests, {args.prompt_len}-token prompts, "
         f"{args.max_tokens} generated, greedy; routing policy {args.routing_policy}"
     )
-    print(f"{'':44} {'tokens/s':>10} {'vs local':>9} {'TTFT p50 ms':>12} {'engine CPU ms/token':>20}")
+    print(f"{'':44} {'tokens/s':>10} {'vs local':>9} {'TTFT p50 ms':>12} {'engine CPU ms/token':>20}   path")
     print(
-        f"{'in process':44} {local.rate:10.0f} {'':>9} {local.ttft_ms:12.1f} {1000 * local.cpu / local.generated:20.3f}"
+        f"{'in process':44} {local.rate:10.0f} {'':>9} {local.ttft_ms:12.1f} "
+        f"{1000 * local.cpu / local.generated:20.3f}   {path}"
     )
     async with Stack(args, model_dir, 1) as stack:
         await stack.stream_all(prompts[:4], 8)
         run = await stack.stream_all(prompts, args.max_tokens)
         print(
             f"{'end to end, one engine, streamed':44} {run.rate:10.0f} {run.rate / local.rate:8.2f}x {run.ttft_ms:12.1f} "
-            f"{1000 * run.engine_cpu / run.generated:20.3f}"
+            f"{1000 * run.engine_cpu / run.generated:20.3f}   {await stack.path(stack.engine_ids[0])}"
         )
+    if args.no_shared_prefix:
+        return
 
     shared = shared_prefix_prompts(args.requests, args.prefix_tokens, args.own_tokens, config.vocab_size, seed=3)
     print(f"shared prefix: a {args.prefix_tokens}-token system prompt + {args.own_tokens} tokens of each's own")

@@ -84,9 +84,15 @@ def build_backend(
             prefix_caching=not args.no_prefix_caching if prefix_caching is None else prefix_caching,
             cuda_graphs=not args.no_cuda_graphs,
             torch_compile=not args.no_torch_compile,
+            require_fast_path=args.require_fast_path,
         ),
         str(model_dir) if model_dir else None,
     )
+
+
+def path_label(backend: TorchBackend) -> str:
+    """The path a row ran, for the row itself: a fallback must show where the figure is."""
+    return backend.execution_path().describe()
 
 
 def reference_model(config: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device) -> Any:
@@ -141,12 +147,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="the engine's cuda_graphs setting off")
     parser.add_argument("--no-torch-compile", action="store_true", help="the engine's torch_compile setting off")
     parser.add_argument(
+        "--require-fast-path",
+        action="store_true",
+        help="the engine's require_fast_path setting: stop unless graphs, the paged kernel and compiled pieces are on",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="the engine's prefix_caching setting off (rounds repeat their prompts: later rounds hit the cache)",
     )
     parser.add_argument(
         "--full", action="store_true", help="also step times, the bandwidth floor, a static batch and the shared prefix"
+    )
+    parser.add_argument("--no-shared-prefix", action="store_true", help="with --full: leave out the shared-prefix rows")
+    parser.add_argument(
+        "--shared-prefix-only", action="store_true", help="only the shared-prefix rows (no transformers baseline)"
     )
     parser.add_argument("--prefix-requests", type=int, default=256)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
@@ -162,9 +177,10 @@ async def main() -> None:
     config = shape or ModelConfig()
     dtype = resolve_dtype(args.dtype, config, device)
     model_dir = None if shape is None else checkpoint(args.shape, args.checkpoint_dir, dtype, device)
-    await throughput_table(args, config, model_dir, dtype, device)
-    free_memory()
-    if args.full:
+    if not args.shared_prefix_only:
+        await throughput_table(args, config, model_dir, dtype, device)
+        free_memory()
+    if args.shared_prefix_only or (args.full and not args.no_shared_prefix):
         await shared_prefix_rows(args, config, model_dir)
 
 
@@ -177,7 +193,7 @@ async def throughput_table(
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     print(
         f"{args.shape} model: {params:.1f} M parameters, {backend.dtype} on {backend.device} ({where}); "
-        f"{backend.kernels.describe()}; decode {'replays CUDA graphs' if backend.graphs else 'runs eagerly'}; "
+        f"{backend.kernels.describe()}; path {backend.execution_path().describe()}; "
         f"prompts of {args.prompt_len} tokens, {args.max_tokens} generated tokens per request, greedy; best of {args.repeats} rounds"
     )
 
@@ -200,12 +216,13 @@ async def throughput_table(
             if concurrency not in runs or run.rate > runs[concurrency].rate:
                 runs[concurrency] = run
 
-    print(f"{'':44} {'tokens/s':>10} {'ratio':>7}   {'tokens/CPU-s':>12} {'ratio':>7}")
+    path = path_label(backend)
+    print(f"{'':44} {'tokens/s':>10} {'ratio':>7}   {'tokens/CPU-s':>12} {'ratio':>7}   path")
     print(f"{'baseline: transformers generate, one at a time':44} {baseline.wall:10.0f} {'':>7}   {baseline.cpu:12.0f}")
     for concurrency, rate in engine.items():
         print(
             f"{f'engine, {concurrency} concurrent requests':44} {rate.wall:10.0f} {rate.wall / baseline.wall:6.1f}x"
-            f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x"
+            f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x   {path}"
         )
     if not args.full:
         await backend.close()
@@ -213,10 +230,12 @@ async def throughput_table(
 
     print()
     print(
-        f"{'engine, concurrent requests (best round)':44} {'step p50 ms':>12} {'CPU ms/step':>12} {'TTFT p50 ms':>12}"
+        f"{'engine, concurrent requests (best round)':44} {'step p50 ms':>12} {'CPU ms/step':>12} {'TTFT p50 ms':>12}   path"
     )
     for concurrency, run in runs.items():
-        print(f"{f'  {concurrency}':44} {run.decode_step_ms:12.3f} {run.cpu_ms_per_step:12.3f} {run.ttft_ms:12.1f}")
+        print(
+            f"{f'  {concurrency}':44} {run.decode_step_ms:12.3f} {run.cpu_ms_per_step:12.3f} {run.ttft_ms:12.1f}   {path}"
+        )
     weights = weight_bytes(backend.model)
     measured = copy_bandwidth(backend.device)
     print(
@@ -230,7 +249,7 @@ async def throughput_table(
     tokens, wall, _ = generate_static_batch(reference, backend, text_prompts(largest, args.prompt_len), args.max_tokens)
     print(
         f"transformers generate, static batch of {largest}: {tokens / wall:.0f} tokens/s; "
-        f"the engine at {largest} concurrent: {runs[largest].rate:.0f} tokens/s ({runs[largest].rate * wall / tokens:.2f}x)"
+        f"the engine at {largest} concurrent: {runs[largest].rate:.0f} tokens/s ({runs[largest].rate * wall / tokens:.2f}x) [{path}]"
     )
     await backend.close()
 
@@ -239,6 +258,7 @@ async def shared_prefix_rows(args: argparse.Namespace, config: ModelConfig, mode
     """The shared-prefix workload, each setting on a fresh engine: a warm-up with another system
     prompt, then the measured run, whose system prompt is computed once (cache on) or by every request."""
     results: dict[bool, tuple[EngineRun, float]] = {}
+    paths: dict[bool, str] = {}
     for caching in (True, False):
         engine = build_backend(args, model_dir, args.prefix_requests, prefix_caching=caching)
         warm = shared_prefix_prompts(
@@ -253,6 +273,7 @@ async def shared_prefix_rows(args: argparse.Namespace, config: ModelConfig, mode
         after = engine.prefix_cache_stats()
         queried = after.queried_tokens - before.queried_tokens
         results[caching] = run, (after.hit_tokens - before.hit_tokens) / queried if queried else 0.0
+        paths[caching] = path_label(engine)
         await engine.close()
         del engine
         free_memory()
@@ -261,9 +282,12 @@ async def shared_prefix_rows(args: argparse.Namespace, config: ModelConfig, mode
         f"shared prefix: {args.prefix_requests} requests, a {args.prefix_tokens}-token system prompt + {args.own_tokens} "
         f"tokens of their own, {args.max_tokens} generated"
     )
-    print(f"{'':44} {'TTFT p50 ms':>12} {'tokens/s':>10} {'hit rate':>9}")
-    for label, run, hits in (("prefix caching on", on, on_hits), ("prefix caching off", off, off_hits)):
-        print(f"{f'  {label}':44} {run.ttft_ms:12.1f} {run.rate:10.0f} {hits:9.3f}")
+    print(f"{'':44} {'TTFT p50 ms':>12} {'tokens/s':>10} {'hit rate':>9}   path")
+    for label, run, hits, caching in (
+        ("prefix caching on", on, on_hits, True),
+        ("prefix caching off", off, off_hits, False),
+    ):
+        print(f"{f'  {label}':44} {run.ttft_ms:12.1f} {run.rate:10.0f} {hits:9.3f}   {paths[caching]}")
     print(f"{'  on / off':44} {on.ttft_ms / off.ttft_ms:11.2f}x {on.rate / off.rate:9.2f}x")
 
 

@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# One GPU session of the torch engine, in one go (about 5-8 minutes on an H100/H200):
-# the GPU tests, then the engine benchmark on a Llama-3.2-1B-shaped random model, then, while
-# time is left, end to end through the coordinator, the engine without its fast paths, and a
-# Llama-3.1-8B shape. ROUTING_POLICY picks the coordinator's policy for the two-engine run. Every step has its own time limit; a failed step is
-# recorded and the next one still runs. Results go to $OUT (default ./gpu-results).
+# One GPU session of the torch engine on a Llama-3.2-1B-shaped random model, in one run of at
+# most 8 minutes (BUDGET_S, default 470 s), every row printed as soon as it exists:
+#   1. preflight: the engine built once, per-phase load times and the path; the session stops
+#      here (after the GPU tests, which say why) unless the fast path is on;
+#   2. replay GPU time per bucket (CUDA events) beside the step's wall time at batch 1 and 256;
+#   3. 256 concurrent requests (with transformers as the baseline), then the shared-prefix rows;
+#   4. end to end through nats-server, a coordinator and one engine process;
+#   5. a GPU test subset, each test limited to 60 s.
+# Every benchmark runs with --require-fast-path: a fallback stops it instead of giving figures.
+# Each step has its own limit, cut to the time left; a failed step is recorded and the next one
+# still runs. No 8B checkpoint (16 GB to write): benchmarks/engine_throughput.py --shape llama-8b
+# runs it on its own. Results go to $OUT (default ./gpu-results).
 #
 # On a machine that reaches the package registries, once:   bash ../shared/gpu/prepare.sh
 # On the GPU machine, from the project root:                 bash .gpu/run.sh bash benchmarks/gpu_session.sh
@@ -11,61 +18,63 @@
 set -u
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-450}  # stop starting optional steps past this many seconds
+BUDGET_S=${BUDGET_S:-470}
 SECONDS=0
 summary="$OUT/summary.txt"
 : > "$summary"
+export PYTHONUNBUFFERED=1
 
-step() {  # step NAME LIMIT_S COMMAND...: run with a time limit, log to $OUT/NAME.log, note the outcome
+step() {  # step NAME LIMIT_S COMMAND...: run within min(LIMIT_S, time left), rows shown live and kept in $OUT/NAME.log
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if (( left < 20 )); then
+    echo "=== $name skipped: ${left}s left" | tee -a "$summary"
+    return 124
+  fi
+  (( limit > left )) && limit=$left
   local started=$SECONDS
   echo "=== $name (limit ${limit}s, at ${started}s)" | tee -a "$summary"
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
+  timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "^(WARNING|INFO|DEBUG)|^\s*$"
+  local rc=${PIPESTATUS[0]}
   echo "    rc=$rc after $((SECONDS - started))s" | tee -a "$summary"
-  tail -n 40 "$OUT/$name.log"
+  return "$rc"
 }
 
 {
-  nvidia-smi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   python3 -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
-  python3 -c "import transformers; print('transformers', transformers.__version__)"
   command -v gcc cc || echo "no C compiler on PATH: Triton and torch.compile need one"
-  nproc
-  free -g
 } > "$OUT/environment.txt" 2>&1
 cat "$OUT/environment.txt"
 
-# The CUDA tests: fast paths, transformers on the GPU, suspend, the paged kernel on the device.
-step gpu-tests 240 python3 -m pytest -p no:cacheprovider -q -rs \
-  tests/torch/test_torch_gpu.py tests/torch/test_torch_gpu_fast_paths.py tests/torch/test_torch_kernels.py
+gpu_tests() {
+  step gpu-tests 90 python3 -m pytest -p no:cacheprovider -q -rs --timeout 60 \
+    tests/torch/test_torch_gpu_fast_paths.py tests/torch/test_torch_kernels.py tests/torch/test_torch_gpu.py
+}
 
-# The rows on the 1B shape: batch 1 and 256 concurrent, transformers at batch 1 and as a
-# static batch of 256, the bandwidth floor, the shared-prefix workload with the cache on and off.
-step bench-llama-1b 300 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --full \
-  --concurrency 1 256 --prompt-len 128 --max-tokens 128 --baseline-requests 2 --repeats 2 \
-  --prefix-requests 256 --prefix-tokens 1024 --own-tokens 32
-
-# End to end through nats-server, a coordinator and engine processes: 256 streams against the
-# engine in process, then the shared-prefix workload through one engine and through two.
-if (( SECONDS < BUDGET_S - 180 )); then
-  step e2e-llama-1b 240 python3 benchmarks/engine_e2e.py --device cuda --shape llama-1b --requests 256 \
-    --prompt-len 128 --max-tokens 128 --prefix-tokens 1024 --own-tokens 32 --kv-cache-gb 16 \
-    --routing-policy "${ROUTING_POLICY:-least_loaded}"
+# 1-2. The engine once: load phases, path, replay GPU time per bucket, step wall at batch 1 and 256.
+if ! step preflight 120 python3 benchmarks/gpu_preflight.py --shape llama-1b --max-batch 256 --prompt-len 128; then
+  echo "=== preflight failed: no benchmark rows; the GPU tests say why" | tee -a "$summary"
+  gpu_tests
+  echo "=== done in ${SECONDS}s" | tee -a "$summary"
+  exit 1
 fi
 
-# The same engine with CUDA graphs and torch.compile off: what the fast paths are worth.
-if (( SECONDS < BUDGET_S - 120 )); then
-  step bench-llama-1b-eager 150 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b \
-    --concurrency 1 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1 \
-    --no-cuda-graphs --no-torch-compile
-fi
+# 3. 256 concurrent requests against transformers at batch 1 and as a static batch of 256, the
+# bandwidth floor; then the shared 1,024-token prefix with caching on and off.
+step bench-256 90 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --full --require-fast-path \
+  --concurrency 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1 --no-shared-prefix
+step shared-prefix 70 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --require-fast-path \
+  --shared-prefix-only --max-tokens 128 --prefix-requests 256 --prefix-tokens 1024 --own-tokens 32
 
-if (( SECONDS < BUDGET_S - 150 )); then
-  step bench-llama-8b $((BUDGET_S - SECONDS)) python3 benchmarks/engine_throughput.py --device cuda --shape llama-8b \
-    --concurrency 1 64 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1
-fi
+# 4. End to end: 256 streams through nats-server, a coordinator and one engine, against the
+# same engine in process.
+step e2e-1-engine 100 python3 benchmarks/engine_e2e.py --device cuda --shape llama-1b --requests 256 \
+  --prompt-len 128 --max-tokens 128 --kv-cache-gb 16 --require-fast-path --no-shared-prefix
+
+# 5. The GPU tests last: the figures above are what this session is for.
+gpu_tests
 
 echo "=== done in ${SECONDS}s" | tee -a "$summary"

@@ -84,6 +84,41 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ExecutionPath:
+    """Which fast pieces a backend's steps run, so that no figure and no status hides a slow path.
+
+    ``failures`` names the pieces that were asked for but failed to build (their tracebacks are
+    in the log); a piece not asked for is simply off."""
+
+    device: str
+    cuda_graphs: bool
+    paged_kernel: bool
+    compiled: bool
+    failures: tuple[str, ...] = ()
+
+    @property
+    def fast(self) -> bool:
+        """Decode replays CUDA graphs over the paged kernel, with the compiled element-wise pieces."""
+        return self.cuda_graphs and self.paged_kernel and self.compiled
+
+    def missing(self) -> list[str]:
+        pieces = {"CUDA graphs": self.cuda_graphs, "paged kernel": self.paged_kernel, "compiled pieces": self.compiled}
+        return [name for name, on in pieces.items() if not on]
+
+    def describe(self) -> str:
+        """One line for logs, status and benchmark rows: ``cuda: graphs on, paged kernel on, compiled on``."""
+
+        def on(flag: bool) -> str:
+            return "on" if flag else "off"
+
+        text = (
+            f"{self.device}: graphs {on(self.cuda_graphs)}, paged kernel {on(self.paged_kernel)}, "
+            f"compiled {on(self.compiled)}"
+        )
+        return text + (f" (failed: {', '.join(self.failures)})" if self.failures else "")
+
+
 class Backend(abc.ABC):
     name: str
     default_model_name: str  # the served model name unless --served-model-name gives one
@@ -143,6 +178,10 @@ class Backend(abc.ABC):
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The KV cache's prefix-cache counters; None for a backend without one."""
+        return None
+
+    def execution_path(self) -> ExecutionPath | None:
+        """The fast pieces the steps run; None for a backend without any (echo)."""
         return None
 
     def start_profiler(self) -> str:

@@ -24,6 +24,7 @@ def torch_options(settings: Settings) -> TorchOptions:
         prefix_caching=settings.prefix_caching,
         cuda_graphs=settings.cuda_graphs,
         torch_compile=settings.torch_compile,
+        require_fast_path=settings.require_fast_path,
     )
 
 

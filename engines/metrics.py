@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engines.backend import PrefixCacheStats
+from engines.backend import ExecutionPath, PrefixCacheStats
 from engines.runtime import EngineRuntime
 from service.ops.metrics import nats_families
 
@@ -48,6 +48,7 @@ class EngineCollector(Collector):
         yield malformed
 
         yield from prefix_cache_families(runtime.backend.prefix_cache_stats())
+        yield from execution_path_families(runtime.backend.execution_path())
         yield from nats_families(runtime.nc)
 
 
@@ -83,3 +84,21 @@ def prefix_cache_families(stats: PrefixCacheStats | None) -> Iterator[Metric]:
     total = GaugeMetricFamily("dpcoord_engine_kv_cache_pages", "KV-cache pages in all")
     total.add_metric([], stats.total_pages)
     yield total
+
+
+def execution_path_families(path: ExecutionPath | None) -> Iterator[Metric]:
+    """Which fast pieces decode runs (1 on, 0 off) and how many failed to build; nothing for echo."""
+    if path is None:
+        return
+    pieces = GaugeMetricFamily(
+        "dpcoord_engine_fast_path", "1 where decode runs the fast piece named by the label", labels=["piece"]
+    )
+    pieces.add_metric(["cuda_graphs"], float(path.cuda_graphs))
+    pieces.add_metric(["paged_kernel"], float(path.paged_kernel))
+    pieces.add_metric(["compiled"], float(path.compiled))
+    yield pieces
+    failures = CounterMetricFamily(
+        "dpcoord_engine_fast_path_failures", "Fast-path pieces that failed to build (tracebacks in the log)"
+    )
+    failures.add_metric([], len(path.failures))
+    yield failures

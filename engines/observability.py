@@ -33,6 +33,7 @@ def engine_readiness(runtime: EngineRuntime) -> Check:
 
 def engine_status(runtime: EngineRuntime) -> EngineStatus:
     stats = runtime.backend.prefix_cache_stats()
+    path = runtime.backend.execution_path()
     return EngineStatus(
         engine_id=runtime.engine_id,
         subject_prefix=runtime.subjects.prefix,
@@ -55,6 +56,8 @@ def engine_status(runtime: EngineRuntime) -> EngineStatus:
         weight_version=runtime.weights.version,
         weight_digest=runtime.weights.digest,
         weights_problem=runtime.weights.problem,
+        execution_path=None if path is None else path.describe(),
+        fast_path_failures=0 if path is None else len(path.failures),
     )
 
 

@@ -93,6 +93,7 @@ class EngineRuntime:
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._steps = 0
+        self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
         self._nc = DirectClient()
         self._replies = ReplyPublisher(
             self.engine_id, self._nc, self.subjects, self.counters, settings.recent_replies_bytes
@@ -140,6 +141,8 @@ class EngineRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._nc.is_connected:
+            await self._publish_unsent()
         if self._nc.is_connected or self._nc.is_reconnecting:
             if self._nc.is_connected:
                 await self.nc.publish(
@@ -334,34 +337,57 @@ class EngineRuntime:
     async def _step_once(self) -> None:
         """One round of the step loop (run by :func:`~service.ops.loops.keep_running`). Steps
         while there is work, the fleet is not paused and NATS is reachable: tokens generated
-        with nowhere to send them would only fill the outbound buffer."""
+        with nowhere to send them would only fill the outbound buffer. A step's replies are
+        encoded and published while the next step runs (its kernels launch on the backend's
+        thread meanwhile), so they stay off the step's critical path; they go out at once when
+        no step follows."""
         await self._wake.wait()
         if self.paused or not self.backend.has_work() or not self._connected.is_set():
+            await self._publish_unsent()
+            self._stepped.set()
             self._wake.clear()
             return
-        try:
-            async with self._step_lock:
-                if self.paused:  # a pause confirmed while this step waited for the lock
-                    return
-                outputs = await self.backend.step()
-                self._steps += 1
-        except Exception as exc:
-            log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
-            await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
-        else:
+        async with self._step_lock:
+            if self.paused:  # a pause confirmed while this step waited for the lock
+                return
+            step = asyncio.ensure_future(self.backend.step())
             try:
-                await self._publish_outputs(outputs)
-            except Exception:
-                # Tokens of this step may be lost: its requests end with an error rather than a gap.
-                log.exception(
-                    "engine_id=%s: replies of a step failed; failing its %d requests", self.engine_id, len(outputs)
-                )
-                err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not send a step's replies")
-                await self._fail([output.request_id for output in outputs], err)
+                await self._publish_unsent()
+            finally:
+                outputs = await self._finish_step(step)
+        self._unsent = outputs
+        if not self.backend.has_work():
+            await self._publish_unsent()
         self._stepped.set()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not
         # yield, and yielding after publishing sends this step's replies a loop turn sooner.
         await asyncio.sleep(0)
+
+    async def _finish_step(self, step: asyncio.Future[list[TokenOutput]]) -> list[TokenOutput]:
+        """The step's outputs; a failed step fails every request this engine holds."""
+        try:
+            outputs = await step
+        except Exception as exc:
+            log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
+            await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
+            return []
+        self._steps += 1
+        return outputs
+
+    async def _publish_unsent(self) -> None:
+        """Publish the last step's replies, if not yet sent."""
+        outputs, self._unsent = self._unsent, []
+        if not outputs:
+            return
+        try:
+            await self._publish_outputs(outputs)
+        except Exception:
+            # Tokens of this step may be lost: its requests end with an error rather than a gap.
+            log.exception(
+                "engine_id=%s: replies of a step failed; failing its %d requests", self.engine_id, len(outputs)
+            )
+            err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not send a step's replies")
+            await self._fail([output.request_id for output in outputs], err)
 
     async def _fail_all(self, err: WireError) -> list[ActiveRequest]:
         return await self._fail(list(self._active), err)
@@ -469,6 +495,7 @@ class EngineRuntime:
                 await self._stepped.wait()
         async with self._step_lock:
             self.paused = True
+            await self._publish_unsent()  # a confirmed pause leaves no generated token unsent
             await self.backend.quiesce()
             if mode == "abort":
                 aborted = list(self._active.values())
@@ -485,6 +512,7 @@ class EngineRuntime:
     async def suspend(self) -> None:
         async with self._step_lock:
             self.paused = True
+            await self._publish_unsent()
             await self.backend.suspend()
 
     async def resume(self) -> None:

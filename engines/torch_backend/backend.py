@@ -29,12 +29,19 @@ from pathlib import Path
 
 import torch
 
-from engines.backend import Backend, GenerationRequest, PrefixCacheStats, TokenOutput
+from engines.backend import Backend, ExecutionPath, GenerationRequest, PrefixCacheStats, TokenOutput
 from engines.chat_template import ChatTemplate, plain_prompt
 from engines.torch_backend.batch import build_batch
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.cuda_graphs import DecodeGraphs
+from engines.torch_backend.fast_path import (
+    LoadPhases,
+    capture_graphs,
+    execution_path,
+    possible_path,
+    require_fast,
+)
 from engines.torch_backend.kernels import Kernels
 from engines.torch_backend.memory import (
     activation_peak,
@@ -51,11 +58,7 @@ from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence, SequenceStatus
-from engines.torch_backend.setup import (
-    cuda_kernels_or_eager,
-    resolve_device,
-    resolve_dtype,
-)
+from engines.torch_backend.setup import checked_cuda_kernels, resolve_device, resolve_dtype
 from engines.torch_backend.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
@@ -100,6 +103,9 @@ class TorchBackend(Backend):
             torch.set_num_threads(options.cpu_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels launch on the current device; steps set it per thread
+        if options.require_fast_path:  # before loading anything when the options alone rule it out
+            require_fast(possible_path(self.device, options.cuda_graphs, options.torch_compile))
+        self.load_phases = phases = LoadPhases()
         model_dir = Path(model_path).expanduser() if model_path else None
         self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
         self.dtype = resolve_dtype(options.dtype, self.config, self.device)
@@ -113,6 +119,7 @@ class TorchBackend(Backend):
         self.model_name = str(model_dir) if model_dir else f"random default model (seed {options.model_seed})"
         self.default_model_name = (model_dir.resolve().name or str(model_dir)) if model_dir else "dpcoord-random"
         self.chat_template = ChatTemplate.from_dir(model_dir) if model_dir else None
+        phases.done("weights")
 
         max_context = options.max_context or self.config.max_position_embeddings
         if max_context > self.config.max_position_embeddings:
@@ -121,8 +128,10 @@ class TorchBackend(Backend):
             )
         block_size = options.kv_block_size
         self._rotary = rotary_table(self.config.rope, self.config.head_dim, max_context, self.dtype, self.device)
+        self._failures: list[str] = []  # fast-path pieces that failed to build
         if self.device.type == "cuda":
-            self.model.kernels = cuda_kernels_or_eager(self.model, self._rotary, options.torch_compile)
+            self.model.kernels, self._failures = checked_cuda_kernels(self.model, self._rotary, options.torch_compile)
+        phases.done("kernel checks")
         peak = (
             activation_peak(self.model, self._rotary, min(options.max_prefill_tokens, max_context - 1), block_size)
             if self.device.type == "cuda"
@@ -147,8 +156,13 @@ class TorchBackend(Backend):
             )
         self._cache_shape = cache_shape(self.config, plan.num_blocks, block_size)
         self._kv_cache: torch.Tensor | None = allocate_cache(self._cache_shape, self.dtype, self.device)
+        phases.done("activation peak and cache")
         self._use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.kernels.paged_decode is not None
         self._graphs: DecodeGraphs | None = self._capture_graphs()
+        phases.done("graph capture")
+        self._path = execution_path(self.device, self.kernels, self._graphs is not None, self._failures)
+        if options.require_fast_path:
+            require_fast(self._path)
         self.scheduler = Scheduler(
             BlockManager(plan.num_blocks, block_size, options.prefix_caching),
             options.max_batch,
@@ -163,7 +177,7 @@ class TorchBackend(Backend):
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
-            "decode %s; prefix caching %s; steps %s",
+            "decode %s; path %s; prefix caching %s; steps %s; loaded in %s",
             self.model_name,
             sum(p.numel() for p in self.model.parameters()) / 1e6,
             self.dtype,
@@ -173,8 +187,10 @@ class TorchBackend(Backend):
             plan.describe(page),
             self.kernels.describe(),
             "replays CUDA graphs" if self._graphs else "runs eagerly",
+            self._path.describe(),
             "on" if options.prefix_caching else "off",
             "overlapped" if self._overlap else "one at a time",
+            phases.describe(),
         )
 
     @property
@@ -185,13 +201,23 @@ class TorchBackend(Backend):
     def graphs(self) -> DecodeGraphs | None:
         return self._graphs
 
+    def execution_path(self) -> ExecutionPath:
+        """The path decode runs: while suspended, the one it ran and resumes on."""
+        return self._path
+
     def _capture_graphs(self) -> DecodeGraphs | None:
         if not self._use_graphs or self._kv_cache is None:
             return None
         pages = -(-self.max_context // self.options.kv_block_size)
         with self._on_device():
-            return DecodeGraphs(
-                self.model, self._rotary, self._kv_cache, self.options.max_batch, pages, self.options.kv_block_size
+            return capture_graphs(
+                self.model,
+                self._rotary,
+                self._kv_cache,
+                self.options.max_batch,
+                pages,
+                self.options.kv_block_size,
+                self._failures,
             )
 
     # ------------------------------------------------------------ requests
@@ -293,10 +319,12 @@ class TorchBackend(Backend):
                 states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
                 params = self._sampling_params(states)
                 replay = (
-                    graphs.inputs(scheduled.decode)
+                    graphs.inputs(scheduled.decode, self.scheduler.grown)
                     if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode))
                     else None
                 )
+                if graphs and replay is None:
+                    graphs.forget_rows()
                 batch = (
                     None
                     if replay
@@ -319,7 +347,7 @@ class TorchBackend(Backend):
             return _Launched(states, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(blocking=True)  # synchronize() then sleeps instead of spinning a core
         ready.record()
         return _Launched(states, host, ready)
 
@@ -402,7 +430,8 @@ class TorchBackend(Backend):
             if self._kv_cache is None:
                 self._kv_cache = await asyncio.to_thread(allocate_cache, self._cache_shape, self.dtype, self.device)
                 self._graphs = await asyncio.to_thread(self._capture_graphs)
-                log.info("torch backend resumed: KV cache reallocated")
+                self._path = execution_path(self.device, self.kernels, self._graphs is not None, self._failures)
+                log.info("torch backend resumed: KV cache reallocated; path %s", self._path.describe())
 
     # ------------------------------------------------------------ weight updates (engines/torch_backend/weight_update.py)
 

@@ -8,7 +8,8 @@ are fixed, so:
 - it is captured per batch bucket (:func:`decode_buckets`: 1, 2, 4, 8, then every 16 up to
   ``max_batch``); a step runs the smallest bucket that holds its sequences;
 - its inputs live in static buffers (token ids, positions, cache slots, block tables,
-  sequence lengths) that each step overwrites before the replay. Rows past the step's
+  sequence lengths) that each step overwrites before the replay, copied from pinned host
+  mirrors. Rows past the step's
   sequences are padding: they read and write only the scratch page (the cache's last page,
   which the block manager never hands out);
 - attention must not depend on the context length's shape: it is the paged decode kernel,
@@ -22,10 +23,10 @@ the device: the step samples from them, and reading the sampled ids is its only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
+from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
 from engines.torch_backend.model import AttentionGroup, ForwardBatch, LlamaModel
 from engines.torch_backend.sequence import Sequence
 
@@ -37,37 +38,20 @@ def decode_buckets(max_batch: int) -> list[int]:
     return [*sizes, max_batch]
 
 
-@dataclass(slots=True)
-class GraphInputs:
-    """One step's inputs on the host, padded to the bucket ``size``."""
+class _Mirror:
+    """Host copies of the static buffers, pinned on CUDA: a copy from pageable memory with
+    ``non_blocking`` is staged through a driver buffer and synchronous in effect. Two mirrors
+    alternate, and a mirror is rewritten only once its last copy is done (``copied``)."""
 
-    size: int
-    count: int
-    longs: torch.Tensor  # [3, size]: token ids, positions, cache slots
-    lengths: torch.Tensor  # [size] int32
-    tables: torch.Tensor  # [size, width] int32
-
-    @classmethod
-    def of(cls, sequences: list[Sequence], size: int, block_size: int, scratch_page: int) -> GraphInputs:
-        """The decode inputs of ``sequences`` (read under the scheduler's lock), padded to ``size``
-        rows that feed token 0 at position 0 into the scratch page and read only that slot."""
-        count = len(sequences)
-        padding = size - count
-        positions = [len(sequence.token_ids) - 1 for sequence in sequences]
-        token_ids = [sequence.token_ids[-1] for sequence in sequences] + [0] * padding
-        slots = [sequence.slot(position, block_size) for sequence, position in zip(sequences, positions, strict=True)]
-        lengths = [position + 1 for position in positions] + [1] * padding
-        width = max(len(sequence.block_table) for sequence in sequences)
-        tables = [sequence.block_table + [scratch_page] * (width - len(sequence.block_table)) for sequence in sequences]
-        tables += [[scratch_page] * width] * padding
-        longs = [token_ids, positions + [0] * padding, slots + [scratch_page * block_size] * padding]
-        return cls(
-            size,
-            count,
-            torch.tensor(longs, dtype=torch.long),
-            torch.tensor(lengths, dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32),
-        )
+    def __init__(self, largest: int, max_pages: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.longs = torch.zeros((3, largest), dtype=torch.long, pin_memory=pin)
+        self.lengths = torch.ones(largest, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.zeros((largest, max_pages), dtype=torch.int32, pin_memory=pin)
+        self.longs_np, self.lengths_np, self.tables_np = self.longs.numpy(), self.lengths.numpy(), self.tables.numpy()
+        # Recorded after each copy from this mirror; reused, as creating one costs a few µs.
+        self.copied = torch.cuda.Event(blocking=True) if pin else None
+        self.pending = False
 
 
 class StaticDecodeBatch:
@@ -81,6 +65,14 @@ class StaticDecodeBatch:
         self.lengths = torch.ones(largest, dtype=torch.int32, device=device)
         self.tables = torch.full((largest, max_pages), scratch_page, dtype=torch.int32, device=device)
         self.last = torch.arange(largest, device=device)
+        self._mirrors = [_Mirror(largest, max_pages, device), _Mirror(largest, max_pages, device)]
+        self._turn = 0
+        # Per bucket size and mirror, the (device, host) views a step copies: slicing a tensor
+        # costs microseconds, so each view is made once. Tables are copied whole rows wide.
+        self._copies: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # What the last tables copy wrote: its rows and the array they came from (kept alive).
+        self._tables_size = 0
+        self._tables_rows: np.ndarray | None = None
 
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
@@ -88,11 +80,39 @@ class StaticDecodeBatch:
             self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None
         )
 
+    def _views(self, size: int, turn: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = self._copies.get((size, turn))
+        if views is None:
+            mirror = self._mirrors[turn]
+            views = self._copies[size, turn] = [
+                (self.longs[:, :size], mirror.longs[:, :size]),
+                (self.lengths[:size], mirror.lengths[:size]),
+                (self.tables[:size], mirror.tables[:size]),
+            ]
+        return views
+
     def load(self, inputs: GraphInputs) -> None:
+        """Stage ``inputs`` in a pinned mirror and start its copy to the device (stream-ordered
+        before the replay that reads it)."""
+        turn = self._turn
+        self._turn ^= 1
+        mirror = self._mirrors[turn]
+        if mirror.copied is not None and mirror.pending:
+            mirror.copied.synchronize()
         size = inputs.size
-        self.longs[:, :size].copy_(inputs.longs, non_blocking=True)
-        self.lengths[:size].copy_(inputs.lengths, non_blocking=True)
-        self.tables[:size, : inputs.tables.shape[1]].copy_(inputs.tables, non_blocking=True)
+        mirror.longs_np[:, :size] = inputs.longs
+        np.add(inputs.longs[1], 1, out=mirror.lengths_np[:size])
+        longs, lengths, tables = self._views(size, turn)
+        longs[0].copy_(longs[1], non_blocking=True)
+        lengths[0].copy_(lengths[1], non_blocking=True)
+        rows = inputs.tables.base  # the DecodeRows array the device's tables would come from
+        if inputs.tables_changed or size != self._tables_size or rows is not self._tables_rows:
+            mirror.tables_np[:size, : inputs.tables.shape[1]] = inputs.tables
+            tables[0].copy_(tables[1], non_blocking=True)
+            self._tables_size, self._tables_rows = size, rows
+        if mirror.copied is not None:
+            mirror.copied.record()
+            mirror.pending = True
 
 
 class DecodeGraphs:
@@ -112,6 +132,7 @@ class DecodeGraphs:
         self.scratch_page = kv_cache.shape[1] - 1
         self._model, self._rotary, self._kv_cache = model, rotary, kv_cache
         self._static = StaticDecodeBatch(self.buckets[-1], max_pages, block_size, self.scratch_page, kv_cache.device)
+        self._rows = DecodeRows(self.buckets[-1], max_pages, block_size, self.scratch_page)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._capture()
@@ -122,7 +143,10 @@ class DecodeGraphs:
         pool = None
         for size in reversed(self.buckets):
             batch = self._static.batch(size)
-            self._model(batch, self._rotary, self._kv_cache)  # compiles and autotunes outside the capture
+            # Outside the capture: the first run compiles and autotunes, the second runs what
+            # the first left cached (lazy initialisations, allocator pools) as the capture will.
+            for _ in range(2):
+                self._model(batch, self._rotary, self._kv_cache)
             torch.cuda.synchronize(self._kv_cache.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
@@ -134,13 +158,22 @@ class DecodeGraphs:
     def fits(self, count: int) -> bool:
         return 0 < count <= self.buckets[-1]
 
-    def inputs(self, sequences: list[Sequence]) -> GraphInputs:
-        """The step's inputs, read from the sequences (call under the scheduler's lock)."""
+    def inputs(self, sequences: list[Sequence], grown: list[Sequence]) -> GraphInputs:
+        """The step's inputs, read from the sequences (call under the scheduler's lock);
+        ``grown``: those the scheduler gave a page since the last step."""
         size = next(bucket for bucket in self.buckets if bucket >= len(sequences))
-        return GraphInputs.of(sequences, size, self.block_size, self.scratch_page)
+        self._rows.update(sequences, grown, size)
+        return self._rows.inputs(size, len(sequences))
+
+    def forget_rows(self) -> None:
+        """A step ran eagerly: the next graph step rewrites its rows from the sequences."""
+        self._rows.forget()
 
     def replay(self, inputs: GraphInputs) -> torch.Tensor:
         """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe."""
         self._static.load(inputs)
         self._graphs[inputs.size].replay()
         return self._logits[inputs.size][: inputs.count]
+
+
+__all__ = ["DecodeGraphs", "GraphInputs", "StaticDecodeBatch", "decode_buckets"]

@@ -28,3 +28,6 @@ class TorchOptions:
     # Launch step n + 1 before step n's tokens are detokenised. None: on CUDA only, where the
     # launch returns at once and the GPU computes while Python works; on CPU it only delays tokens.
     overlap_steps: bool | None = None
+    # Refuse to start unless decode replays CUDA graphs over the paged kernel with the compiled
+    # pieces (engines/torch_backend/fast_path.py): for benchmarks, which must not measure a fallback.
+    require_fast_path: bool = False

@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preempted = 0
+        self.grown: list[Sequence] = []  # sequences the last schedule gave a new page
 
     def add(self, sequence: Sequence) -> None:
         if self.blocks.blocks_for(len(sequence.token_ids)) > self.blocks.num_blocks:
@@ -58,7 +59,8 @@ class Scheduler:
     def append(self, sequence: Sequence, token: int) -> None:
         """Record a sampled token; the pages it filled join the prefix cache."""
         sequence.append(token)
-        self.blocks.commit(sequence)
+        if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
+            self.blocks.commit(sequence)
 
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
@@ -86,17 +88,24 @@ class Scheduler:
         return ScheduledBatch(decode, self._admit())
 
     def _schedule_decode(self) -> list[Sequence]:
+        """Every running sequence, in order, with room for the token it feeds; the ones that
+        needed a new page for it are in :attr:`grown` (a decode step's block tables change
+        only there)."""
         scheduled: list[Sequence] = []
+        self.grown = []
+        running, blocks, page = self.running, self.blocks, self.blocks.block_size
         index = 0
-        while index < len(self.running):
-            sequence = self.running[index]
+        while index < len(running):
+            sequence = running[index]
             needed = len(sequence.token_ids)
-            while not self.blocks.can_hold(sequence, needed) and self.running[-1] is not sequence:
-                self._preempt(self.running.pop())
-            if not self.blocks.can_hold(sequence, needed):
-                self._preempt(self.running.pop())
-                break
-            self.blocks.grow(sequence, needed)
+            if needed > len(sequence.block_table) * page:  # most steps: the last page has room
+                while not blocks.can_hold(sequence, needed) and running[-1] is not sequence:
+                    self._preempt(running.pop())
+                if not blocks.can_hold(sequence, needed):
+                    self._preempt(running.pop())
+                    break
+                blocks.grow(sequence, needed)
+                self.grown.append(sequence)
             scheduled.append(sequence)
             index += 1
         return scheduled

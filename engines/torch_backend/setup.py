@@ -2,14 +2,17 @@
 
 The CUDA kernels (Triton paged decode, ``torch.compile`` element-wise pieces) need Triton and a
 C compiler at run time. They are built and checked against eager PyTorch on small inputs when
-the engine loads; if they cannot be built or disagree, the engine logs why and runs eager
-PyTorch (without CUDA graphs, which need the paged kernel) rather than not starting.
+the engine loads; a piece that cannot be built or disagrees is logged with its traceback, named
+in the engine's :class:`~engines.backend.ExecutionPath` and replaced by eager PyTorch (without
+CUDA graphs, if it is the paged kernel they need), unless ``require_fast_path`` refuses that.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -41,53 +44,104 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def cuda_kernels_or_eager(model: LlamaModel, rotary: torch.Tensor, compile_pointwise: bool) -> Kernels:
+def checked_cuda_kernels(model: LlamaModel, rotary: torch.Tensor, compile_pointwise: bool) -> tuple[Kernels, list[str]]:
+    """The CUDA kernels that passed their check, and the pieces that failed (each logged with its
+    traceback). A failed piece falls back alone: compiled element-wise pieces that fail leave the
+    paged kernel on, and the other way round."""
+    failures: list[str] = []
     paged = importlib.util.find_spec("triton") is not None
     if not paged:
         log.warning("Triton is not installed: decode attention gathers pages, and decode runs without CUDA graphs")
+        failures.append("paged kernel")
     kernels = cuda_kernels(compile_pointwise, paged)
-    try:
-        check_kernels(kernels, model.config, rotary)
-    except Exception as exc:  # a missing compiler, an unsupported GPU: the engine still serves, slower
-        log.warning(
-            "the CUDA kernels failed their check (%s: %s): running eager PyTorch without CUDA graphs",
-            type(exc).__name__,
-            exc,
-        )
-        return EAGER
-    return kernels
+    if compile_pointwise:
+        try:
+            check_pointwise(kernels, model.config, rotary)
+        except Exception:  # a missing compiler, an unsupported GPU: the engine still serves, slower
+            log.exception("the compiled element-wise pieces failed their check: they run eagerly")
+            failures.append("compiled pieces")
+            kernels = replace(kernels, rms_norm=EAGER.rms_norm, rotate_=EAGER.rotate_, silu_mul=EAGER.silu_mul)
+    if kernels.paged_decode is not None:
+        try:
+            check_paged_decode(kernels, model.config, rotary)
+        except Exception:
+            log.exception("the Triton paged decode kernel failed its check: decode gathers pages, without CUDA graphs")
+            failures.append("paged kernel")
+            kernels = replace(kernels, paged_decode=None)
+    return kernels, failures
 
 
 def check_kernels(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -> None:
     """Each of ``kernels`` against eager PyTorch on random inputs of the model's shapes
     (building them compiles them); raises AssertionError when one disagrees."""
-    device, dtype = rotary.device, rotary.dtype
-    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    generator = torch.Generator(device=device).manual_seed(0)
+    check_pointwise(kernels, config, rotary)
+    check_paged_decode(kernels, config, rotary)
 
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+def _randn(generator: torch.Generator, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, device=device).to(dtype)
+        return torch.randn(shape, generator=generator, device=generator.device).to(dtype)
 
-    tokens, heads, kv_heads, head_dim = 5, config.num_heads, config.num_kv_heads, config.head_dim
-    hidden, weight = randn(tokens, config.hidden_size), randn(config.hidden_size)
-    torch.testing.assert_close(
-        kernels.rms_norm(hidden, weight, config.rms_norm_eps),
-        EAGER.rms_norm(hidden, weight, config.rms_norm_eps),
-        atol=tolerance,
-        rtol=tolerance,
-    )
-    qk, table = (
-        randn(tokens, heads + kv_heads, head_dim),
-        rotary[torch.arange(tokens, device=device) * 7 % rotary.shape[0]],
-    )
-    expected = qk.clone()
-    EAGER.rotate_(expected, table)
-    kernels.rotate_(qk, table)
-    torch.testing.assert_close(qk, expected, atol=tolerance, rtol=tolerance)
-    gate_up = randn(tokens, 2 * config.intermediate_size)
-    torch.testing.assert_close(kernels.silu_mul(gate_up), EAGER.silu_mul(gate_up), atol=tolerance, rtol=tolerance)
+    return randn
+
+
+def check_pointwise(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -> None:
+    """The element-wise pieces against eager, in the variants serving runs and no other: under
+    ``inference_mode``, with several tokens (prefill) and with one (decode at batch 1; dynamo
+    specialises a size of 1), on inputs laid out as the model lays them out (rotary gets a view
+    of the fused q|k|v rows). Compiling them here means serving never recompiles, so a process
+    holds two variants of each piece per dtype, well inside dynamo's recompile limit of 8."""
+    device, dtype = rotary.device, rotary.dtype
+    tolerance = _tolerance(dtype)
+    randn = _randn(torch.Generator(device=device).manual_seed(0), dtype)
+    # A parameter made outside inference mode, as the model's norm weights are: dynamo guards on
+    # the type and on the dispatch keys, which differ for tensors made in inference mode.
+    weight = torch.nn.Parameter(randn(config.hidden_size), requires_grad=False)
+    with torch.inference_mode():
+        _check_pointwise(kernels, config, rotary, weight, randn, tolerance)
+
+
+def _check_pointwise(
+    kernels: Kernels,
+    config: ModelConfig,
+    rotary: torch.Tensor,
+    weight: torch.Tensor,
+    randn: Callable[..., torch.Tensor],
+    tolerance: float,
+) -> None:
+    device = rotary.device
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    for tokens in (5, 1):
+        hidden = randn(tokens, config.hidden_size)
+        torch.testing.assert_close(
+            kernels.rms_norm(hidden, weight, config.rms_norm_eps),
+            EAGER.rms_norm(hidden, weight, config.rms_norm_eps),
+            atol=tolerance,
+            rtol=tolerance,
+        )
+        qkv = randn(tokens, heads + 2 * kv_heads, head_dim)
+        table = rotary[torch.arange(tokens, device=device) * 7 % rotary.shape[0]]
+        expected = qkv.clone()
+        EAGER.rotate_(expected[:, : heads + kv_heads], table)
+        kernels.rotate_(qkv[:, : heads + kv_heads], table)
+        torch.testing.assert_close(qkv, expected, atol=tolerance, rtol=tolerance)
+        gate_up = randn(tokens, 2 * config.intermediate_size)
+        torch.testing.assert_close(kernels.silu_mul(gate_up), EAGER.silu_mul(gate_up), atol=tolerance, rtol=tolerance)
+
+
+@torch.inference_mode()
+def check_paged_decode(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -> None:
+    """The paged decode kernel (if any) against gathered attention over a few pages."""
     if kernels.paged_decode is None:
         return
+    device, dtype = rotary.device, rotary.dtype
+    tolerance = _tolerance(dtype)
+    randn = _randn(torch.Generator(device=device).manual_seed(1), dtype)
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     block_size, pages, lengths = 4, 6, [5, 1, 12]
     cache = randn(pages + 1, block_size, 2, kv_heads, head_dim)
     tables = torch.tensor([[5, 0, 0], [2, 0, 0], [1, 3, 4]], dtype=torch.int32, device=device)

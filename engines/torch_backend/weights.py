@@ -136,4 +136,6 @@ def build_model(
     missing = sorted(set(expected) - seen)
     if missing:
         raise UnsupportedModelError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    return model.eval()
+    # Inference only: no parameter asks for gradients, so compiled pieces see the same guards
+    # (requires_grad is one) at their load-time check as when serving.
+    return model.requires_grad_(False).eval()

@@ -82,6 +82,9 @@ class EngineStatus(msgspec.Struct):
     weight_version: str | int | None = None  # the weights it serves; None: those it started with
     weight_digest: str | None = None
     weights_problem: str | None = None  # why it cannot serve the fleet's weights (it is not in the pool then)
+    # The fast pieces decode runs (ExecutionPath.describe()); None: a backend without any (echo).
+    execution_path: str | None = None
+    fast_path_failures: int = 0  # pieces asked for that failed to build (their tracebacks are in the log)
 
 
 async def add_status_service(

@@ -268,6 +268,10 @@ class Settings(BaseSettings):
     torch_compile: TorchSetting[bool] = Field(
         True, description="CUDA: fuse element-wise pieces (RMSNorm, rotary, SwiGLU) with torch.compile; false: eager"
     )
+    require_fast_path: TorchSetting[bool] = Field(
+        False,
+        description="Refuse to start unless decode replays CUDA graphs over the Triton paged kernel with torch.compile pieces",
+    )
 
     # Health and metrics over HTTP (Kubernetes probes, Prometheus)
     http_host: ServiceSetting[str] = Field(

@@ -57,8 +57,12 @@ def test_the_fast_paths_are_on_by_default() -> None:
     assert backend.kernels.paged_decode is not None and backend.kernels.rms_norm is not EAGER.rms_norm
     assert backend.graphs is not None and backend.graphs.buckets == [1, 2, 4, 8, 16, 32]
     assert "Triton paged decode" in backend.kernels.describe()
+    path = backend.execution_path()
+    assert path.fast and path.failures == (), path.describe()
+    TorchBackend(options(require_fast_path=True))  # starts: every piece is on
     off = TorchBackend(slow())
     assert off.graphs is None and off.kernels.rms_norm is EAGER.rms_norm
+    assert off.execution_path().missing() == ["CUDA graphs", "compiled pieces"]
 
 
 def test_float32_greedy_with_graphs_equals_transformers() -> None:

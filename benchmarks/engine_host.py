@@ -1,0 +1,276 @@
+"""Host time per decode step of the torch engine, with the model replaced by a same-shaped no-op:
+what Python adds to every step, which on a GPU decides whether the device waits.
+
+    python -m benchmarks.engine_host [--baseline 363a512] [--batches 1 16 64 256] [--rounds 3]
+
+Each figure comes from a fresh process running the backend of one tree (this checkout, and
+with ``--baseline REV`` that revision extracted with ``git archive`` into a temporary
+directory, as ``benchmarks/instructions.py`` does), ``--rounds`` times, trees interleaved,
+best round kept. In that process, ``batch`` requests decode together on the CPU device with
+one torch thread and steps overlapped as on CUDA; once every request is decoding, ``--steps``
+steps are timed. The test doubles, the same for both trees:
+
+- **the model** is a no-op of the real one's shape: it returns preset logits ``[B, vocab]``
+  (the default model's 256-token byte vocabulary), so nothing of the forward pass is timed;
+- **the graphs** are the tree's own ``DecodeGraphs`` with nothing captured: each decode step
+  builds its ``GraphInputs``, stages them into the static buffers (``load``) and "replays" a
+  graph that does nothing, so the host side of a CUDA graph step is what runs, as on a GPU.
+
+Figures per step, on the thread that launches the steps, then in all:
+
+- **exposed**: wall and CPU time of collecting step n (its tokens appended, finished requests
+  out) and launching step n + 1 (scheduling, inputs, the graph replay and the sampler). With
+  steps overlapped, that is the window in which the device has nothing queued: it finished
+  step n and waits for n + 1. Everything else (detokenising, replies) runs while step n + 1
+  computes;
+- **loop**: wall and CPU time of the launching thread's whole step, replies included where
+  they are encoded on it. The device waits whenever this exceeds its own step time;
+- **CPU**: process CPU time per step, every thread included: the host work in all.
+
+Wall times count waiting for a core on a shared machine; CPU times do not (nor waiting for
+the GIL), so they are the steadier figures here.
+
+After each step the replies are built as the engine runtime builds them: each output recorded
+in its ``ActiveRequest`` (``engines/replies.py``), a partial per token and a final per finished
+request encoded, and the batch encoded as one ``EngineReplyBatch`` (publishing on NATS is not
+included). ``--emit`` places that work as each tree's runtime does: the baseline runtime
+encodes between steps, on the critical path (``inline``); this checkout's runtime encodes while
+the next step runs (``thread``: a second thread, which still costs the launching thread
+whatever the GIL takes from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_TOKENS = 32
+WARMUP_STEPS = 8
+
+
+def drive(batch: int, steps: int, emit: str) -> dict[str, float]:
+    """In the driver process: the figures of one tree (the one on ``PYTHONPATH``)."""
+    backend = decoding_backend(batch, WARMUP_STEPS + steps + 4)
+    replies = Replies()
+    work: queue.Queue[list[Any] | None] = queue.Queue()
+
+    def emitter() -> None:
+        while (outputs := work.get()) is not None:
+            replies.encode(outputs)
+
+    thread = threading.Thread(target=emitter, daemon=True)
+    thread.start()
+    for _ in range(WARMUP_STEPS):
+        replies.encode(backend._step())
+    window = Stopwatch(backend, ("_collect", "_launch"))
+    wall_started, thread_started, cpu_started = time.perf_counter(), time.thread_time(), time.process_time()
+    for _ in range(steps):
+        outputs = backend._step()
+        if emit == "thread":
+            work.put(outputs)
+        else:
+            replies.encode(outputs)
+    loop, loop_cpu = time.perf_counter() - wall_started, time.thread_time() - thread_started
+    work.put(None)
+    thread.join()
+    cpu = time.process_time() - cpu_started
+    return {
+        "exposed_us": 1e6 * window.wall / steps,
+        "exposed_cpu_us": 1e6 * window.cpu / steps,
+        "loop_us": 1e6 * loop / steps,
+        "loop_cpu_us": 1e6 * loop_cpu / steps,
+        "cpu_us": 1e6 * cpu / steps,
+    }
+
+
+class Stopwatch:
+    """Benchmark instrumentation: wraps the named methods of one object (instance attributes
+    shadow them) and sums their wall and thread CPU time."""
+
+    def __init__(self, target: object, names: tuple[str, ...]) -> None:
+        self.wall = self.cpu = 0.0
+        for name in names:
+            setattr(target, name, self._timed(getattr(target, name)))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args)
+            finally:
+                self.wall += time.perf_counter() - wall
+                self.cpu += time.thread_time() - cpu
+
+        return timed
+
+
+def decoding_backend(batch: int, max_tokens: int) -> Any:
+    """The tree's TorchBackend on CPU with the test doubles, ``batch`` greedy requests added."""
+    import torch
+
+    from engines.backend import GenerationRequest
+    from engines.torch_backend.backend import TorchBackend
+    from engines.torch_backend.cuda_graphs import DecodeGraphs
+    from engines.torch_backend.kernels import EAGER, Kernels
+    from engines.torch_backend.options import TorchOptions
+
+    class NoOpModel(torch.nn.Module):
+        """Test double: the model's interface and output shape, no computation."""
+
+        def __init__(self, vocab: int, rows: int) -> None:
+            super().__init__()
+            self.logits = torch.zeros(rows, vocab)
+            self.logits[:, ord("a")] = 1.0  # greedy picks "a": text to detokenise, never EOS
+            self.kernels = Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, lambda q, *_: q)
+
+        def forward(self, batch: Any, rotary: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+            return self.logits[: batch.last_token_index.shape[0]]
+
+    class NoGraph:
+        def replay(self) -> None:
+            return None
+
+    class HostOnlyGraphs(DecodeGraphs):
+        """Test double: the tree's decode graphs with nothing captured; replay does the host work."""
+
+        def _capture(self) -> None:
+            for size in self.buckets:
+                self._graphs[size] = NoGraph()  # type: ignore[assignment]
+                self._logits[size] = self._model.logits[:size]
+
+    backend = TorchBackend(
+        TorchOptions(
+            device="cpu",
+            cpu_threads=1,
+            max_batch=batch,
+            max_context=PROMPT_TOKENS + max_tokens + 1,
+            kv_cache_gb=max(0.02, batch * (PROMPT_TOKENS + max_tokens + 16) * 32 * 1024 / 16 / 2**30),
+            overlap_steps=True,
+        )
+    )
+    backend.model = NoOpModel(backend.config.vocab_size, batch)
+    pages = -(-backend.max_context // backend.options.kv_block_size)
+    assert backend._kv_cache is not None
+    backend._graphs = HostOnlyGraphs(
+        backend.model, backend._rotary, backend._kv_cache, batch, pages, backend.options.kv_block_size
+    )
+    for index in range(batch):
+        prompt = [(31 * index + k) % 200 + 32 for k in range(PROMPT_TOKENS)]
+        backend.add(GenerationRequest(f"r{index}", prompt, max_tokens=max_tokens, temperature=0.0))
+
+    return backend
+
+
+class Replies:
+    """The runtime's reply building for one stream of steps (``EngineRuntime._publish_outputs``
+    without the publish): every request streamed, one partial per token."""
+
+    def __init__(self) -> None:
+        from engines.replies import ActiveRequest
+        from service.protocol.codec import Encoding, encode_msgpack
+        from service.protocol.messages import EngineReplyBatch, ReturnPath
+
+        self._active: dict[str, Any] = {}
+        self._new = lambda request_id: ActiveRequest(
+            ReturnPath(request_id, "c-bench", f"_INBOX.bench.{request_id}", Encoding.MSGPACK.value, True, request_id),
+            Encoding.MSGPACK,
+        )
+        self._batch = lambda replies: encode_msgpack(EngineReplyBatch("bench", replies))
+
+    def encode(self, outputs: list[Any]) -> None:
+        partials, finals = [], []
+        for output in outputs:
+            active = self._active.get(output.request_id)
+            if active is None:
+                active = self._active[output.request_id] = self._new(output.request_id)
+            active.record(output, 1)
+            partials.append(active.partial())
+            if output.finish_reason is not None:
+                finals.append(active.final("bench", output.finish_reason))
+                del self._active[output.request_id]
+        self._batch(partials)
+        if finals:
+            self._batch(finals)
+
+
+def extract(revision: str, into: Path) -> Path:
+    repo = Path(__file__).resolve().parents[1]
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", revision, "service", "handlers", "engines"], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def measure(tree: Path, batch: int, steps: int, emit: str) -> dict[str, float]:
+    env = dict(os.environ) | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    # -P: the script's directory stays off the path; the tree's packages come from PYTHONPATH alone.
+    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--driver", str(batch), str(steps), emit]
+    done = subprocess.run(command, env=env, cwd=tree, check=True, capture_output=True, text=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(args: argparse.Namespace) -> None:
+    current = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="dpcoord-engine-host-") as temp:
+        trees = {"current": (current, "thread")}
+        if args.baseline:
+            trees[args.baseline] = (extract(args.baseline, Path(temp) / "baseline"), "inline")
+        print(
+            f"host time per decode step, no-op model, CPU, 1 torch thread; best of {args.rounds} rounds; "
+            "µs wall / CPU (exposed: collect + launch; loop: the launching thread's whole step; CPU: all threads)"
+        )
+        header = f"{'batch':>6}" + "".join(f" {f'{name} exposed':>20} {'loop':>15} {'CPU':>7}" for name in trees)
+        if args.baseline:
+            header += f" {'exposed CPU ratio':>18} {'loop CPU ratio':>15}"
+        print(header, flush=True)
+        for batch in args.batches:
+            steps = max(40, min(1800, args.steps // batch))  # within the default model's 2,048 positions
+            best: dict[str, dict[str, float]] = {}
+            for _ in range(args.rounds):
+                for name, (tree, emit) in trees.items():
+                    figures = measure(tree, batch, steps, emit)
+                    kept = best.setdefault(name, figures)
+                    best[name] = {key: min(kept[key], value) for key, value in figures.items()}
+            line = f"{batch:6d}"
+            for name in trees:
+                f = best[name]
+                line += (
+                    f" {f['exposed_us']:12.0f} /{f['exposed_cpu_us']:6.0f}"
+                    f" {f['loop_us']:7.0f} /{f['loop_cpu_us']:6.0f} {f['cpu_us']:7.0f}"
+                )
+            if args.baseline:
+                base, now = best[args.baseline], best["current"]
+                line += (
+                    f" {now['exposed_cpu_us'] / base['exposed_cpu_us']:17.2f}x"
+                    f" {now['loop_cpu_us'] / base['loop_cpu_us']:14.2f}x"
+                )
+            print(line, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default=None, help="git revision of this checkout to measure alongside")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument(
+        "--steps", type=int, default=1600, help="decode steps timed at batch 1 (fewer at larger, at least 40)"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--driver":
+        print(json.dumps(drive(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+    else:
+        main(build_parser().parse_args())
