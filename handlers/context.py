@@ -122,8 +122,9 @@ class EngineContext(Replier, Protocol):
     async def remove_engine(self, engine_id: str, reason: str) -> None:
         """Drop an engine that left: what it had not streamed is routed again, the rest fails."""
 
-    def peer_seen(self, coordinator_id: str) -> None:
-        """Note a live coordinator replica; raises WireError 400 for an invalid id."""
+    def peer_seen(self, coordinator_id: str, leaving: bool = False) -> None:
+        """Note a live coordinator replica, or (``leaving``) one that stops: its requests are
+        adopted now. Raises WireError 400 for an invalid id."""
 
 
 class ReplicaContext(Replier, Protocol):

@@ -73,6 +73,7 @@ class Control:
         self._request_stop = request_stop
         self.shared = SharedControlState(core.subjects.prefix, core.id, settings.control_timeout_s, self._follow)
         self.failure: str | None = None  # why this replica stopped itself, if it did
+        self.fleet_shutdown = False  # every replica of the prefix stops: none is left to adopt
         self.changed = asyncio.Event()  # set whenever this replica learns a newer record
         self._finishing_stop = False
         self._stopping_since = 0.0
@@ -167,6 +168,7 @@ class Control:
             )
 
         replicas = 1 + len(self._peers.live())
+        self.fleet_shutdown = True
         return await self.shared.change(shutdown), replicas
 
     # ------------------------------------------------------------ following the shared record
@@ -178,6 +180,7 @@ class Control:
             self._stopping_since = time.monotonic()
         if current.shutdown > previous.shutdown:
             log.info("shutdown signalled through coordinator %s", current.coordinator_id)
+            self.fleet_shutdown = True
             self._request_stop()
             return
         stop_over = previous.state is CoordinatorState.STOPPING and current.state is not CoordinatorState.STOPPING

@@ -236,19 +236,31 @@ class Coordinator:
         self._stop_requested.set()
 
     async def stop(self) -> None:
-        """Answer every open request with an error, then leave NATS. Safe to call twice."""
+        """Leave NATS, safe to call twice. While peers live (a rolling restart, a scale-down),
+        the requests engines hold are left to them: this replica's last heartbeat says it
+        leaves, and the lowest of them adopts those requests. Every other open request (all of
+        them when no peer lives, or the whole fleet shuts down) is answered with an error."""
         if self._stopped:
             return
         self._stopped = True
         self._stop_requested.set()
         self.control_state.state = CoordinatorState.STOPPING
+        hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
         await self._control.close()
         for sub in self._subscriptions:
             await sub.unsubscribe()
+        handed = 0
         for entry in self.requests:
+            if hand_over and entry.engine_id is not None:
+                handed += 1
+                continue
             await self._relay.fail(
                 entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down")
             )
+        if hand_over:
+            await self._replica_watch.leave()
+            await self.nc.flush()
+            log.info("coordinator %s leaves %d requests to its peers", self.id, handed)
         for task in list(self._tasks):
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
@@ -359,10 +371,12 @@ class Coordinator:
     async def remove_engine(self, engine_id: str, reason: str) -> None:
         await self._fleet.remove(engine_id, reason)
 
-    def peer_seen(self, coordinator_id: str) -> None:
+    def peer_seen(self, coordinator_id: str, leaving: bool = False) -> None:
         if id_problem(coordinator_id, self.settings.max_id_bytes) is not None:
             raise WireError(ErrorCode.MALFORMED, f"coordinator_id {coordinator_id[:64]!r} is not a valid id")
-        if not self.peers.saw(coordinator_id):
+        if leaving:
+            self._replica_watch.left(coordinator_id)
+        elif not self.peers.saw(coordinator_id):
             self.counters["peers_ignored"] += 1
 
     # ------------------------------------------------------------ background

@@ -88,6 +88,10 @@ class CoordinatorPeers:
         departed, self._departed = self._departed, []
         return departed
 
+    def left(self, coordinator_id: str) -> bool:
+        """A peer said it stops: no longer live. False when it was not live here."""
+        return self._last_seen.pop(coordinator_id, None) is not None
+
     def restart_clocks(self) -> None:
         """This replica is back on NATS after being cut off, when it could hear no one: every
         live peer's silence counts from now, so none is taken for dead for what it missed."""

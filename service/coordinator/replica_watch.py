@@ -5,7 +5,9 @@ replies live peers have surely dealt with, and hands every peer found dead to ad
 (:mod:`.adoption`), once this replica has been up a heartbeat timeout (before that, silence
 proves nothing). At that moment, the peers whose replies were kept but that were never heard
 are handed over too (they died before this replica started). After this replica's own
-reconnect its peers' clocks restart (:meth:`.peers.CoordinatorPeers.restart_clocks`).
+reconnect its peers' clocks restart (:meth:`.peers.CoordinatorPeers.restart_clocks`). A
+replica that stops while peers live says so in a last beat (``leaving``), and the lowest of
+them adopts its requests at once.
 """
 
 from __future__ import annotations
@@ -44,3 +46,12 @@ class ReplicaWatch:
 
     def reconnected(self) -> None:
         self._peers.restart_clocks()
+
+    def left(self, peer: str) -> None:
+        """A peer's last beat: it stops, so its requests are adopted now, not a timeout later."""
+        if peer != self._core.id and self._peers.left(peer) and self._peers.warmed_up:
+            self._adoption.departed(peer)
+
+    async def leave(self) -> None:
+        """This replica's last beat, as it stops while peers live: they adopt its requests."""
+        await self._core.nc.publish(self._subject, encode_msgpack(CoordinatorHeartbeat(self._core.id, leaving=True)))

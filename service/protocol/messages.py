@@ -293,6 +293,9 @@ class ResendAnswer(Struct):
 
 class CoordinatorHeartbeat(Struct):
     coordinator_id: str
+    # An extension: the last beat of a replica that stops while peers live; the lowest of them
+    # adopts its requests at once (docs/reliability.md, ownership).
+    leaving: bool = False
 
 
 class EngineDisconnect(Struct):

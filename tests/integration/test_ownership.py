@@ -131,3 +131,34 @@ async def test_a_plain_publish_may_reply_only_under_the_shared_inbox(
         await coordinator.nc.flush()
     await nc.flush()
     assert foreign.pending_msgs == 0
+
+
+async def test_a_replica_that_stops_leaves_its_running_requests_to_a_peer(
+    settings: Settings, pair: tuple[Coordinator, Coordinator], engine: EngineRuntime, nc: NATS
+) -> None:
+    """A rolling restart: the replica that stops says so in its last heartbeat, and the other
+    adopts the requests its engines hold, which end with every token instead of an error."""
+    subjects = Subjects(settings.subject_prefix)
+    inbox = f"_INBOX.{uuid.uuid4().hex}"
+    replies = await nc.subscribe(f"{inbox}.*")
+    prompt, max_tokens, count = "abcdefghij", 300, 8
+    for n in range(count):
+        body = envelope(f"s{n}", prompt, max_tokens, False)
+        await nc.publish(subjects.coordinator(Header.SUBMIT_REQUEST), body, f"{inbox}.{n}")
+    first, second = pair
+    await until(lambda: len(first.requests) + len(second.requests) == count)
+    leaving, staying = (first, second) if len(first.requests) >= len(second.requests) else (second, first)
+    held = len(leaving.requests)
+    await leaving.stop()
+    finals: dict[str, dict[str, object]] = {}
+    while len(finals) < count:
+        msg = await replies.next_msg(timeout=10)
+        if msg.data:
+            reply = decode_reply(msg.data)
+            assert reply["type"] in ("partial", "final"), reply
+            if reply["type"] == "final":
+                finals[msg.subject] = reply
+    expected = [ord(prompt[n % len(prompt)]) for n in range(max_tokens)]
+    assert all(final["generated_tokens"] == expected for final in finals.values())
+    assert staying.counters["requests_adopted"] == held
+    assert leaving.counters["failed_503"] == 0
