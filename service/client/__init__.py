@@ -26,25 +26,25 @@ callback, so the call would otherwise wait out its timeout.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError, NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.errors import MaxPayloadError
 
 from service.bus.connection import close_nats, connect_nats
 from service.bus.refusals import PublishRefusals
+from service.client.calls import ClientError, call, check, reply_decoder
+from service.client.exchanges import RECONNECTED, CoordinatorLost, CoordinatorWatch, Exchanges, Refused
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
-from service.protocol.errors import ErrorCode, WireError
+from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
     AbortRequest,
     Ack,
@@ -53,14 +53,11 @@ from service.protocol.messages import (
     ConnectAck,
     ConnectRequest,
     ControlSignal,
-    CoordinatorHeartbeat,
     Empty,
-    ErrorReply,
     Final,
     ModelList,
     Partial,
     PauseMode,
-    Reply,
     SamplingParams,
     SubmitEnvelope,
     SubmitRequest,
@@ -71,121 +68,11 @@ from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
 
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
 _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
-_heartbeat_decoder = msgspec.msgpack.Decoder(CoordinatorHeartbeat)
-_RECONNECTED = object()
 MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
 # instead of a bare timeout.
 DEADLINE_MARGIN_S = 2.0
-T = TypeVar("T")
-
-
-class ClientError(WireError):
-    """The coordinator or an engine answered with an error reply."""
-
-
-def _check(reply: Reply) -> Reply:
-    if isinstance(reply, ErrorReply):
-        raise ClientError(reply.error.code, reply.error.message)
-    return reply
-
-
-class _Refused:
-    """Queued for a submission whose publish NATS refused."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-class _CoordinatorLost:
-    """Queued for every submission when a coordinator replica stopped heartbeating."""
-
-    def __init__(self, coordinator_id: str) -> None:
-        self.coordinator_id = coordinator_id
-
-
-class _Exchanges:
-    """Reply queues of the submissions in progress, by their token of the reply inbox; each
-    hears about reconnects and lost coordinators."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, asyncio.Queue[object]] = {}
-        self.inbox = ""  # the reply subjects' prefix, set once connected
-        self._tokens = itertools.count()
-
-    def open(self) -> tuple[str, asyncio.Queue[object]]:
-        """A fresh reply subject and the queue its replies go to."""
-        token = str(next(self._tokens))
-        queue: asyncio.Queue[object] = asyncio.Queue()
-        self.queues[token] = queue
-        return f"{self.inbox}.{token}", queue
-
-    def close(self, reply_subject: str) -> None:
-        self.queues.pop(reply_subject.rpartition(".")[2], None)
-
-    async def on_reply(self, msg: Msg) -> None:
-        queue = self.queues.get(msg.subject.rpartition(".")[2])
-        if queue is not None:  # else a late reply to a submission that ended
-            queue.put_nowait(msg)
-
-    def reconnected(self) -> None:
-        for queue in self.queues.values():
-            queue.put_nowait(_RECONNECTED)
-
-    def coordinator_lost(self, coordinator_id: str) -> None:
-        lost = _CoordinatorLost(coordinator_id)
-        for queue in self.queues.values():
-            queue.put_nowait(lost)
-
-
-class _CoordinatorWatch:
-    """Coordinator replicas by their heartbeats; one silent for ``timeout_s`` (the replicas'
-    heartbeat timeout plus an interval, so that they found it dead and adopted its requests
-    first) is reported lost once."""
-
-    def __init__(self, exchanges: _Exchanges, interval_s: float, timeout_s: float) -> None:
-        self._exchanges = exchanges
-        self._interval_s = interval_s
-        self._timeout_s = timeout_s
-        self._last_seen: dict[str, float] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    async def on_heartbeat(self, msg: Msg) -> None:
-        if msg.reply:
-            return  # a replica asking whether another serves the prefix, not a heartbeat
-        try:
-            self._last_seen[_heartbeat_decoder.decode(msg.data).coordinator_id] = time.monotonic()
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return
-
-    def heard_of(self, coordinator_id: str) -> None:
-        """A reply named a coordinator: it is watched from now on, whether or not its heartbeats
-        have come yet."""
-        if coordinator_id not in self._last_seen:
-            self._last_seen[coordinator_id] = time.monotonic()
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._watch())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def reconnected(self) -> None:
-        """Nothing could be heard while cut off: silence counts from now."""
-        now = time.monotonic()
-        self._last_seen = dict.fromkeys(self._last_seen, now)
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            now = time.monotonic()
-            lost = [peer for peer, seen in self._last_seen.items() if now - seen >= self._timeout_s]
-            for coordinator_id in lost:
-                del self._last_seen[coordinator_id]
-                self._exchanges.coordinator_lost(coordinator_id)
 
 
 class DpcoordClient:
@@ -196,10 +83,10 @@ class DpcoordClient:
         client_id: str,
         coordinator_id: str,
         owns_connection: bool,
-        exchanges: _Exchanges,
+        exchanges: Exchanges,
         refusals: PublishRefusals,
         replies: Subscription,
-        watch: _CoordinatorWatch,
+        watch: CoordinatorWatch,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -217,9 +104,9 @@ class DpcoordClient:
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
         caller's business) and shake hands with a coordinator."""
-        exchanges = _Exchanges()
+        exchanges = Exchanges()
         refusals = PublishRefusals()
-        watch = _CoordinatorWatch(
+        watch = CoordinatorWatch(
             exchanges, settings.heartbeat_interval_s, settings.heartbeat_timeout_s + settings.heartbeat_interval_s
         )
         owns = nc is None
@@ -240,7 +127,7 @@ class DpcoordClient:
         refusals.optional(heartbeat_subject, "requests of a coordinator that dies wait for their deadline")
         heartbeats = await connection.subscribe(heartbeat_subject, cb=watch.on_heartbeat)
         try:
-            ack = await _call(
+            ack = await call(
                 connection, refusals, subjects.coordinator(Header.CONNECT), ConnectRequest(client_id), timeout
             )
         except BaseException:
@@ -357,7 +244,7 @@ class DpcoordClient:
         holder: str | None = None  # the replica holding the request, once a reply named it
         again: bytes | None = None  # the body marked as a resubmission, made at the first one
         try:
-            with self._refusals.watch(subject, lambda message: queue.put_nowait(_Refused(message))):
+            with self._refusals.watch(subject, lambda message: queue.put_nowait(Refused(message))):
                 await self._publish(subject, body, inbox)
                 while True:
                     try:
@@ -365,13 +252,13 @@ class DpcoordClient:
                             item = await queue.get()
                     except TimeoutError:
                         raise TimeoutError(f"no reply within {timeout} s") from None
-                    if isinstance(item, _CoordinatorLost) and holder not in (None, item.coordinator_id):
+                    if isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
                         continue
-                    if item is _RECONNECTED or isinstance(item, _CoordinatorLost):
+                    if item is RECONNECTED or isinstance(item, CoordinatorLost):
                         again = again or _as_resubmission(body)
                         await self._publish(subject, again, inbox)
                         continue
-                    if isinstance(item, _Refused):
+                    if isinstance(item, Refused):
                         raise ClientError(ErrorCode.FORBIDDEN, item.message)
                     assert isinstance(item, Msg)  # only the callbacks and the markers fill the queue
                     if _is_no_responders(item):
@@ -381,7 +268,7 @@ class DpcoordClient:
                         continue
                     if not item.data:
                         return
-                    reply = _check(_reply_decoder.decode(item.data))
+                    reply = check(reply_decoder.decode(item.data))
                     if isinstance(reply, (Partial, Final)):
                         holder = reply.request_id.rpartition("-")[0]
                         self._watch.heard_of(holder)
@@ -408,7 +295,7 @@ class DpcoordClient:
 
     async def list_models(self, timeout: float = 10.0) -> ModelList:
         """The models the fleet serves, as the coordinator that answers sees it."""
-        reply = await _call(self.nc, self._refusals, self.subjects.coordinator(Header.LIST_MODELS), Empty(), timeout)
+        reply = await call(self.nc, self._refusals, self.subjects.coordinator(Header.LIST_MODELS), Empty(), timeout)
         if not isinstance(reply, ModelList):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {Header.LIST_MODELS}: {reply!r}")
         return reply
@@ -465,7 +352,7 @@ class DpcoordClient:
         return await self._ack(Header.SHUTDOWN, Empty(), timeout)
 
     async def _ack(self, header: Header, message: msgspec.Struct, timeout: float) -> Ack:
-        reply = await _call(self.nc, self._refusals, self.subjects.coordinator(header), message, timeout)
+        reply = await call(self.nc, self._refusals, self.subjects.coordinator(header), message, timeout)
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {header}: {reply!r}")
         return reply
@@ -477,42 +364,6 @@ def _as_resubmission(body: bytes) -> bytes:
 
 def _is_no_responders(msg: Msg) -> bool:
     return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
-
-
-async def _call(nc: NATS, refusals: PublishRefusals, subject: str, message: msgspec.Struct, timeout: float) -> Reply:
-    return await _call_raw(nc, refusals, subject, encode_msgpack(message), timeout)
-
-
-async def _call_raw(nc: NATS, refusals: PublishRefusals, subject: str, body: bytes, timeout: float) -> Reply:
-    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    try:
-
-        def on_refusal(message: str) -> None:
-            if not refused.done():
-                refused.set_result(message)
-
-        with refusals.watch(subject, on_refusal):
-            msg = await _unless_refused(nc.request(subject, body, timeout=timeout), refused)
-    except NoRespondersError:
-        raise ClientError(ErrorCode.NO_ENGINE, f"no coordinator is listening on {subject}") from None
-    except NatsTimeoutError:
-        raise TimeoutError(f"no reply on {subject} within {timeout} s") from None
-    return _check(_reply_decoder.decode(msg.data))
-
-
-async def _unless_refused(waiting: Awaitable[T], refused: asyncio.Future[str]) -> T:
-    """What ``waiting`` returns, or ClientError 403 as soon as NATS refuses the publish it
-    waits on."""
-    task = asyncio.ensure_future(waiting)
-    try:
-        await asyncio.wait((task, refused), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if refused.done() and (task.cancelled() or task.exception() is not None):
-        raise ClientError(ErrorCode.FORBIDDEN, refused.result())
-    return task.result()
 
 
 __all__ = ["ClientError", "DpcoordClient"]

@@ -1,0 +1,117 @@
+"""The client library's reply inbox and its watch on the coordinator replicas.
+
+Replies to every submission arrive on one wildcard subscription per client, ``<inbox>.*``, each
+submission on its own token of it (:class:`Exchanges`). Each submission's queue also hears of
+reconnects (:data:`RECONNECTED`) and of coordinator replicas that stopped heartbeating
+(:class:`CoordinatorLost`, from :class:`CoordinatorWatch`), after which it resubmits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import msgspec
+from nats.aio.msg import Msg
+
+from service.protocol.messages import CoordinatorHeartbeat
+
+RECONNECTED = object()
+heartbeat_decoder = msgspec.msgpack.Decoder(CoordinatorHeartbeat)
+
+
+class Refused:
+    """Queued for a submission whose publish NATS refused."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class CoordinatorLost:
+    """Queued for every submission when a coordinator replica stopped heartbeating."""
+
+    def __init__(self, coordinator_id: str) -> None:
+        self.coordinator_id = coordinator_id
+
+
+class Exchanges:
+    """Reply queues of the submissions in progress, by their token of the reply inbox; each
+    hears about reconnects and lost coordinators."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, asyncio.Queue[object]] = {}
+        self.inbox = ""  # the reply subjects' prefix, set once connected
+        self._tokens = itertools.count()
+
+    def open(self) -> tuple[str, asyncio.Queue[object]]:
+        """A fresh reply subject and the queue its replies go to."""
+        token = str(next(self._tokens))
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        self.queues[token] = queue
+        return f"{self.inbox}.{token}", queue
+
+    def close(self, reply_subject: str) -> None:
+        self.queues.pop(reply_subject.rpartition(".")[2], None)
+
+    async def on_reply(self, msg: Msg) -> None:
+        queue = self.queues.get(msg.subject.rpartition(".")[2])
+        if queue is not None:  # else a late reply to a submission that ended
+            queue.put_nowait(msg)
+
+    def reconnected(self) -> None:
+        for queue in self.queues.values():
+            queue.put_nowait(RECONNECTED)
+
+    def coordinator_lost(self, coordinator_id: str) -> None:
+        lost = CoordinatorLost(coordinator_id)
+        for queue in self.queues.values():
+            queue.put_nowait(lost)
+
+
+class CoordinatorWatch:
+    """Coordinator replicas by their heartbeats; one silent for ``timeout_s`` (the replicas'
+    heartbeat timeout plus an interval, so that they found it dead and adopted its requests
+    first) is reported lost once."""
+
+    def __init__(self, exchanges: Exchanges, interval_s: float, timeout_s: float) -> None:
+        self._exchanges = exchanges
+        self._interval_s = interval_s
+        self._timeout_s = timeout_s
+        self._last_seen: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        if msg.reply:
+            return  # a replica asking whether another serves the prefix, not a heartbeat
+        try:
+            self._last_seen[heartbeat_decoder.decode(msg.data).coordinator_id] = time.monotonic()
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+
+    def heard_of(self, coordinator_id: str) -> None:
+        """A reply named a coordinator: it is watched from now on, whether or not its heartbeats
+        have come yet."""
+        if coordinator_id not in self._last_seen:
+            self._last_seen[coordinator_id] = time.monotonic()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._watch())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def reconnected(self) -> None:
+        """Nothing could be heard while cut off: silence counts from now."""
+        now = time.monotonic()
+        self._last_seen = dict.fromkeys(self._last_seen, now)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            now = time.monotonic()
+            lost = [peer for peer, seen in self._last_seen.items() if now - seen >= self._timeout_s]
+            for coordinator_id in lost:
+                del self._last_seen[coordinator_id]
+                self._exchanges.coordinator_lost(coordinator_id)
