@@ -5,27 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
 from service.bus.batches import item_size
-from service.coordinator import peer_replies as module
 from service.coordinator.peer_replies import PeerReplies
 from service.protocol.messages import ReturnPath, RoutedReply
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    fake = Clock()
-    monkeypatch.setattr(module.time, "monotonic", fake)
-    return fake
+from tests.unit.coordinator.conftest import Clock
 
 
 def reply(owner: str, request_id: str, seq: int, size: int = 10) -> RoutedReply:

@@ -2,25 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
-from service.coordinator import peers as peers_module
 from service.coordinator.peers import CoordinatorPeers
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    fake = Clock()
-    monkeypatch.setattr(peers_module.time, "monotonic", fake)
-    return fake
+from tests.unit.coordinator.conftest import Clock
 
 
 def test_not_warmed_up_until_a_heartbeat_timeout_passed(clock: Clock) -> None:
