@@ -29,7 +29,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
-from engines.handlers import ENGINE_HANDLERS
+from engines.handlers import ENGINE_HANDLERS, EngineContext
 from engines.limits import check_limits, check_resume
 from engines.replies import ActiveRequest, ReplyPublisher
 from engines.weight_updates import EngineWeights
@@ -242,7 +242,7 @@ class EngineRuntime:
                 "engine_id=%s dropped %s message (%d bytes): %s", self.engine_id, header, len(data), exc
             )
 
-    async def _dispatch(self, spec: HandlerSpec, reply: str, data: bytes) -> None:
+    async def _dispatch(self, spec: HandlerSpec[EngineContext], reply: str, data: bytes) -> None:
         incoming = Incoming(spec.header, reply or None, detect_encoding(data), data)
         await spec.fn(self, incoming, spec.decoder.decode(data, incoming.encoding))
 

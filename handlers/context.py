@@ -139,3 +139,8 @@ class ReplicaContext(Replier, Protocol):
     async def abort_held(self, forwarded: ForwardedAbort) -> str:
         """Abort a request held here for another replica's client; its request id. Raises
         WireError 404 when none is held here, 403 when another owner's."""
+
+
+class CoordinatorContext(ClientContext, ControlContext, EngineContext, ReplicaContext, Protocol):
+    """Everything a handler may ask: what the coordinator gives every handler (mypy checks that
+    it provides all of it, :mod:`service.coordinator.dispatch`)."""

@@ -11,7 +11,8 @@ its event loop never changes. ``SomeContext`` is one of the narrow protocols of
 
 from __future__ import annotations
 
+from handlers.context import CoordinatorContext
 from service.bus.registry import HandlerRegistry
 
-HANDLERS: HandlerRegistry[object] = HandlerRegistry()
+HANDLERS: HandlerRegistry[CoordinatorContext] = HandlerRegistry()
 message_handler = HANDLERS.message_handler

@@ -46,13 +46,10 @@ class Incoming:
     owner: str | None = None
 
 
-HandlerFn = Callable[[Any, Incoming, Any], Awaitable[None]]
-
-
 @dataclass(frozen=True, slots=True)
-class HandlerSpec:
+class HandlerSpec(Generic[Context]):
     header: str
-    fn: HandlerFn
+    fn: Callable[[Context, Incoming, Any], Awaitable[None]]
     decoder: PayloadDecoder
     fanout: bool
     direct: bool
@@ -60,11 +57,13 @@ class HandlerSpec:
     addressed: bool = False
 
 
-class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
-    """Header → handler spec; ``Context`` is what the handlers receive as their first argument."""
+class HandlerRegistry(Mapping[str, HandlerSpec[Context]], Generic[Context]):
+    """Header → handler spec; ``Context`` is what the handlers receive as their first argument,
+    so mypy checks both that each handler asks no more of it than its protocol says, and that
+    the dispatcher passes an object providing every one."""
 
-    def __init__(self, specs: Mapping[str, HandlerSpec] | None = None) -> None:
-        self._specs: dict[str, HandlerSpec] = dict(specs or {})
+    def __init__(self, specs: Mapping[str, HandlerSpec[Context]] | None = None) -> None:
+        self._specs: dict[str, HandlerSpec[Context]] = dict(specs or {})
 
     def message_handler(
         self,
@@ -73,20 +72,28 @@ class HandlerRegistry(Mapping[str, HandlerSpec], Generic[Context]):
         direct: bool = False,
         per_sender: bool = False,
         addressed: bool = False,
-    ) -> Callable[[HandlerFn], HandlerFn]:
+    ) -> Callable[
+        [Callable[[Context, Incoming, Any], Awaitable[None]]], Callable[[Context, Incoming, Any], Awaitable[None]]
+    ]:
         """Register the decorated function as the handler of each header in ``headers``."""
         if not headers:
             raise ValueError("message_handler needs at least one header")
 
-        def register(fn: HandlerFn) -> HandlerFn:
+        def register(
+            fn: Callable[[Context, Incoming, Any], Awaitable[None]],
+        ) -> Callable[[Context, Incoming, Any], Awaitable[None]]:
             payload_type = inspect.get_annotations(fn, eval_str=True).get("payload")
             if payload_type is None:
-                raise TypeError(f"{fn.__qualname__} must annotate its payload parameter with a message type")
+                raise TypeError(
+                    f"{getattr(fn, '__qualname__', fn)} must annotate its payload parameter with a message type"
+                )
             decoder = PayloadDecoder(payload_type)
             for header in headers:
                 key = str(header)
                 if key in self._specs:
-                    raise ValueError(f"duplicate handler for header {key!r}: {self._specs[key].fn.__qualname__}")
+                    raise ValueError(
+                        f"duplicate handler for header {key!r}: {getattr(self._specs[key].fn, '__qualname__', key)}"
+                    )
                 self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct, per_sender, addressed)
             return fn
 

@@ -28,6 +28,7 @@ from typing import Any
 from msgspec import Struct
 from nats.aio.subscription import Subscription
 
+from handlers.context import CoordinatorContext
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.registry import HandlerRegistry, Incoming
@@ -85,7 +86,7 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, settings: Settings, handlers: HandlerRegistry[Any]) -> None:
+    def __init__(self, settings: Settings, handlers: HandlerRegistry[CoordinatorContext]) -> None:
         self.settings = settings
         self.id = settings.coordinator_id or f"c{uuid.uuid4().hex[:12]}"
         self.subjects = Subjects(settings.subject_prefix)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from handlers.context import CoordinatorContext
 from service.bus.direct import DirectSubscription
 from service.bus.registry import HandlerRegistry, HandlerSpec, Incoming
 from service.coordinator.core import Core
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class Dispatch:
-    def __init__(self, core: Core, context: object, replies: ReplySubjects) -> None:
+    def __init__(self, core: Core, context: CoordinatorContext, replies: ReplySubjects) -> None:
         self._core = core
         self._context = context  # what the handlers are given: the coordinator
         self._replies = replies
@@ -43,7 +43,7 @@ class Dispatch:
         self._refusal_log = RateLimitedLog(log)
         self._failure_log = RateLimitedLog(log)
 
-    async def subscribe(self, handlers: HandlerRegistry[Any]) -> list[Subscription | DirectSubscription]:
+    async def subscribe(self, handlers: HandlerRegistry[CoordinatorContext]) -> list[Subscription | DirectSubscription]:
         """Subscribe every header of ``handlers`` in its delivery mode; once connected, since the
         server's ``max_payload`` caps the bodies accepted."""
         core = self._core
@@ -66,10 +66,10 @@ class Dispatch:
                     )
         return subscriptions
 
-    async def _on_message(self, spec: HandlerSpec, msg: Msg) -> None:
+    async def _on_message(self, spec: HandlerSpec[CoordinatorContext], msg: Msg) -> None:
         await self.dispatch(spec, msg.subject, msg.reply, msg.data)
 
-    async def dispatch(self, spec: HandlerSpec, subject: str, reply: str, body: bytes) -> None:
+    async def dispatch(self, spec: HandlerSpec[CoordinatorContext], subject: str, reply: str, body: bytes) -> None:
         """Decode, run the handler, answer any failure. ``subject`` is ``spec``'s own, or for a
         ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender."""
         owner = None
