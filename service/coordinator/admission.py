@@ -24,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Coroutine
@@ -283,6 +284,16 @@ class Admission:
                     break
                 queue.pop(entry)
                 self._outbox.send(entry, engine)
+
+    async def routed_before(self, timeout_s: float) -> None:
+        """Until the queue is empty, routed as engines free slots (a replica about to leave its
+        requests to its peers), or the coordinator stops running, or ``timeout_s`` passed."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + timeout_s
+        while True:  # the queue drains as engines answer: nothing to wait on but the next look
+            if not self._queue or self._control.state is not CoordinatorState.RUNNING or loop.time() >= give_up_at:
+                return
+            await asyncio.sleep(0.05)
 
     def _over_share(self) -> Callable[[str], bool]:
         share = self._settings.max_client_share

@@ -1,19 +1,14 @@
-"""The coordinator: one NATS subscription per header of the registry it is given, and the jobs
-its handlers drive.
+"""The coordinator: the jobs its handlers drive, wired together, and the narrow contexts
+handlers are typed against (:mod:`handlers.context`, checked by mypy).
 
-Contract: every handler call is guarded. A message that fails to decode, or that a handler
-refuses, becomes an error reply (when the sender gave somewhere to reply), a rate-limited log
-line and a counter; the coordinator keeps serving. Every accepted request leaves through
-exactly one terminal reply (:mod:`service.coordinator.relay`). Replies go only to inboxes: a
-message whose NATS reply subject is not under an inbox prefix is dropped, and the prefix it is
-under (its owner) is what resubmissions, aborts and shutdown are checked against. Background
-loops never die (:mod:`service.ops.loops`), and a background task that fails is logged and
-counted.
-
-The jobs, one module each: admission (accepting, queueing, deadlines), the outbox to engines,
-the reply relay, the engine fleet, and control. This class wires them, owns the connection
-and the background tasks, and implements the narrow contexts handlers are typed against
-(:mod:`handlers.context`).
+Contract: every handler call is guarded (:mod:`.dispatch`): a message that fails to decode,
+or that a handler refuses, becomes an error reply, a rate-limited log line and a counter, and
+the coordinator keeps serving. Every accepted request leaves through exactly one terminal
+reply (:mod:`.relay`), from the replica that owns it or the one that adopted it
+(:mod:`.ownership`, :mod:`.adoption`). Background loops never die (:mod:`service.ops.loops`),
+and a background task that fails is logged and counted. This class owns the connection, the
+background tasks and the lifecycle; each job is a module: admission, outbox, relay, fleet,
+enrolment, control, weight updates, ownership, forwarding, adoption and the replica watch.
 """
 
 from __future__ import annotations
@@ -162,7 +157,6 @@ class Coordinator:
         self._stop_requested = asyncio.Event()
         self._stopped = False
         self._dispatch = Dispatch(core, self, self.replies)
-        self._refusal_log = RateLimitedLog(log)
         self._failure_log = RateLimitedLog(log)
         self._known_clients = KnownClients()
 
@@ -237,31 +231,27 @@ class Coordinator:
         self._stop_requested.set()
 
     async def stop(self) -> None:
-        """Leave NATS, safe to call twice. While peers live (a rolling restart, a scale-down),
-        the requests engines hold are left to them: this replica's last heartbeat says it
-        leaves, and the lowest of them adopts those requests. Every other open request (all of
-        them when no peer lives, or the whole fleet shuts down) is answered with an error."""
+        """Leave NATS, safe to call twice. While peers live (a rolling restart), what engines
+        hold is left to the lowest of them, which a last heartbeat (``leaving``) makes adopt it;
+        every other open request is answered with an error."""
         if self._stopped:
             return
         self._stopped = True
         self._stop_requested.set()
-        self.control_state.state = CoordinatorState.STOPPING
         hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
+        if hand_over:  # no engine holds a queued request, so no peer could adopt it
+            await self._admission.routed_before(self.settings.control_timeout_s)
+        self.control_state.state = CoordinatorState.STOPPING
         await self._control.close()
         for sub in self._subscriptions:
             await sub.unsubscribe()
-        handed = 0
-        for entry in self.requests:
-            if hand_over and entry.engine_id is not None:
-                handed += 1
-                continue
-            await self._relay.fail(
-                entry.return_path.request_id, WireError(ErrorCode.NO_ENGINE, "coordinator shut down")
-            )
+        shut = WireError(ErrorCode.NO_ENGINE, "coordinator shut down")
+        for entry in [entry for entry in self.requests if not (hand_over and entry.engine_id is not None)]:
+            await self._relay.fail(entry.return_path.request_id, shut)
         if hand_over:
             await self._replica_watch.leave()
             await self.nc.flush()
-            log.info("coordinator %s leaves %d requests to its peers", self.id, handed)
+            log.info("coordinator %s leaves %d requests to its peers", self.id, len(self.requests))
         for task in list(self._tasks):
             task.cancel()
         if self.nc.is_connected or self.nc.is_reconnecting:
