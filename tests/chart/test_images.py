@@ -7,6 +7,7 @@ The container rehearsal runs the images as the chart's pods (tests/rehearsal/tes
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ from docker.errors import BuildError
 from tests.docker_env import COORDINATOR_IMAGE, ENGINE_IMAGE, GATEWAY_IMAGE, TORCH_CPU_BASE, images_or_skip
 from tests.rehearsal.deployment import DOCKER, ROOT, pods, render
 from tests.rehearsal.dockerfile import parse
+from tests.rehearsal.test_images import PROBE, TORCH_STACK
 
 
 def test_engine_image_is_cuda_pytorch() -> None:
@@ -75,6 +77,13 @@ def test_the_coordinator_and_gateway_images_hold_no_torch_the_engine_image_cpu_t
     )
     assert version.endswith("+cpu None"), version
     assert _run(client, COORDINATOR_IMAGE, "coordinator", "--help").startswith("usage: dpcoord coordinator")
+
+
+def test_the_coordinator_image_imports_every_module_and_loads_no_torch(client: docker.DockerClient) -> None:
+    found = json.loads(_run(client, COORDINATOR_IMAGE, "-c", PROBE, entrypoint="python"))
+    assert "dpcoord" in found["distributions"] and "uvloop" in found["distributions"]  # the fast extra
+    assert not [name for name in found["distributions"] if name.startswith(TORCH_STACK)]
+    assert found["loaded"] == []
 
 
 def test_the_engine_dockerfile_refuses_a_cpu_base_when_cuda_is_required(client: docker.DockerClient) -> None:
