@@ -1,0 +1,75 @@
+"""Coordinator replicas on a three-node NATS cluster (tests/nats_cluster.py: containers on a Docker
+network): the control bucket gets three replicas, and the shared control state keeps working
+while the node that leads the bucket is stopped under it.
+
+Needs Docker and the NATS image (`make images`); skipped without them outside CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from engines.echo import EchoBackend
+from engines.runtime import EngineRuntime
+from service.coordinator.shared_state import bucket_name
+from service.ops.settings import Settings
+from tests.conftest import make_settings
+from tests.docker_env import images_or_skip
+from tests.helpers import request_json
+from tests.nats_cluster import Cluster, nats_cluster
+from tests.replicas import ReplicaSet
+
+pytestmark = pytest.mark.timeout(180)
+IDS = ("r0", "r1")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    client = images_or_skip()
+    with nats_cluster(client) as running:
+        yield running
+    client.close()
+
+
+@pytest.fixture
+async def nc(cluster: Cluster) -> AsyncIterator[NATS]:
+    connection = await nats.connect(servers=cluster.urls.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    yield connection
+    await connection.close()
+
+
+async def test_the_control_bucket_has_three_replicas_and_survives_its_leader_stopped(
+    cluster: Cluster, nc: NATS
+) -> None:
+    # The settings default: a new three-replica bucket elects its leader within it, not the 2 s of make_settings.
+    settings = make_settings(cluster.urls, control_timeout_s=Settings().control_timeout_s)
+    replicas = ReplicaSet(settings, nc)
+    engine = EngineRuntime(settings, EchoBackend())
+    try:
+        await replicas.start(*IDS, timeout_s=60)
+        await engine.start()
+        await asyncio.wait_for(engine.registered.wait(), 20)
+        info = await nc.jetstream(timeout=10).stream_info(f"KV_{bucket_name(settings.subject_prefix)}")
+        assert info.config.num_replicas == 3, info.config
+        assert info.cluster is not None and info.cluster.leader, info.cluster
+        leader = [node.name for node in cluster.nodes].index(info.cluster.leader)
+
+        pause = await request_json(nc, f"{settings.subject_prefix}.pause", {}, timeout=10)
+        assert (pause["type"], pause["state"]) == ("ack", "paused"), pause
+        await asyncio.to_thread(cluster.stop, leader)
+        # Two of three nodes keep the bucket's quorum: the next signals are acked by the replicas.
+        for header, state in (("unpause", "running"), ("pause", "paused"), ("unpause", "running")):
+            ack = await request_json(nc, f"{settings.subject_prefix}.{header}", {}, timeout=30)
+            assert (ack["type"], ack["state"]) == ("ack", state), (header, ack)
+        await replicas.all_report(10, state="running")
+        moved = await nc.jetstream(timeout=10).stream_info(f"KV_{bucket_name(settings.subject_prefix)}")
+        assert moved.cluster is not None and moved.cluster.leader not in (None, info.cluster.leader), moved.cluster
+        assert not engine.paused
+    finally:
+        await engine.stop()
+        await replicas.close()
