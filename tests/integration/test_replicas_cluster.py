@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
@@ -43,15 +45,49 @@ async def nc(cluster: Cluster) -> AsyncIterator[NATS]:
     await connection.close()
 
 
+RESTARTS = 3
+FAILOVER_S = 20.0
+
+
+async def signal_through_a_failover(nc: NATS, subject: str) -> dict[str, Any]:
+    """A control request, sent again while NATS answers that nobody listens: replicas whose node
+    was stopped are reconnecting to the others, and until they are, their queue group is absent
+    there. Any other error, or no answer within FAILOVER_S, fails."""
+    deadline = asyncio.get_running_loop().time() + FAILOVER_S
+    while True:
+        try:
+            return await request_json(nc, subject, {}, timeout=30)
+        except NoRespondersError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def start_as_the_kubelet_would(replicas: ReplicaSet, coordinator_id: str) -> None:
+    """Start a replica, starting it again if it exits, up to RESTARTS times.
+
+    The first read of a freshly created three-replica bucket waits for that bucket's own leader
+    election, which on this loaded machine can outlast control_timeout_s: the coordinator then
+    exits (503, shared control state unavailable), and in Kubernetes the kubelet restarts it."""
+    for attempt in range(RESTARTS):
+        try:
+            await replicas.start(coordinator_id, timeout_s=60)
+            return
+        except AssertionError:
+            if attempt == RESTARTS - 1:
+                raise
+
+
 async def test_the_control_bucket_has_three_replicas_and_survives_its_leader_stopped(
     cluster: Cluster, nc: NATS
 ) -> None:
-    # The settings default: a new three-replica bucket elects its leader within it, not the 2 s of make_settings.
+    # The settings default (5 s), not make_settings' 2 s: a new three-replica bucket elects its leader.
     settings = make_settings(cluster.urls, control_timeout_s=Settings().control_timeout_s)
     replicas = ReplicaSet(settings, nc)
     engine = EngineRuntime(settings, EchoBackend())
     try:
-        await replicas.start(*IDS, timeout_s=60)
+        for coordinator_id in IDS:
+            await start_as_the_kubelet_would(replicas, coordinator_id)
         await engine.start()
         await asyncio.wait_for(engine.registered.wait(), 20)
         info = await nc.jetstream(timeout=10).stream_info(f"KV_{bucket_name(settings.subject_prefix)}")
@@ -64,7 +100,7 @@ async def test_the_control_bucket_has_three_replicas_and_survives_its_leader_sto
         await asyncio.to_thread(cluster.stop, leader)
         # Two of three nodes keep the bucket's quorum: the next signals are acked by the replicas.
         for header, state in (("unpause", "running"), ("pause", "paused"), ("unpause", "running")):
-            ack = await request_json(nc, f"{settings.subject_prefix}.{header}", {}, timeout=30)
+            ack = await signal_through_a_failover(nc, f"{settings.subject_prefix}.{header}")
             assert (ack["type"], ack["state"]) == ("ack", state), (header, ack)
         await replicas.all_report(10, state="running")
         moved = await nc.jetstream(timeout=10).stream_info(f"KV_{bucket_name(settings.subject_prefix)}")
