@@ -2,7 +2,7 @@
 image runs as the non-root user that the chart's pods run as), and, where a Docker engine holds
 the images of `make images`, what the built images hold (skipped without them, outside CI).
 
-The container rehearsal runs the images as the chart's pods (tests/rehearsal/test_containers.py).
+The rehearsal runs the images as the chart's pods (tests/rehearsal/containers.py, test_deployment.py).
 """
 
 from __future__ import annotations
