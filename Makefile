@@ -6,7 +6,13 @@ STAMP := $(VENV)/.installed
 ENGINES ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: up test check install clean
+DOCKER ?= docker
+# Whether a Docker engine answers: `make test` then builds the images first, for the NATS fixture
+# (testcontainers) and the container rehearsal (README, "Containers").
+DOCKER_UP := $(shell $(DOCKER) info >/dev/null 2>&1 && echo yes)
+DOCKER_BUILD := $(DOCKER) build --network host
+
+.PHONY: up test check install clean images
 
 install: $(STAMP)
 
@@ -28,7 +34,15 @@ check: $(STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
-test: check
+# The images into the local engine: the bases first (pulled, or made here: docker/local/bases.sh).
+images: $(STAMP)
+	bash docker/local/bases.sh
+	$(DOCKER_BUILD) -f docker/coordinator.Dockerfile -t dpcoord/coordinator:local .
+	$(DOCKER_BUILD) -f docker/gateway.Dockerfile -t dpcoord/gateway:local .
+	$(DOCKER_BUILD) -f docker/engine.Dockerfile -t dpcoord/engine:local-cpu \
+	  --build-arg BASE_IMAGE=dpcoord/torch-cpu:2.13.0 --build-arg REQUIRE_CUDA=0 .
+
+test: check $(if $(DOCKER_UP),images)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

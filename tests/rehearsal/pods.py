@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from service.bus.server import free_port
 from tests.chart.render import Manifest
@@ -39,19 +40,42 @@ class ProbeAnswer:
         return self.status is not None and 200 <= self.status < 400
 
 
-def _argv(pod: Pod, image: ImageEnvironment, env: dict[str, str]) -> list[str]:
-    final = image.dockerfile.final
+def pod_argv(pod: Pod, entrypoint: list[str], cmd: list[str], env: dict[str, str]) -> list[str]:
+    """The container's argv: ``command`` (else the image's entrypoint) and ``args`` (else the image's
+    CMD), with ``$(VAR)`` expanded from ``env``, as the kubelet builds it."""
     container = pod.container
     if "command" in container:
         argv = [*container["command"], *container.get("args", [])]
     else:
-        argv = [*final.entrypoint, *container.get("args", final.cmd)]
+        argv = [*entrypoint, *container.get("args", cmd)]
     if pod.component == ENGINE_COMPONENT:
         for dropped in overrides.ENGINE_ARGS_DROPPED:
             if dropped in argv:
                 at = argv.index(dropped)
                 del argv[at : at + 2]
     return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), word) for word in argv]
+
+
+class RunningPod(Protocol):
+    """What the rehearsal's checks use of a running pod: a process (PodProcess) or a container
+    (containers.PodContainer)."""
+
+    pod: Pod
+    started_at: float
+    http_port: int  # where its probes (and, for the gateway, its API) answer on 127.0.0.1
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+    def probe(self, name: str) -> ProbeAnswer: ...
+
+    def terminate(self) -> tuple[int, float]: ...
+
+    def kill(self) -> None: ...
+
+    def log_tail(self, lines: int = 40) -> str: ...
 
 
 class PodProcess:
@@ -70,7 +94,8 @@ class PodProcess:
         if pod.component == ENGINE_COMPONENT:
             env |= overrides.ENGINE_ENV
         self.env = env
-        self.argv = _argv(pod, image, env)
+        final = image.dockerfile.final
+        self.argv = pod_argv(pod, final.entrypoint, final.cmd, env)
         self.log_path = folder / "container.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0

@@ -1,19 +1,22 @@
-"""A rendered deployment, running: its NATS, one process per pod, and when each probe first answered."""
+"""A rendered deployment, running: its NATS, one process or container per pod (``PodFactory``),
+and when each probe first answered."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from service.ops.settings import Settings
-from tests.rehearsal.deployment import Rendered, pods, render
-from tests.rehearsal.image_env import ImageEnvironment
+from tests.rehearsal.deployment import Pod, Rendered, pods, render
 from tests.rehearsal.nats import Nats, bundled_nats, external_nats
-from tests.rehearsal.pods import PodProcess
+from tests.rehearsal.pods import RunningPod
+
+# (pod, its folder, the NATS URL it connects to) -> the pod, not started yet
+PodFactory = Callable[[Pod, Path, str], RunningPod]
 
 READY_WITHIN_S = 60.0  # the rehearsal's own patience; the manifests' limits are checked separately
 
@@ -22,9 +25,25 @@ READY_WITHIN_S = 60.0  # the rehearsal's own patience; the manifests' limits are
 class Deployment:
     rendered: Rendered
     nats: Nats
-    processes: list[PodProcess]
+    processes: list[RunningPod]
     # (pod, probe) -> seconds from the process's start to the probe's first success
     first_success: dict[tuple[str, str], float]
+    make_pod: PodFactory
+    folder: Path
+    retired: list[RunningPod] = field(default_factory=list)  # replaced in a rolling restart
+
+    def start_pod(self, pod: Pod) -> RunningPod:
+        """Start one more pod (a replacement, in a rolling restart); the deployment's teardown removes it."""
+        running = self.make_pod(pod, self.folder / pod.name, self.nats.url)
+        self.processes.append(running)
+        running.start()
+        return running
+
+    def retire(self, old: RunningPod) -> tuple[int, float]:
+        """Terminate a pod as a rolling update does (its ``terminate``), no longer counted as running."""
+        self.processes.remove(old)
+        self.retired.append(old)
+        return old.terminate()
 
     @property
     def prefix(self) -> str:
@@ -41,14 +60,14 @@ class Deployment:
         )
 
     def logs(self) -> str:
-        return "\n".join(process.log_tail() for process in self.processes)
+        return "\n".join(process.log_tail() for process in [*self.processes, *self.retired])
 
 
-def wait_for_probes(processes: list[PodProcess]) -> dict[tuple[str, str], float]:
+def wait_for_probes(processes: list[RunningPod], within_s: float = READY_WITHIN_S) -> dict[tuple[str, str], float]:
     """Probe every pod until each probe has answered once, or the rehearsal's patience ends."""
     pending = {(process, name) for process in processes for name in process.pod.probes()}
     first: dict[tuple[str, str], float] = {}
-    deadline = time.monotonic() + READY_WITHIN_S
+    deadline = time.monotonic() + within_s
     while pending and time.monotonic() < deadline:
         for process, name in sorted(pending, key=lambda entry: (entry[0].pod.name, entry[1])):
             if process.probe(name).ok:
@@ -62,7 +81,7 @@ def wait_for_probes(processes: list[PodProcess]) -> dict[tuple[str, str], float]
 
 @contextmanager
 def running(
-    values: dict[str, Any], release: str, namespace: str, images: dict[Path, ImageEnvironment], folder: Path
+    values: dict[str, Any], release: str, namespace: str, make_pod: PodFactory, folder: Path
 ) -> Iterator[Deployment]:
     """The chart rendered with ``values``, its NATS started, then every pod at once (as a Deployment's
     and a Parallel StatefulSet's pods start), waited on until each probe answered once."""
@@ -74,13 +93,15 @@ def running(
     )
     with start_nats as nats:
         processes = [
-            PodProcess(pod, images[pod.dockerfile], folder / pod.name, nats.urls[index % len(nats.urls)])
+            make_pod(pod, folder / pod.name, nats.urls[index % len(nats.urls)])
             for index, pod in enumerate(pods(rendered, nats.operator_objects))
         ]
+        deployment = Deployment(rendered, nats, processes, {}, make_pod, folder)
         try:
             for process in processes:
                 process.start()
-            yield Deployment(rendered, nats, processes, wait_for_probes(processes))
+            deployment.first_success = wait_for_probes(processes)
+            yield deployment
         finally:
-            for process in processes:
+            for process in [*deployment.processes, *deployment.retired]:
                 process.kill()
