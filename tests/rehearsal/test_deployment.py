@@ -152,12 +152,6 @@ async def test_a_completion_and_a_stream_through_the_gateway_with_the_openai_sdk
 
 
 LOAD_WORKERS = 4
-# What a coordinator stopped with requests open answers them today (service/coordinator/coordinator.py,
-# Coordinator.stop): it fails its open requests at once, and it unsubscribes rather than drains, so
-# requests already delivered to it are dropped (the client hears nothing: a timeout). Those two
-# losses, of requests sent while a coordinator stopped, are reported as an xfail; any other fails.
-SHUTDOWN_LOSS = "503: coordinator shut down"
-STOP_SLACK_S = 2.0  # a request sent this long before a stop began may still be in its hands
 
 
 async def test_a_rolling_restart_of_the_coordinators_under_load_loses_nothing(deployment: Deployment) -> None:
@@ -210,13 +204,8 @@ async def test_a_rolling_restart_of_the_coordinators_under_load_loses_nothing(de
             done.set()
             await asyncio.gather(*workers)
     summary = f"{len(failures)} of {len(finals) + len(failures)} requests failed: {[exc for _, exc in failures][:5]}"
-
-    def lost_to_a_stop(sent_at: float, exc: BaseException) -> bool:
-        during = any(began - STOP_SLACK_S <= sent_at <= ended for began, ended in stops)
-        return during and (str(exc) == SHUTDOWN_LOSS or isinstance(exc, TimeoutError))
-
-    if failures and all(lost_to_a_stop(*failure) for failure in failures):
-        pytest.xfail(f"{summary}, each sent while a coordinator stopped: Coordinator.stop does not drain")
+    # A stopping coordinator leaves what its engines hold to the others (its last heartbeat says
+    # it leaves), so nothing is lost (docs/reliability.md, ownership).
     assert not failures, f"{summary}\n{deployment.logs()}"
 
 
