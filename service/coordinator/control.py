@@ -193,11 +193,14 @@ class Control:
         await self._admission.release_queue()
 
     async def watch_replicas_once(self) -> None:
-        """One round of the replica watch (run by :func:`~service.ops.loops.keep_running`): finish
-        a stop whose replica died, and keep replicas without shared state apart."""
+        """One round of the replica watch (run by :func:`~service.ops.loops.keep_running`): read
+        the shared record in case the watch stalled, finish a stop whose replica died, and keep
+        replicas without shared state apart."""
         await asyncio.sleep(self._settings.heartbeat_timeout_s / 4)
         if self.failure is not None or not self._nc.is_connected or not self._peers.warmed_up:
             return
+        if await self.shared.refresh():
+            self._counters["control_state_refreshed"] += 1
         record = self.shared.record
         if (
             record.state is CoordinatorState.STOPPING

@@ -299,6 +299,30 @@ class SharedControlState:
                     "put a valid one with `nats kv put` or delete the key",
                 ) from exc
 
+    async def refresh(self) -> bool:
+        """Read the record again and learn it if newer; True when the watch had missed it. A
+        watch can stall without an error (an ordered consumer whose stream leader moved in a
+        cluster failover), so the coordinator also reads the record every few seconds, and a
+        stale copy lasts no longer than that."""
+        kv = self._kv
+        if kv is None or self._closed:
+            return False
+        try:
+            record, revision = await self._read(kv)
+        except WireError:
+            return False  # unreachable for now: the next round reads again
+        if revision <= self.revision:
+            return False
+        log.warning(
+            "control state %s/%s: the watch missed revision %d (this copy had %d); read it",
+            self.bucket,
+            self.key,
+            revision,
+            self.revision,
+        )
+        self.learn(record, revision)
+        return True
+
     def learn(self, record: ControlRecord, revision: int) -> None:
         """Take a record read or watched at ``revision``: it replaces this replica's copy, and
         ``on_change`` hears of it, only when newer than the copy."""
