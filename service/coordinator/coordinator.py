@@ -21,11 +21,10 @@ from collections.abc import Coroutine
 from typing import Any
 
 from msgspec import Struct
-from nats.aio.subscription import Subscription
 
 from handlers.context import CoordinatorContext
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
-from service.bus.direct import DirectClient, DirectSubscription
+from service.bus.direct import DirectClient
 from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
@@ -152,7 +151,6 @@ class Coordinator:
         self._enrolment = Enrolment(
             core, self.control_state, self._control.shared, self._fleet, self._admission, self._weights
         )
-        self._subscriptions: list[Subscription | DirectSubscription] = []
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
@@ -215,7 +213,7 @@ class Coordinator:
         except BaseException:
             await close_nats(self.nc)
             raise
-        self._subscriptions = await self._dispatch.subscribe(self._handlers)
+        await self._dispatch.subscribe(self._handlers)
         await flush_subscriptions(self.nc)
         self.spawn(keep_running("watchdog", self._fleet.watch_once, self.counters))
         self.spawn(keep_running("replicas", self._control.watch_replicas_once, self.counters))
@@ -239,12 +237,13 @@ class Coordinator:
         self._stopped = True
         self._stop_requested.set()
         hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
-        if hand_over:  # no engine holds a queued request, so no peer could adopt it
+        if hand_over:  # no engine holds a queued request, so no peer could adopt it: route them
+            await self._dispatch.stop_admitting()
             await self._admission.routed_before(self.settings.control_timeout_s)
+            await self._outbox.sent(self.settings.control_timeout_s)
         self.control_state.state = CoordinatorState.STOPPING
         await self._control.close()
-        for sub in self._subscriptions:
-            await sub.unsubscribe()
+        await self._dispatch.close()
         shut = WireError(ErrorCode.NO_ENGINE, "coordinator shut down")
         for entry in [entry for entry in self.requests if not (hand_over and entry.engine_id is not None)]:
             await self._relay.fail(entry.return_path.request_id, shut)

@@ -26,7 +26,7 @@ from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import detect_encoding, encode, return_hints
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import error_reply
-from service.protocol.subjects import ReplySubjects, publishable, utf8_length
+from service.protocol.subjects import Header, ReplySubjects, publishable, utf8_length
 
 log = logging.getLogger(__name__)
 
@@ -42,29 +42,44 @@ class Dispatch:
         self._max_reply = core.settings.max_id_bytes
         self._refusal_log = RateLimitedLog(log)
         self._failure_log = RateLimitedLog(log)
+        self._subscriptions: dict[str, list[Subscription | DirectSubscription]] = {}
 
-    async def subscribe(self, handlers: HandlerRegistry[CoordinatorContext]) -> list[Subscription | DirectSubscription]:
+    async def subscribe(self, handlers: HandlerRegistry[CoordinatorContext]) -> None:
         """Subscribe every header of ``handlers`` in its delivery mode; once connected, since the
         server's ``max_payload`` caps the bodies accepted."""
         core = self._core
         nc, subjects = core.nc, core.subjects
         self._max_body = min(self._max_body, nc.max_payload)
-        subscriptions: list[Subscription | DirectSubscription] = []
         for header, spec in handlers.items():
             queue = "" if spec.fanout or spec.addressed else core.settings.queue_group
             served = [subjects.addressed_to(header, core.id) if spec.addressed else subjects.coordinator(header)]
             if spec.per_sender:  # engines send as themselves; those of earlier releases on the plain subject
                 served.append(subjects.sent_by_any(header))
             for subject in served:
+                subscription: Subscription | DirectSubscription
                 if spec.direct:
-                    subscriptions.append(
-                        await nc.subscribe_direct(subject, functools.partial(self.dispatch, spec), queue=queue)
+                    subscription = await nc.subscribe_direct(
+                        subject, functools.partial(self.dispatch, spec), queue=queue
                     )
                 else:
-                    subscriptions.append(
-                        await nc.subscribe(subject, queue=queue, cb=functools.partial(self._on_message, spec))
+                    subscription = await nc.subscribe(
+                        subject, queue=queue, cb=functools.partial(self._on_message, spec)
                     )
-        return subscriptions
+                self._subscriptions.setdefault(header, []).append(subscription)
+
+    async def stop_admitting(self) -> None:
+        """No more submissions reach this replica: the queue group hands them to its peers. Those
+        the server sent before it took the unsubscribe are read (and admitted) before this returns:
+        the flush's answer comes after them."""
+        for subscription in self._subscriptions.pop(Header.SUBMIT_REQUEST, []):
+            await subscription.unsubscribe()
+        await self._core.nc.flush()
+
+    async def close(self) -> None:
+        for subscriptions in self._subscriptions.values():
+            for subscription in subscriptions:
+                await subscription.unsubscribe()
+        self._subscriptions.clear()
 
     async def _on_message(self, spec: HandlerSpec[CoordinatorContext], msg: Msg) -> None:
         await self.dispatch(spec, msg.subject, msg.reply, msg.data)

@@ -56,6 +56,7 @@ class Outbox:
         self._turn_ended = turn_ended
         self._pending: dict[str, list[InflightRequest]] = {}
         self._ready = asyncio.Event()
+        self._publishing = False  # the routing task is publishing a round
         self._failures = RateLimitedLog(log)
 
     def send(self, entry: InflightRequest, engine: EngineRecord) -> None:
@@ -81,11 +82,24 @@ class Outbox:
         self._ready.clear()
         pending, self._pending = self._pending, {}
         self._turn_ended()
-        for engine_id, entries in pending.items():
-            try:
-                await self._publish(engine_id, entries)
-            except Exception:
-                self._failures.exception("engine_id=%s: routing %d requests failed", engine_id, len(entries))
+        self._publishing = True
+        try:
+            for engine_id, entries in pending.items():
+                try:
+                    await self._publish(engine_id, entries)
+                except Exception:
+                    self._failures.exception("engine_id=%s: routing %d requests failed", engine_id, len(entries))
+        finally:
+            self._publishing = False
+
+    async def sent(self, timeout_s: float) -> None:
+        """Until every request routed so far has left for its engine (a replica about to leave
+        its requests to its peers: an engine must hold them to hand them over), or ``timeout_s``."""
+        give_up_at = asyncio.get_running_loop().time() + timeout_s
+        while True:  # the routing task publishes them: nothing to wait on but the next look
+            if (not self._pending and not self._publishing) or asyncio.get_running_loop().time() >= give_up_at:
+                return
+            await asyncio.sleep(0.01)
 
     async def _publish(self, engine_id: str, entries: list[InflightRequest]) -> None:
         max_payload = self._nc.max_payload
