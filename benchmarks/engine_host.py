@@ -202,16 +202,6 @@ class Replies:
             self._batch(finals)
 
 
-def extract(revision: str, into: Path) -> Path:
-    repo = Path(__file__).resolve().parents[1]
-    into.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(repo), "archive", revision, "service", "handlers", "engines"], check=True, capture_output=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
-
-
 def measure(tree: Path, batch: int, steps: int, emit: str) -> dict[str, float]:
     env = dict(os.environ) | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     # -P: the script's directory stays off the path; the tree's packages come from PYTHONPATH alone.
@@ -225,6 +215,9 @@ def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="dpcoord-engine-host-") as temp:
         trees = {"current": (current, "thread")}
         if args.baseline:
+            # Here, not at the top: the driver processes import only the tree they measure.
+            from benchmarks.instructions import extract
+
             trees[args.baseline] = (extract(args.baseline, Path(temp) / "baseline"), "inline")
         print(
             f"host time per decode step, no-op model, CPU, 1 torch thread; best of {args.rounds} rounds; "
