@@ -19,7 +19,6 @@ those of runs that died before their teardown.
 
 from __future__ import annotations
 
-import http.client
 import os
 import re
 import time
@@ -33,7 +32,7 @@ from service.bus.server import free_port
 from tests.chart.render import Manifest
 from tests.rehearsal import overrides
 from tests.rehearsal.deployment import Pod
-from tests.rehearsal.pods import ENGINE_COMPONENT, ProbeAnswer, pod_argv
+from tests.rehearsal.pods import ENGINE_COMPONENT, ProbeAnswer, http_probe, pod_argv
 
 LABEL = "org.dpcoord.rehearsal"
 RUN_ID = f"{os.uname().nodename}-{os.getpid()}"
@@ -154,20 +153,7 @@ class PodContainer:
     def probe(self, name: str) -> ProbeAnswer:
         """One GET of probe ``name``, with the probe's timeout."""
         spec = self.pod.probes()[name]
-        get = spec["httpGet"]
-        assert get.get("scheme", "HTTP") == "HTTP", f"{self.pod.name}: {name} scheme {get['scheme']} is not rehearsed"
-        connection = http.client.HTTPConnection(
-            overrides.CONTAINER_LISTEN_HOST, self.host_port(spec), timeout=float(spec.get("timeoutSeconds", 1))
-        )
-        began = time.monotonic()
-        try:
-            connection.request("GET", get["path"])
-            response = connection.getresponse()
-            return ProbeAnswer(response.status, time.monotonic() - began, response.read().decode(errors="replace"))
-        except OSError as exc:
-            return ProbeAnswer(None, time.monotonic() - began, repr(exc))
-        finally:
-            connection.close()
+        return http_probe(self.pod.name, name, spec, overrides.CONTAINER_LISTEN_HOST, self.host_port(spec))
 
     @property
     def returncode(self) -> int | None:

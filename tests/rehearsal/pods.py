@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import Any, Protocol
 
 from service.bus.server import free_port
 from tests.chart.render import Manifest
@@ -142,19 +142,7 @@ class PodProcess:
     def probe(self, name: str) -> ProbeAnswer:
         """One GET of probe ``name``, with the probe's timeout."""
         spec = self.pod.probes()[name]
-        get = spec["httpGet"]
-        assert get.get("scheme", "HTTP") == "HTTP", f"{self.pod.name}: {name} scheme {get['scheme']} is not rehearsed"
-        timeout = float(spec.get("timeoutSeconds", 1))
-        connection = http.client.HTTPConnection("127.0.0.1", self.host_port(spec), timeout=timeout)
-        began = time.monotonic()
-        try:
-            connection.request("GET", get["path"])
-            response = connection.getresponse()
-            return ProbeAnswer(response.status, time.monotonic() - began, response.read().decode(errors="replace"))
-        except OSError as exc:
-            return ProbeAnswer(None, time.monotonic() - began, repr(exc))
-        finally:
-            connection.close()
+        return http_probe(self.pod.name, name, spec, "127.0.0.1", self.host_port(spec))
 
     @property
     def returncode(self) -> int | None:
@@ -178,3 +166,20 @@ class PodProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def http_probe(pod_name: str, name: str, spec: dict[str, Any], host: str, port: int) -> ProbeAnswer:
+    """One GET of the rendered probe ``spec`` at ``host:port``, with the probe's timeout, as the
+    kubelet sends it (a pod run as a process or as a container)."""
+    get = spec["httpGet"]
+    assert get.get("scheme", "HTTP") == "HTTP", f"{pod_name}: {name} scheme {get['scheme']} is not rehearsed"
+    connection = http.client.HTTPConnection(host, port, timeout=float(spec.get("timeoutSeconds", 1)))
+    began = time.monotonic()
+    try:
+        connection.request("GET", get["path"])
+        response = connection.getresponse()
+        return ProbeAnswer(response.status, time.monotonic() - began, response.read().decode(errors="replace"))
+    except OSError as exc:
+        return ProbeAnswer(None, time.monotonic() - began, repr(exc))
+    finally:
+        connection.close()
