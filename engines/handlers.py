@@ -14,11 +14,11 @@ from typing import Protocol
 
 from service.bus.registry import HandlerRegistry, Incoming
 from service.protocol.handover import Adoption
+from service.protocol.membership import ResendReplies
 from service.protocol.messages import (
     ControlSignal,
     EngineAck,
     PauseMode,
-    ResendReplies,
     RoutedAbort,
     RoutedRequest,
     RoutedRequestBatch,

@@ -42,17 +42,19 @@ from service.ops.settings import Settings
 from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding, encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import Adoption
-from service.protocol.messages import (
-    EngineAck,
+from service.protocol.membership import (
     EngineDisconnect,
     EngineRegister,
-    EngineSignal,
-    ErrorReply,
     Heartbeat,
-    PauseMode,
     RegisterAck,
     ResendAnswer,
     ResendReplies,
+)
+from service.protocol.messages import (
+    EngineAck,
+    EngineSignal,
+    ErrorReply,
+    PauseMode,
     RoutedReply,
     RoutedRequest,
     SubmitRequest,

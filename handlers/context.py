@@ -14,10 +14,10 @@ from msgspec import Struct
 
 from service.bus.registry import Incoming
 from service.protocol.handover import ForwardedAbort, ForwardedSubmission
+from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     ClientRequestId,
     ControlSignal,
-    Heartbeat,
     RoutedReply,
     ServedModel,
     SubmitEnvelope,

@@ -16,13 +16,8 @@ from __future__ import annotations
 from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
-from service.protocol.messages import (
-    CoordinatorHeartbeat,
-    EngineDisconnect,
-    EngineRegister,
-    EngineReplyBatch,
-    Heartbeat,
-)
+from service.protocol.membership import CoordinatorHeartbeat, EngineDisconnect, EngineRegister, Heartbeat
+from service.protocol.messages import EngineReplyBatch
 from service.protocol.subjects import Header
 
 

@@ -15,7 +15,7 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from service.protocol.messages import CoordinatorHeartbeat
+from service.protocol.membership import CoordinatorHeartbeat
 
 RECONNECTED = object()
 heartbeat_decoder = msgspec.msgpack.Decoder(CoordinatorHeartbeat)

@@ -56,10 +56,10 @@ from service.ops.settings import Settings
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedAbort, ForwardedSubmission
+from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     Ack,
     ControlSignal,
-    Heartbeat,
     RoutedReply,
     ServedModel,
     SubmitEnvelope,

@@ -21,7 +21,8 @@ from service.coordinator.shared_state import SharedControlState
 from service.coordinator.weights import WeightUpdates
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import Heartbeat, RegisterAck, WeightVersion
+from service.protocol.membership import Heartbeat, RegisterAck
+from service.protocol.messages import WeightVersion
 
 log = logging.getLogger(__name__)
 

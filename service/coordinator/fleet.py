@@ -46,7 +46,7 @@ from service.coordinator.requests import InflightRequest, RequestTable
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import Heartbeat, ResendAnswer, ResendReplies
+from service.protocol.membership import Heartbeat, ResendAnswer, ResendReplies
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import RESEND_REPLIES, id_problem
 

@@ -17,7 +17,7 @@ from service.coordinator.core import Core
 from service.coordinator.peer_replies import PeerReplies
 from service.coordinator.peers import CoordinatorPeers
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import CoordinatorHeartbeat
+from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.subjects import Header
 
 

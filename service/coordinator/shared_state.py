@@ -57,7 +57,7 @@ from nats.js.kv import KeyValue
 
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import CoordinatorHeartbeat
+from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.state import ControlRecord, Written, decide
 from service.protocol.subjects import Header, Subjects
 

@@ -20,7 +20,7 @@ from service.coordinator.coordinator import Coordinator
 from service.coordinator.deliveries import ClientDeliveries
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import EngineRegister
+from service.protocol.membership import EngineRegister
 from tests.helpers import engines_become, request_json
 
 

@@ -9,7 +9,7 @@ from nats.aio.client import Client as NATS
 
 from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import EngineRegister
+from service.protocol.membership import EngineRegister
 from service.protocol.state import CoordinatorState
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, request_json

@@ -13,16 +13,8 @@ from nats.aio.msg import Msg
 
 from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import (
-    EngineDisconnect,
-    EngineRegister,
-    EngineReplyBatch,
-    Final,
-    Heartbeat,
-    RegisterAck,
-    RoutedReply,
-    RoutedRequestBatch,
-)
+from service.protocol.membership import EngineDisconnect, EngineRegister, Heartbeat, RegisterAck
+from service.protocol.messages import EngineReplyBatch, Final, RoutedReply, RoutedRequestBatch
 from tests.conftest import EngineFactory
 from tests.helpers import engines_become, request_json
 

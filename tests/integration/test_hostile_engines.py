@@ -19,15 +19,8 @@ from nats.aio.client import Client as NATS
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import (
-    EngineDisconnect,
-    EngineRegister,
-    EngineReplyBatch,
-    Final,
-    Heartbeat,
-    ReturnPath,
-    RoutedReply,
-)
+from service.protocol.membership import EngineDisconnect, EngineRegister, Heartbeat
+from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, engines_become, request, request_json
 

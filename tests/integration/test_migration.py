@@ -21,8 +21,8 @@ from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
+from service.protocol.membership import EngineDisconnect
 from service.protocol.messages import (
-    EngineDisconnect,
     EngineReplyBatch,
     Final,
     Partial,

@@ -29,7 +29,7 @@ from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import WireError
-from service.protocol.messages import CoordinatorHeartbeat
+from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.state import CoordinatorState, decide
 from service.protocol.subjects import Header
 from tests.conftest import make_settings

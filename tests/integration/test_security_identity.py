@@ -23,14 +23,8 @@ from service.bus.server import EmbeddedNatsServer
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import (
-    EngineDisconnect,
-    EngineReplyBatch,
-    Final,
-    Heartbeat,
-    ReturnPath,
-    RoutedReply,
-)
+from service.protocol.membership import EngineDisconnect, Heartbeat
+from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from tests.conftest import make_settings
 from tests.helpers import REPO_ROOT, decode_reply
 from tests.integration.test_security import (

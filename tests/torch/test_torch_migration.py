@@ -18,7 +18,8 @@ from service.client import DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import EngineDisconnect, Final, Partial
+from service.protocol.membership import EngineDisconnect
+from service.protocol.messages import Final, Partial
 from tests.torch.reference import engine_options
 
 PROMPT = "Once upon a time"
