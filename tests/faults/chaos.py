@@ -104,13 +104,20 @@ class _Child:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-class ChaosStack:
-    """``replicas`` coordinators, ``engines`` echo engines and a gateway on a private nats-server."""
+ECHO_ENGINE = ("--backend", "echo", "--token-delay-ms", str(TOKEN_DELAY_MS))
 
-    def __init__(self, log_dir: Path, replicas: int = 3, engines: int = 3) -> None:
+
+class ChaosStack:
+    """``replicas`` coordinators, ``engines`` engines (``dpcoord engine`` with ``engine_args``:
+    echo engines at 5 ms a token unless told) and a gateway on a private nats-server."""
+
+    def __init__(
+        self, log_dir: Path, replicas: int = 3, engines: int = 3, engine_args: tuple[str, ...] = ECHO_ENGINE
+    ) -> None:
         self.log_dir = log_dir
         self.want_replicas = replicas
         self.want_engines = engines
+        self.engine_args = engine_args
         self.nats = EmbeddedNatsServer()
         self.settings: Settings = make_settings(self.nats.url, **CHAOS_SETTINGS)
         self.subjects = Subjects(self.settings.subject_prefix)
@@ -167,10 +174,7 @@ class ChaosStack:
         self.engines[engine_id] = self._spawn(
             engine_id,
             "engine",
-            "--backend",
-            "echo",
-            "--token-delay-ms",
-            str(TOKEN_DELAY_MS),
+            *self.engine_args,
             DPCOORD_ENGINE_ID=engine_id,
             DPCOORD_STREAM_INTERVAL=str(STREAM_INTERVAL),
         )

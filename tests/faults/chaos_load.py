@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx2
@@ -36,8 +36,29 @@ TOKEN_SPREAD = 241
 HUNG_AFTER_S = 10.0
 OUTCOMES = ("exact", "corrupt", "hung", "error", "broken")
 Fault = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class StreamCase:
+    """One stream of a load: what is asked, and the text it must give."""
+
+    content: str
+    max_tokens: int
+    expected: str
+    extra_body: Mapping[str, object] | None = None
+    model: str = MODEL
+
+
+def echo_case(scenario: str, index: int) -> StreamCase:
+    """The echo engines' load: a distinct prompt and length per stream, its text computed."""
+    content = f"{scenario} stream {index:05d}"
+    max_tokens = MIN_TOKENS + index % TOKEN_SPREAD
+    return StreamCase(content, max_tokens, expected_text(content, max_tokens))
+
+
 STREAMING_AT_FAULT = 20  # streams whose text has begun to reach the SDK when the first fault strikes
 STREAMING_WAIT_S = 30.0
+MAX_ERROR_SHARE = 0.01  # clear errors a scenario may give, as a share of its streams
 
 
 @dataclass
@@ -77,17 +98,17 @@ def sdk_client(base_url: str, concurrency: int = IN_FLIGHT) -> openai.AsyncOpenA
     )
 
 
-async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, tally: Tally) -> str:
+async def one_stream(client: openai.AsyncOpenAI, case: StreamCase, tally: Tally) -> str:
     """Run one streamed chat completion and return its outcome (one of :data:`OUTCOMES`)."""
-    expected = expected_text(content, max_tokens)
     last = time.monotonic()
     try:
         stream = await asyncio.wait_for(
             client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": content}],
-                max_tokens=max_tokens,
+                model=case.model,
+                messages=[{"role": "user", "content": case.content}],
+                max_tokens=case.max_tokens,
                 stream=True,
+                extra_body=case.extra_body,
             ),
             HUNG_AFTER_S,
         )
@@ -130,10 +151,10 @@ async def one_stream(client: openai.AsyncOpenAI, content: str, max_tokens: int, 
     if finish is None:
         return "broken"
     got = "".join(text)
-    if finish == "length" and got == expected:
+    if finish == "length" and got == case.expected:
         return "exact"
     if len(tally.examples) < 3:
-        tally.examples.append(difference(content, max_tokens, f"finish={finish}", got, expected))
+        tally.examples.append(difference(case.content, case.max_tokens, f"finish={finish}", got, case.expected))
     return "corrupt"
 
 
@@ -165,10 +186,16 @@ async def faults_once_streaming(faults: list[Fault], tally: Tally) -> None:
 
 
 async def run_load(
-    stack: ChaosStack, scenario: str, streams: int, faults: list[Fault], in_flight: int = IN_FLIGHT
+    stack: ChaosStack,
+    scenario: str,
+    streams: int,
+    faults: list[Fault],
+    in_flight: int = IN_FLIGHT,
+    case: Callable[[str, int], StreamCase] = echo_case,
 ) -> Tally:
-    """``streams`` streamed chat completions, ``in_flight`` at a time, through the stack's
-    gateway, with ``faults`` injected beside them (:func:`faults_once_streaming`)."""
+    """``streams`` streamed chat completions (``case(scenario, index)`` each), ``in_flight`` at
+    a time, through the stack's gateway, with ``faults`` injected beside them
+    (:func:`faults_once_streaming`)."""
     tally = Tally(scenario, streams)
     slots = asyncio.Semaphore(in_flight)
     started = time.monotonic()
@@ -176,9 +203,39 @@ async def run_load(
 
         async def one(index: int) -> None:
             async with slots:
-                content = f"{scenario} stream {index:05d}"
-                tally.counts[await one_stream(client, content, MIN_TOKENS + index % TOKEN_SPREAD, tally)] += 1
+                tally.counts[await one_stream(client, case(scenario, index), tally)] += 1
 
         await asyncio.gather(faults_once_streaming(faults, tally), *(one(index) for index in range(streams)))
     tally.wall_s = time.monotonic() - started
     return tally
+
+
+async def report(stack: ChaosStack, tally: Tally, lines: list[str]) -> None:
+    """Print the scenario's line (and, for diagnosis, the live replicas' counters summed) and
+    check it against the targets."""
+    line = tally.line()
+    lines.append(line)
+    print(f"\n[chaos] {line}")
+    for example in tally.examples:
+        print(f"[chaos]   corrupt: {example}")
+    counters = await stack.replica_counters()
+    print(f"[chaos]   live replicas' counters: {dict(sorted((k, v) for k, v in counters.items() if v))}")
+    assert sum(tally.counts.values()) == tally.streams
+    assert tally.counts["corrupt"] == 0, tally.examples
+    assert tally.counts["hung"] == 0 and tally.counts["broken"] == 0, line
+    assert tally.error_share <= MAX_ERROR_SHARE, line
+
+
+async def kill_and_restart_a_replica(stack: ChaosStack) -> None:
+    """SIGKILL a replica (each owns about a third of the requests) and start a new one."""
+    stack.kill_replica(stack.live(stack.replicas)[0])
+    stack.start_replica()
+
+
+async def kill_an_engine(stack: ChaosStack) -> None:
+    """SIGKILL an engine (each runs about a third); the stack gets a new one before the next test."""
+    stack.kill_engine(stack.live(stack.engines)[0])
+
+
+async def restart_nats(stack: ChaosStack) -> None:
+    await stack.restart_nats()

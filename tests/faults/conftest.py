@@ -18,6 +18,6 @@ def chaos_report(request: pytest.FixtureRequest) -> list[str]:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     lines = config.stash.get(CHAOS_LINES, [])
     if lines:
-        terminalreporter.section("chaos suite (tests/faults/test_chaos.py)")
+        terminalreporter.section("chaos suite (tests/faults/test_chaos.py, test_chaos_torch.py)")
         for line in lines:
             terminalreporter.write_line(line)

@@ -35,7 +35,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.client import ClientError, DpcoordClient
 from service.protocol.messages import Final
 from tests.faults.chaos import MODEL, ChaosStack, echo_text
-from tests.faults.chaos_load import Tally, difference, run_load, sdk_client
+from tests.faults.chaos_load import (
+    difference,
+    kill_an_engine,
+    kill_and_restart_a_replica,
+    report,
+    restart_nats,
+    run_load,
+    sdk_client,
+)
 from tests.gateway_helpers import hang_up_after, http
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
@@ -43,7 +51,6 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 STREAMS = 220  # per single-fault scenario; with the combined one and the control, 1,000 in all
 COMBINED_STREAMS = 260
 CONTROL_STREAMS = 80  # no fault: what the counting gives when nothing goes wrong
-MAX_ERROR_SHARE = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -54,37 +61,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
         yield chaos
     finally:
         chaos.close()
-
-
-async def report(stack: ChaosStack, tally: Tally, lines: list[str]) -> None:
-    """Print the scenario's line (and, for diagnosis, the live replicas' counters summed) and
-    check it against the targets."""
-    line = tally.line()
-    lines.append(line)
-    print(f"\n[chaos] {line}")
-    for example in tally.examples:
-        print(f"[chaos]   corrupt: {example}")
-    counters = await stack.replica_counters()
-    print(f"[chaos]   live replicas' counters: {dict(sorted((k, v) for k, v in counters.items() if v))}")
-    assert sum(tally.counts.values()) == tally.streams
-    assert tally.counts["corrupt"] == 0, tally.examples
-    assert tally.counts["hung"] == 0 and tally.counts["broken"] == 0, line
-    assert tally.error_share <= MAX_ERROR_SHARE, line
-
-
-async def kill_and_restart_a_replica(stack: ChaosStack) -> None:
-    """SIGKILL a replica (each owns about a third of the requests) and start a new one."""
-    stack.kill_replica(stack.live(stack.replicas)[0])
-    stack.start_replica()
-
-
-async def kill_an_engine(stack: ChaosStack) -> None:
-    """SIGKILL an engine (each runs about a third); the stack gets a new one before the next test."""
-    stack.kill_engine(stack.live(stack.engines)[0])
-
-
-async def restart_nats(stack: ChaosStack) -> None:
-    await stack.restart_nats()
 
 
 # id: (the table's name, streams, faults in the order they strike)
