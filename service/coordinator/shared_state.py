@@ -129,7 +129,7 @@ class SharedControlState:
             )
             return
         self._kv = kv
-        record, revision = await self._read(kv)
+        record, revision = await self._first_read(kv)
         self.record, self.revision = record, revision
         self._follower = asyncio.ensure_future(self._follow(kv))
         log.info(
@@ -298,6 +298,22 @@ class SharedControlState:
                     f"control record {self.bucket}/{self.key} at revision {entry.revision} is unreadable ({exc}); "
                     "put a valid one with `nats kv put` or delete the key",
                 ) from exc
+
+    async def _first_read(self, kv: KeyValue) -> tuple[ControlRecord, int]:
+        """:meth:`_read`, asked again for up to ``JETSTREAM_WAIT_S`` while the bucket does not
+        answer: a bucket just created with three replicas serves only once its own leader is
+        elected, which on a loaded cluster can take longer than one ``control_timeout_s``."""
+        deadline = time.monotonic() + JETSTREAM_WAIT_S
+        delay = 0.1
+        while True:
+            try:
+                return await self._read(kv)
+            except WireError as exc:
+                if exc.code != ErrorCode.NO_ENGINE or time.monotonic() > deadline:
+                    raise
+                log.warning("%s; reading again", exc.message)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def refresh(self) -> bool:
         """Read the record again and learn it if newer; True when the watch had missed it. A

@@ -46,7 +46,6 @@ async def nc(cluster: Cluster) -> AsyncIterator[NATS]:
     await connection.close()
 
 
-RESTARTS = 3
 FAILOVER_S = 20.0
 T = TypeVar("T")
 
@@ -65,21 +64,6 @@ async def through_a_failover(call: Callable[[], Awaitable[T]]) -> T:
             await asyncio.sleep(0.2)
 
 
-async def start_as_the_kubelet_would(replicas: ReplicaSet, coordinator_id: str) -> None:
-    """Start a replica, starting it again if it exits, up to RESTARTS times.
-
-    The first read of a freshly created three-replica bucket waits for that bucket's own leader
-    election, which on this loaded machine can outlast control_timeout_s: the coordinator then
-    exits (503, shared control state unavailable), and in Kubernetes the kubelet restarts it."""
-    for attempt in range(RESTARTS):
-        try:
-            await replicas.start(coordinator_id, timeout_s=60)
-            return
-        except AssertionError:
-            if attempt == RESTARTS - 1:
-                raise
-
-
 async def test_the_control_bucket_has_three_replicas_and_survives_its_leader_stopped(
     cluster: Cluster, nc: NATS
 ) -> None:
@@ -88,8 +72,10 @@ async def test_the_control_bucket_has_three_replicas_and_survives_its_leader_sto
     replicas = ReplicaSet(settings, nc)
     engine: EngineRuntime | None = None
     try:
+        # The first read of the new three-replica bucket waits out its leader election
+        # (SharedControlState._first_read): the replicas start once, without a restart.
         for coordinator_id in IDS:
-            await start_as_the_kubelet_would(replicas, coordinator_id)
+            await replicas.start(coordinator_id, timeout_s=60)
         info = await nc.jetstream(timeout=10).stream_info(f"KV_{bucket_name(settings.subject_prefix)}")
         assert info.config.num_replicas == 3, info.config
         assert info.cluster is not None and info.cluster.leader, info.cluster
