@@ -4,11 +4,14 @@ handlers are typed against (:mod:`handlers.context`, checked by mypy).
 Contract: every handler call is guarded (:mod:`.dispatch`): a message that fails to decode,
 or that a handler refuses, becomes an error reply, a rate-limited log line and a counter, and
 the coordinator keeps serving. Every accepted request leaves through exactly one terminal
-reply (:mod:`.relay`), from the replica that owns it or the one that adopted it
+reply, whose right the request ledger holds (:mod:`.ledger`, the one owner of a request's
+life in this replica), from the replica that owns it or the one that adopted it
 (:mod:`.ownership`, :mod:`.adoption`). Background loops never die (:mod:`service.ops.loops`),
 and a background task that fails is logged and counted. This class owns the connection, the
-background tasks and the lifecycle; each job is a module: admission, outbox, relay, fleet,
-enrolment, control, weight updates, ownership, forwarding, adoption and the replica watch.
+background tasks and the lifecycle, and wires three floors (docs/architecture.md): the owners
+of state (the ledger, the pool, the peers, …), the jobs side by side above them (admission,
+outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, adoption
+and the replica watch composed of them), and this class.
 """
 
 from __future__ import annotations
