@@ -1,4 +1,4 @@
-"""The reply relay: engine replies on their way to clients, and every terminal reply.
+"""The reply relay: engine replies on their way to clients.
 
 Contract:
 - Every accepted request leaves through exactly one terminal reply. Whoever takes it from the
@@ -19,9 +19,9 @@ Contract:
   delivers it), this replica's own late reply (counted), or one whose coordinator is gone,
   which exactly one surviving replica, its adopter, delivers
   (:mod:`service.coordinator.adoption`), to an inbox only.
-- Terminal replies of named clients are cached, so a resubmission is answered, never run twice;
-  an orphan's only when its coordinator is one this replica heard from, so a forged orphan
-  naming a made-up coordinator cannot answer a later resubmission.
+- Terminal replies of named clients are cached (:mod:`.answers`), so a resubmission is
+  answered, never run twice; an orphan's only when its coordinator is one this replica heard
+  from, so a forged orphan naming a made-up coordinator cannot answer a later resubmission.
 """
 
 from __future__ import annotations
