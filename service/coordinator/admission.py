@@ -1,5 +1,4 @@
-"""Admission: accepting a submission, or refusing it with a code, and the queue of requests
-waiting for an engine.
+"""Admission: accepting a submission, or refusing it with a code.
 
 Contract:
 - A submission is refused before it is accepted (400 bad reply subject, id too long, deadline
@@ -14,43 +13,31 @@ Contract:
   reply subject, a cached result is sent again.
 - A submission naming a ``model`` goes only to engines serving it (the pool's group for it);
   one that names a model no engine serves is refused with 404.
-- Accepted requests are routed at once while the coordinator runs, an engine (serving their
-  model) has room and none of their model waits; otherwise they wait in the queue of their model
-  (owners in turn, :mod:`service.coordinator.fair_queue`) until :meth:`Admission.release_queue`.
-  A replica that has not yet heard the fleet (one heartbeat timeout after it starts) queues
-  rather than answering 503 or 404.
+- Accepted requests enter the ledger (:mod:`.ledger`), routed at once while the coordinator
+  runs, an engine (serving their model) has room and none of their model waits; otherwise they
+  wait in the queue of their model (owners in turn, :mod:`.fair_queue`) until the ledger
+  releases it. A replica that has not yet heard the fleet (one heartbeat timeout after it
+  starts) queues rather than answering 503 or 404.
 - Request ids are random (:mod:`service.coordinator.request_ids`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections import Counter
-from collections.abc import Callable, Coroutine
-from typing import Any
-
-import msgspec
 
 from service.bus.registry import Incoming
-from service.coordinator.control_state import ControlState
-from service.coordinator.deliveries import ClientDeliveries
-from service.coordinator.models import HeldRequests
-from service.coordinator.outbox import Outbox
+from service.coordinator.answers import Answers
+from service.coordinator.core import Core
+from service.coordinator.ledger import RequestLedger, unknown_model
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EngineGroup, EnginePool
-from service.coordinator.relay import ReplyRelay
 from service.coordinator.request_ids import request_ids
-from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
+from service.coordinator.requests import ClientKey, InflightRequest
 from service.coordinator.results import body_digest
-from service.coordinator.routing import RoutingPolicy
-from service.coordinator.timers import CoarseTimers
-from service.ops.settings import Settings
 from service.protocol.codec import detect_encoding
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedSubmission
 from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
-from service.protocol.state import CoordinatorState
 from service.protocol.subjects import ReplySubjects, utf8_length
 
 log = logging.getLogger(__name__)
@@ -59,44 +46,27 @@ log = logging.getLogger(__name__)
 class Admission:
     def __init__(
         self,
-        coordinator_id: str,
-        settings: Settings,
-        replies: ReplySubjects,
-        requests: RequestTable,
+        core: Core,
+        ledger: RequestLedger,
+        answers: Answers,
         pool: EnginePool,
         peers: CoordinatorPeers,
-        policy: RoutingPolicy,
-        control: ControlState,
-        outbox: Outbox,
-        relay: ReplyRelay,
-        deliveries: ClientDeliveries,
-        counters: Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, object]], None],
+        replies: ReplySubjects,
     ) -> None:
-        self._id = coordinator_id
+        settings = core.settings
+        self._id = core.id
         self._settings = settings
-        self._replies = replies
-        self._requests = requests
+        self._counters = core.counters
+        self._ledger = ledger
+        self._answers = answers
         self._pool = pool
         self._peers = peers
-        self._policy = policy
-        self._control = control
-        self._outbox = outbox
-        self._relay = relay
-        self._deliveries = deliveries
-        self._counters = counters
-        self._spawn = spawn
-        self._queue = HeldRequests(requests)
-        self._deadlines = CoarseTimers()
-        self._ids = request_ids(coordinator_id)
+        self._replies = replies
+        self._ids = request_ids(core.id)
         self._max_id = settings.max_id_bytes
         self._short_id = settings.max_id_bytes // 4  # a character takes at most 4 bytes in UTF-8
         self._max_timeout = settings.max_request_timeout_s
         self._shared_inbox = replies.inboxes.first[1]
-
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
         """Route or queue a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
@@ -127,21 +97,18 @@ class Admission:
             client_key = (submit.client_id, submit.client_request_id)
             if await self.resubmitted(client_key, reply_to, submit.stream, owner, body):
                 return
-        running = self._control.state is CoordinatorState.RUNNING
-        if running and len(self._pool) == 0 and self._peers.warmed_up:
+        ledger = self._ledger
+        if len(self._pool) == 0 and ledger.running and self._peers.warmed_up:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
         model = submit.model
-        queue = self._queue
         group = self._pool.everyone if model is None else self._engines_serving(model)
-        key = self._policy.key_of(submit)
-        engine = (
-            self._policy.choose(group, key) if running and group is not None and model not in queue.by_model else None
-        )
+        key = ledger.routing_key(submit)
+        engine = ledger.engine_for(group, model, key)
         if engine is None:
             settings = self._settings
-            if len(queue) >= settings.max_queued_requests:
+            if ledger.queued >= settings.max_queued_requests:
                 raise WireError(ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_requests} held)")
-            if self._requests.queued_bytes + len(body) > settings.max_queued_bytes:
+            if ledger.queued_bytes + len(body) > settings.max_queued_bytes:
                 raise WireError(
                     ErrorCode.OVERLOADED, f"coordinator queue full ({settings.max_queued_bytes} bytes held)"
                 )
@@ -151,21 +118,11 @@ class Admission:
             request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id
         )
         entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
-        entry.deadline = self._deadlines.call_later(
-            timeout_s or self._settings.request_timeout_s, self._expire, request_id
-        )
-        self._requests.add(entry)
-        self._counters["submitted"] += 1
-        if engine is not None:
-            self._outbox.send(entry, engine)
-            return
-        queue.append(entry)
-        if running:
-            await self.release_queue()
+        ledger.admit(entry, timeout_s, engine)
 
     def holds(self, client_key: ClientKey) -> bool:
         """Whether this replica holds ``client_key``'s request, in flight or as a cached result."""
-        return self._requests.find_client(client_key) is not None or self._relay.cached(client_key) is not None
+        return self._ledger.find_client(client_key) is not None or self._answers.cached(client_key) is not None
 
     def forwardable(self, incoming: Incoming, submit: SubmitEnvelope) -> ForwardedSubmission | None:
         """A resubmission of a named client that this replica does not hold, as its peers are
@@ -219,107 +176,31 @@ class Admission:
         group = self._pool.group(model)
         if group is not None or not self._peers.warmed_up:
             return group
-        raise self._unknown_model(model)
-
-    def _unknown_model(self, model: str) -> WireError:
-        served = ", ".join(self._pool.models()) or "none"
-        return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
+        raise unknown_model(self._pool, model)
 
     async def resubmitted(self, client_key: ClientKey, reply_to: str, stream: bool, owner: str, body: bytes) -> bool:
         """Answer a repeated ``(client_id, client_request_id)``; False when it is new.
 
         Anonymous clients share one namespace, so for them a repeat in flight is refused."""
-        existing = self._requests.find_client(client_key)
+        existing = self._ledger.find_client(client_key)
         if client_key[0] is None:
             if existing is not None:
                 raise WireError(ErrorCode.CONFLICT, f"client_request_id {client_key[1]!r} is already in flight")
             return False
         if existing is not None:
             _same_submission(client_key, existing.owner, owner, existing.body == body)
-            existing.return_path = msgspec.structs.replace(existing.return_path, reply_to=reply_to, stream=stream)
+            self._ledger.repoint(existing, reply_to, stream)
             self._counters["resubmitted"] += 1
             return True
-        cached = self._relay.cached(client_key)
+        cached = self._answers.cached(client_key)
         if cached is None:
             return False
         _same_submission(client_key, cached.owner, owner, cached.request_digest in (None, body_digest(body)))
-        if self._deliveries.repoint(client_key, reply_to):
+        if self._answers.repoint(client_key, reply_to):
             self._counters["resubmitted"] += 1
             return True
-        await self._relay.replay(client_key, cached, reply_to, stream)
+        await self._answers.replay(client_key, cached, reply_to, stream)
         return True
-
-    def requeue(self, entry: InflightRequest) -> None:
-        """Put a request whose engine lost it at the head of the queue, to be routed again."""
-        if entry.engine_id is not None:
-            self._requests.unrouted(entry)
-        entry.engine_id = None
-        self._queue.appendleft(entry)
-
-    async def release_queue(self) -> None:
-        """Route queued requests while the coordinator runs and some engine serving their model has
-        room: owners in turn, passing over one that holds more than ``max_client_share`` of the
-        fleet while others wait."""
-        over_share = self._over_share()
-        for model, queue in self._queue.queues():
-            while self._control.state is CoordinatorState.RUNNING:
-                entry = queue.peek(over_share)
-                if entry is None:
-                    self._queue.discard(model)
-                    break
-                group = self._pool.group(model)
-                if group is None or len(group) == 0:
-                    if not self._peers.warmed_up:
-                        break  # heartbeats are about to introduce the fleet
-                    queue.pop(entry)
-                    err = (
-                        WireError(ErrorCode.NO_ENGINE, "no engine available")
-                        if model is None
-                        else self._unknown_model(model)
-                    )
-                    await self._relay.fail(entry.return_path.request_id, err)
-                    continue
-                engine = self._policy.choose(group, entry.routing_key)
-                if engine is None:
-                    break
-                queue.pop(entry)
-                self._outbox.send(entry, engine)
-
-    async def routed_before(self, timeout_s: float) -> None:
-        """Until the queue is empty, routed as engines free slots (a replica about to leave its
-        requests to its peers), or the coordinator stops running, or ``timeout_s`` passed."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + timeout_s
-        while True:  # the queue drains as engines answer: nothing to wait on but the next look
-            if not self._queue or self._control.state is not CoordinatorState.RUNNING or loop.time() >= give_up_at:
-                return
-            await asyncio.sleep(0.05)
-
-    def _over_share(self) -> Callable[[str], bool]:
-        share = self._settings.max_client_share
-        if share >= 1.0:
-            return _never
-        requests, pool = self._requests, self._pool
-        limit: float | None = None  # the fleet's slots, summed once per release and only if asked
-
-        def over_share(owner: str) -> bool:
-            nonlocal limit
-            if limit is None:
-                limit = share * sum(record.capacity for record in pool)
-            return requests.held_by(owner) >= limit
-
-        return over_share
-
-    def _expire(self, request_id: str) -> None:
-        entry = self._requests.get(request_id)
-        if entry is None:
-            return
-        entry.deadline = None
-        self._spawn(self._relay.fail(request_id, WireError(ErrorCode.TIMED_OUT, "request deadline passed")))
-
-
-def _never(owner: str) -> bool:
-    return False
 
 
 def _same_submission(client_key: ClientKey, owner: str, new_owner: str, same_body: bool) -> None:

@@ -25,16 +25,16 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from service.coordinator.answers import Answers
 from service.coordinator.broadcast import broadcast
 from service.coordinator.core import Core
+from service.coordinator.ledger import RequestLedger
 from service.coordinator.peer_replies import KeptReply, PeerReplies
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.relay import ReplyRelay
-from service.coordinator.requests import InflightRequest, RequestTable
-from service.coordinator.timers import CoarseTimers
+from service.coordinator.requests import InflightRequest
 from service.protocol.codec import Encoding, encode_msgpack
-from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import Adoption as AdoptionMessage
 from service.protocol.messages import AdoptedRequest
 from service.protocol.subjects import ADOPT, ReplySubjects
@@ -49,7 +49,8 @@ class Adoption:
     def __init__(
         self,
         core: Core,
-        requests: RequestTable,
+        ledger: RequestLedger,
+        answers: Answers,
         pool: EnginePool,
         peers: CoordinatorPeers,
         kept: PeerReplies,
@@ -57,7 +58,8 @@ class Adoption:
         replies: ReplySubjects,
     ) -> None:
         self._core = core
-        self._requests = requests
+        self._ledger = ledger
+        self._answers = answers
         self._pool = pool
         self._peers = peers
         self._kept = kept
@@ -65,7 +67,6 @@ class Adoption:
         self._replies = replies
         self._adopted: OrderedDict[str, None] = OrderedDict()
         self._in_progress = 0
-        self._deadlines = CoarseTimers()
 
     @property
     def settling(self) -> bool:
@@ -131,8 +132,7 @@ class Adoption:
         """Hold a handed-over request as if this replica had routed it: its state (partials
         sent, tokens streamed, run) is the engine's at the handover."""
         return_path = item.return_path
-        request_id = return_path.request_id
-        if request_id in self._requests:
+        if return_path.request_id in self._ledger:
             return
         owner, problem = self._replies.check(return_path.reply_to)
         if owner is None or problem is not None:
@@ -141,38 +141,30 @@ class Adoption:
         client_key = None
         if return_path.client_id is not None and return_path.client_request_id is not None:
             client_key = (return_path.client_id, return_path.client_request_id)
-        entry = InflightRequest(return_path, Encoding(return_path.encoding), item.body, client_key, owner=owner)
-        entry.engine_id = engine_id
-        entry.attempts = item.attempt + 1
-        entry.streamed = item.partials_sent > 0
-        entry.partials_delivered = item.partials_sent
-        entry.streamed_tokens = list(item.tokens) if item.tokens else None
-        entry.deadline = self._deadlines.call_later(self._core.settings.request_timeout_s, self._expire, request_id)
-        self._requests.add(entry)
-        record = self._pool.get(engine_id)
-        if record is not None:
-            self._pool.assign(record, request_id)
-        self._requests.held[owner] += 1
+        entry = InflightRequest(
+            return_path,
+            Encoding(return_path.encoding),
+            item.body,
+            client_key,
+            owner=owner,
+            streamed=item.partials_sent > 0,
+            partials_delivered=item.partials_sent,
+            streamed_tokens=list(item.tokens) if item.tokens else None,
+        )
+        self._ledger.hold_adopted(entry, engine_id, item.attempt)
 
     async def _deliver(self, dead: str, item: KeptReply, handed_at: dict[str, int]) -> None:
         """A kept reply: a partial the engine sent before the handover goes to the client as it
         is (the request's state already counts it); anything later through the relay."""
         reply = item.reply
         request_id = reply.return_path.request_id
-        entry = self._requests.get(request_id)
+        entry = self._ledger.get(request_id)
         if entry is not None:
             if not item.terminal and reply.seq < handed_at.get(request_id, 0):
-                await self._relay.reply(entry.return_path, reply.body, terminal=False)
+                await self._answers.send(entry.return_path, reply.body, terminal=False)
             elif item.terminal:
                 await self._relay.relay_finals(item.engine_id, [reply])
             else:
                 await self._relay.relay_partials(item.engine_id, [reply])
         elif reply.return_path.coordinator_id == dead:
             await self._relay.deliver_orphan(reply, item.terminal)
-
-    def _expire(self, request_id: str) -> None:
-        entry = self._requests.get(request_id)
-        if entry is None:
-            return
-        entry.deadline = None
-        self._core.spawn(self._relay.fail(request_id, WireError(ErrorCode.TIMED_OUT, "request deadline passed")))

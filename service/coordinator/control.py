@@ -30,14 +30,14 @@ import msgspec
 from msgspec import Struct
 
 from service.bus.registry import Incoming
-from service.coordinator.admission import Admission
 from service.coordinator.broadcast import BroadcastResult, broadcast
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
-from service.coordinator.fleet import Fleet
+from service.coordinator.ledger import RequestLedger
 from service.coordinator.peers import CoordinatorPeers
+from service.coordinator.pool import EnginePool
 from service.coordinator.shared_state import SharedControlState
-from service.protocol.codec import encode_msgpack
+from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
 from service.protocol.state import ControlRecord, CoordinatorState, Written
@@ -45,31 +45,33 @@ from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
 
-Reply = Callable[[Incoming, Struct], Awaitable[None]]
+# Forget every engine (a stop is over): the fleet's job, passed in by the coordinator.
+ForgetEngines = Callable[[str], Awaitable[None]]
 
 
 class Control:
     def __init__(
         self,
         core: Core,
+        ledger: RequestLedger,
         current: ControlState,
-        fleet: Fleet,
-        admission: Admission,
+        pool: EnginePool,
         peers: CoordinatorPeers,
-        reply: Reply,
+        *,
+        forget_engines: ForgetEngines,
         request_stop: Callable[[], None],
     ) -> None:
         self._id = core.id
         self._settings = settings = core.settings
         self._nc = core.nc
         self._subjects = core.subjects
+        self._ledger = ledger
         self.current = current
-        self._fleet = fleet
-        self._admission = admission
+        self._pool = pool
         self._peers = peers
         self._counters = core.counters
-        self._reply = reply
         self._spawn = core.spawn
+        self._forget_engines = forget_engines
         self._request_stop = request_stop
         self.shared = SharedControlState(core.subjects.prefix, core.id, settings.control_timeout_s, self._follow)
         self.failure: str | None = None  # why this replica stopped itself, if it did
@@ -100,8 +102,12 @@ class Control:
             log.info("control %s: state %s, revision %d", signal, written.record.state, written.revision)
         return written
 
+    async def _reply(self, incoming: Incoming, message: Struct) -> None:
+        if incoming.reply:
+            await self._nc.publish(incoming.reply, encode(message, incoming.encoding))
+
     async def broadcast(self, signal: Header, payload: EngineSignal) -> BroadcastResult:
-        expected = {record.engine_id for record in self._fleet.pool}
+        expected = {record.engine_id for record in self._pool}
         timeout_s = (
             self._settings.long_control_timeout_s if payload.mode == "drain" else self._settings.control_timeout_s
         )
@@ -156,7 +162,7 @@ class Control:
             )
 
         await self.shared.change(stopped)
-        await self._fleet.remove_all("stopped")
+        await self._forget_engines("stopped")
 
     async def shut_down_all(self) -> tuple[Written, int]:
         """Raise the shutdown count, which stops every replica of the prefix (this one too);
@@ -189,8 +195,8 @@ class Control:
 
     async def _settle(self, stop_over: bool) -> None:
         if stop_over:
-            await self._fleet.remove_all("stopped")
-        await self._admission.release_queue()
+            await self._forget_engines("stopped")
+        self._ledger.release()
 
     async def watch_replicas_once(self) -> None:
         """One round of the replica watch (run by :func:`~service.ops.loops.keep_running`): read

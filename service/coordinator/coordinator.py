@@ -4,11 +4,14 @@ handlers are typed against (:mod:`handlers.context`, checked by mypy).
 Contract: every handler call is guarded (:mod:`.dispatch`): a message that fails to decode,
 or that a handler refuses, becomes an error reply, a rate-limited log line and a counter, and
 the coordinator keeps serving. Every accepted request leaves through exactly one terminal
-reply (:mod:`.relay`), from the replica that owns it or the one that adopted it
+reply, whose right the request ledger holds (:mod:`.ledger`, the one owner of a request's
+life in this replica), from the replica that owns it or the one that adopted it
 (:mod:`.ownership`, :mod:`.adoption`). Background loops never die (:mod:`service.ops.loops`),
 and a background task that fails is logged and counted. This class owns the connection, the
-background tasks and the lifecycle; each job is a module: admission, outbox, relay, fleet,
-enrolment, control, weight updates, ownership, forwarding, adoption and the replica watch.
+background tasks and the lifecycle, and wires three floors (docs/architecture.md): the owners
+of state (the ledger, the pool, the peers, …), the jobs side by side above them (admission,
+outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, adoption
+and the replica watch composed of them), and this class.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from service.bus.direct import DirectClient
 from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
+from service.coordinator.answers import Answers
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
@@ -37,6 +41,7 @@ from service.coordinator.enrolment import Enrolment
 from service.coordinator.fleet import Fleet
 from service.coordinator.forwarding import Forwarding
 from service.coordinator.known_clients import KnownClients
+from service.coordinator.ledger import RequestLedger
 from service.coordinator.outbox import Outbox
 from service.coordinator.ownership import Ownership
 from service.coordinator.peer_replies import PeerReplies
@@ -44,7 +49,7 @@ from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.replica_watch import ReplicaWatch
-from service.coordinator.requests import ClientKey, RequestTable
+from service.coordinator.requests import ClientKey
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.coordinator.shared_state import SharedControlState
@@ -86,7 +91,6 @@ class Coordinator:
         self.subjects = Subjects(settings.subject_prefix)
         self.counters: Counter[str] = Counter()
         self.nc = DirectClient()
-        self.requests = RequestTable()
         self.engines = EnginePool(settings.max_inflight_per_engine, departed_memory_s=2 * settings.heartbeat_timeout_s)
         self.peers = CoordinatorPeers(
             self.id, settings.heartbeat_timeout_s, min(2 * settings.heartbeat_interval_s, settings.heartbeat_timeout_s)
@@ -100,57 +104,38 @@ class Coordinator:
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
         core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn)
+        # Floor 1: the owners of state. The ledger owns every request's life.
         self._kept = PeerReplies(
             self.peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, self.counters
         )
-        self._relay = ReplyRelay(
-            self.id,
-            self.nc,
-            self.subjects,
-            self.requests,
-            self.engines,
-            self.peers,
-            self.results,
-            self._deliveries,
-            self.counters,
-            self.spawn,
-            self.replies,
-            self._kept,
+        answers = Answers(core, self._deliveries, self.results)
+        self.requests = RequestLedger(
+            core, self.engines, make_policy(settings), self.control_state, self.peers, answers
         )
-        policy = make_policy(settings)
-        self._outbox = Outbox(
-            self.nc, self.subjects, self.requests, self.engines, self._relay, self.counters, policy.turn_ended
-        )
-        self._admission = Admission(
-            self.id,
-            settings,
-            self.replies,
-            self.requests,
-            self.engines,
-            self.peers,
-            policy,
+        ledger = self.requests
+        # Floor 2: the jobs, side by side; none imports another.
+        self._relay = ReplyRelay(core, ledger, answers, self.peers, self._kept, self.replies)
+        self._outbox = Outbox(core, ledger)
+        self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
+        self._fleet = Fleet(core, ledger, self.engines, self.control_state)
+        self._control = Control(
+            core,
+            ledger,
             self.control_state,
-            self._outbox,
-            self._relay,
-            self._deliveries,
-            self.counters,
-            self.spawn,
+            self.engines,
+            self.peers,
+            forget_engines=self._fleet.remove_all,
+            request_stop=self.request_stop,
         )
-        self._relay.on_slot_freed = self._admission.release_queue
-        self._adoption = Adoption(core, self.requests, self.engines, self.peers, self._kept, self._relay, self.replies)
+        # The jobs across replicas and engines' weights, composed of those above.
+        self._adoption = Adoption(
+            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies
+        )
         self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption)
         self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
-        self._ownership = Ownership(
-            core, self.requests, self.peers, self._admission, self._relay, self._forwarding, self.replies
-        )
-        self._fleet = Fleet(core, self.engines, self.requests, self._admission, self._relay, self.control_state)
-        self._control = Control(
-            core, self.control_state, self._fleet, self._admission, self.peers, self.reply, self.request_stop
-        )
+        self._ownership = Ownership(core, ledger, self.peers, self._admission, self._forwarding, self.replies)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
-        self._enrolment = Enrolment(
-            core, self.control_state, self._control.shared, self._fleet, self._admission, self._weights
-        )
+        self._enrolment = Enrolment(core, ledger, self.control_state, self._control.shared, self._fleet, self._weights)
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
@@ -180,7 +165,7 @@ class Coordinator:
 
     @property
     def latency(self) -> RequestLatency:
-        return self._relay.latency
+        return self.requests.latency
 
     @property
     def engines_changed(self) -> asyncio.Event:
@@ -193,7 +178,7 @@ class Coordinator:
 
     @property
     def queued(self) -> int:
-        return self._admission.queued
+        return self.requests.queued
 
     async def wait_for_engines(self, count: int, timeout_s: float = 10.0) -> None:
         await self._fleet.wait_for_engines(count, timeout_s)
@@ -239,14 +224,14 @@ class Coordinator:
         hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
         if hand_over:  # no engine holds a queued request, so no peer could adopt it: route them
             await self._dispatch.stop_admitting()
-            await self._admission.routed_before(self.settings.control_timeout_s)
+            await self.requests.drained(self.settings.control_timeout_s)
             await self._outbox.sent(self.settings.control_timeout_s)
         self.control_state.state = CoordinatorState.STOPPING
         await self._control.close()
         await self._dispatch.close()
         shut = WireError(ErrorCode.NO_ENGINE, "coordinator shut down")
         for entry in [entry for entry in self.requests if not (hand_over and entry.engine_id is not None)]:
-            await self._relay.fail(entry.return_path.request_id, shut)
+            await self.requests.fail(entry.return_path.request_id, shut)
         if hand_over:
             await self._replica_watch.leave()
             await self.nc.flush()
@@ -382,7 +367,7 @@ class Coordinator:
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""
         self._replica_watch.warmed_up()
-        self.spawn(self._admission.release_queue())
+        self.requests.release()
 
     def _on_bus_back(self) -> None:
         self._replica_watch.reconnected()

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 
 from service.bus.registry import Incoming
-from service.coordinator.admission import Admission
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
 from service.coordinator.fleet import Fleet
+from service.coordinator.ledger import RequestLedger
 from service.coordinator.shared_state import SharedControlState
 from service.coordinator.weights import WeightUpdates
 from service.ops.log_limit import RateLimitedLog
@@ -31,17 +31,17 @@ class Enrolment:
     def __init__(
         self,
         core: Core,
+        ledger: RequestLedger,
         control_state: ControlState,
         shared: SharedControlState,
         fleet: Fleet,
-        admission: Admission,
         weights: WeightUpdates,
     ) -> None:
         self._core = core
+        self._ledger = ledger
         self._control_state = control_state
         self._shared = shared
         self._fleet = fleet
-        self._admission = admission
         self._weights = weights
         self._refusal_log = RateLimitedLog(log)
 
@@ -60,7 +60,7 @@ class Enrolment:
             )
             await self._core.nc.publish(incoming.reply, encode_msgpack(ack))
         if not other_weights:
-            await self._admission.release_queue()
+            self._ledger.release()
 
     async def heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
         if self._fleet.pool.get(heartbeat.engine_id) is None:

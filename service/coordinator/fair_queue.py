@@ -8,7 +8,8 @@ already holding more than its share of the fleet's slots is passed over while ot
 
 A request answered while it waits (deadline, abort, shutdown) stays in its line until its turn
 comes or the lines are compacted; the counts and bytes that admission limits are the live ones
-in :class:`~service.coordinator.requests.RequestTable`.
+in :class:`~service.coordinator.requests.RequestTable`. The request ledger (:mod:`.ledger`)
+owns the queue.
 """
 
 from __future__ import annotations

@@ -36,13 +36,12 @@ from typing import Any
 import msgspec
 from nats.errors import Error as NatsError
 
-from service.coordinator.admission import Admission
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
 from service.coordinator.fleet_log import FleetLog
+from service.coordinator.ledger import RequestLedger
 from service.coordinator.pool import EnginePool, EngineRecord
-from service.coordinator.relay import ReplyRelay
-from service.coordinator.requests import InflightRequest, RequestTable
+from service.coordinator.requests import InflightRequest
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
@@ -58,19 +57,15 @@ class Fleet:
     def __init__(
         self,
         core: Core,
+        ledger: RequestLedger,
         pool: EnginePool,
-        requests: RequestTable,
-        admission: Admission,
-        relay: ReplyRelay,
         control: ControlState,
     ) -> None:
         self._settings = core.settings
         self._nc = core.nc
         self._subjects = core.subjects
         self.pool = pool
-        self._requests = requests
-        self._admission = admission
-        self._relay = relay
+        self._ledger = ledger
         self._control = control
         self._counters = core.counters
         self._spawn = core.spawn
@@ -124,21 +119,19 @@ class Fleet:
             return
         self.changed.set()
         self._log.removed(engine_id, reason, record.load, len(self.pool))
-        for request_id in record.requests:
-            entry = self._requests.get(request_id)
+        ledger = self._ledger
+        for request_id in list(record.requests):
+            entry = ledger.get(request_id)
             if entry is None:
                 continue
             if entry.streamed:
                 await self._migrate(entry, f"engine {engine_id} lost ({reason})")
             elif entry.attempts <= self._settings.max_retries:
-                entry.new_run()
-                self._admission.requeue(entry)
+                ledger.requeue(entry)
                 self._counters["retried"] += 1
             else:
-                await self._relay.fail(
-                    request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})")
-                )
-        await self._admission.release_queue()
+                await ledger.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})"))
+        ledger.release()
 
     async def _migrate(self, entry: InflightRequest, lost: str) -> None:
         """Route a streamed request whose engine lost it again, to resume after the tokens it
@@ -154,15 +147,13 @@ class Fleet:
             problem = f"it was migrated max_migrations ({limit}) times already"
         if problem is not None:
             self._counters["migrations_refused"] += 1
-            await self._relay.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"{lost}; {problem}"))
+            await self._ledger.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"{lost}; {problem}"))
             return
         lost_on = entry.engine_id
-        entry.migrations += 1
-        entry.new_run()
-        self._admission.requeue(entry)
+        self._ledger.requeue(entry, migrated=True)
         self._counters["migrated"] += 1
         if lost_on is not None:  # should it still run (a partition, not a death), it stops
-            await self._relay.tell_engine_abort(lost_on, request_id)
+            await self._ledger.tell_engine_abort(lost_on, request_id)
         log.info(
             "request_id=%s: %s; migrating after %d streamed tokens (attempt %d)",
             request_id,
@@ -183,7 +174,7 @@ class Fleet:
                 self._suspects[engine_id] = now
             elif not self.pool.recently_departed(engine_id) and self._adoptable(engine_id):
                 self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name, own_subjects)
-                await self._admission.release_queue()
+                self._ledger.release()
             return
         self.pool.heard(record)
         if heartbeat.steps is not None and heartbeat.steps != record.steps:
@@ -259,9 +250,9 @@ class Fleet:
         await self.remove(engine_id, f"no reply and no step for {bound:g} s with {len(taken)} requests", departed=False)
         self._suspects[engine_id] = time.monotonic()
         for request_id in taken:
-            entry = self._requests.get(request_id)
+            entry = self._ledger.get(request_id)
             if entry is not None and entry.engine_id != engine_id:
-                await self._relay.tell_engine_abort(engine_id, request_id)
+                await self._ledger.tell_engine_abort(engine_id, request_id)
 
     def forgive_silence(self) -> None:
         """After this replica's own reconnect, engines get a full timeout to be heard again, and
@@ -280,7 +271,7 @@ class Fleet:
             request_id
             for request_id in record.requests
             if request_id not in active
-            and (entry := self._requests.get(request_id)) is not None
+            and (entry := self._ledger.get(request_id)) is not None
             and entry.routed_at < settled_before
         ]
         if not missing:
@@ -298,23 +289,22 @@ class Fleet:
         finally:
             record.reconciling = False
         self._counters["replies_resent"] += len(missing) - len(unknown)
+        ledger = self._ledger
         for request_id in unknown:
-            entry = self._requests.get(request_id)
+            entry = ledger.get(request_id)
             if entry is None or entry.engine_id != record.engine_id:
                 continue
-            self.pool.release(record.engine_id, request_id)
             if entry.streamed:
                 await self._migrate(entry, f"engine {record.engine_id} lost the request")
                 continue
             if entry.attempts > self._settings.max_retries:
-                await self._relay.fail(
+                await ledger.fail(
                     request_id, WireError(ErrorCode.NO_ENGINE, f"engine {record.engine_id} lost the request")
                 )
                 continue
             self._counters["redispatched"] += 1
-            entry.new_run()
-            self._admission.requeue(entry)
-        await self._admission.release_queue()
+            ledger.requeue(entry)
+        ledger.release()
 
     async def remove_all(self, reason: str) -> None:
         for record in list(self.pool):

@@ -1,87 +1,53 @@
 """The outbox to engines: requests routed in one event-loop turn leave as one message per engine.
 
-Contract: :meth:`Outbox.send` assigns a request to an engine at once (its slot is taken) and
-the request leaves at the end of the loop turn, with every other request routed to that engine
-in the same turn, in batches under the server's ``max_payload``. When a turn's requests leave,
-``turn_ended`` tells the routing policy, which prefers the engine already receiving a batch
-within a turn (``routing_load_slack``). The counters ``routed_messages`` and ``routed_requests``
-say how many requests a routed message carries. Under load a batch holds
+Contract: the ledger assigns a request to an engine at once (its slot is taken,
+:mod:`.ledger`) and the request leaves at the end of the loop turn, with every other request
+routed to that engine in the same turn, in batches under the server's ``max_payload``: the
+routing task waits on the ledger's ``routed`` and publishes what :meth:`RequestLedger.take_routed`
+hands over, which also ends the routing policy's turn (it prefers the engine already
+receiving a batch within a turn, ``routing_load_slack``). The counters ``routed_messages`` and
+``routed_requests`` say how many requests a routed message carries. Under load a batch holds
 everything that arrived in one read from the socket. A request answered or routed elsewhere
 before its turn ends is skipped; one too large to route fails with 413; a batch NATS refuses
-fails its requests with 503. A routed request carries its run (``attempt``) and, when it
-migrates, the tokens its stream already delivered (``resume_tokens``), counted in its size.
-The routing task outlives any failure.
+fails its requests with 503 (both through the ledger). A routed request carries its run
+(``attempt``) and, when it migrates, the tokens its stream already delivered
+(``resume_tokens``), counted in its size. The routing task outlives any failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter
-from collections.abc import Callable
 from operator import itemgetter
 
 from service.bus.batches import fits_alone, item_size, split_batches
-from service.bus.direct import DirectClient
-from service.coordinator.pool import EnginePool, EngineRecord
-from service.coordinator.relay import ReplyRelay
-from service.coordinator.requests import InflightRequest, RequestTable
+from service.coordinator.core import Core
+from service.coordinator.ledger import RequestLedger
+from service.coordinator.requests import InflightRequest
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import FirstRun, RoutedRequest, RoutedRequestsOut
-from service.protocol.subjects import Header, Subjects
+from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
 
 
 class Outbox:
-    def __init__(
-        self,
-        nc: DirectClient,
-        subjects: Subjects,
-        requests: RequestTable,
-        pool: EnginePool,
-        relay: ReplyRelay,
-        counters: Counter[str],
-        turn_ended: Callable[[], None],
-    ) -> None:
-        self._nc = nc
-        self._subjects = subjects
-        self._requests = requests
-        self._pool = pool
-        self._relay = relay
-        self._counters = counters
-        self._turn_ended = turn_ended
-        self._pending: dict[str, list[InflightRequest]] = {}
-        self._ready = asyncio.Event()
+    def __init__(self, core: Core, ledger: RequestLedger) -> None:
+        self._nc = core.nc
+        self._subjects = core.subjects
+        self._counters = core.counters
+        self._ledger = ledger
         self._publishing = False  # the routing task is publishing a round
         self._failures = RateLimitedLog(log)
-
-    def send(self, entry: InflightRequest, engine: EngineRecord) -> None:
-        """Assign ``entry`` to ``engine``; it leaves with the engine's batch at the end of this loop turn."""
-        entry.engine_id = engine.engine_id
-        entry.attempts += 1
-        entry.routed_at = now = time.monotonic()
-        if not engine.requests:
-            engine.last_progress = now  # idle until now: its progress is watched from here (fleet.py)
-        self._pool.assign(engine, entry.return_path.request_id)
-        self._requests.held[entry.owner] += 1  # its owner holds one more slot
-        batch = self._pending.get(engine.engine_id)
-        if batch is None:
-            self._pending[engine.engine_id] = [entry]
-            self._ready.set()
-        else:
-            batch.append(entry)
 
     async def route_once(self) -> None:
         """One round of the routing task (run by :func:`~service.ops.loops.keep_running`):
         publishes what the loop turns since the last round routed."""
-        await self._ready.wait()
-        self._ready.clear()
-        pending, self._pending = self._pending, {}
-        self._turn_ended()
+        ledger = self._ledger
+        await ledger.routed.wait()
+        pending = ledger.take_routed()
         self._publishing = True
         try:
             for engine_id, entries in pending.items():
@@ -97,20 +63,21 @@ class Outbox:
         its requests to its peers: an engine must hold them to hand them over), or ``timeout_s``."""
         give_up_at = asyncio.get_running_loop().time() + timeout_s
         while True:  # the routing task publishes them: nothing to wait on but the next look
-            if (not self._pending and not self._publishing) or asyncio.get_running_loop().time() >= give_up_at:
+            if (not self._ledger.routing and not self._publishing) or asyncio.get_running_loop().time() >= give_up_at:
                 return
             await asyncio.sleep(0.01)
 
     async def _publish(self, engine_id: str, entries: list[InflightRequest]) -> None:
         max_payload = self._nc.max_payload
+        still_routed = self._ledger.still_routed
         routable: list[tuple[InflightRequest, int]] = []  # with its size, counted once
         for entry in entries:
-            if entry.engine_id != engine_id or entry.return_path.request_id not in self._requests:
+            if not still_routed(entry, engine_id):
                 continue  # answered or routed elsewhere while it waited for this turn
             size = item_size(entry.body, entry.return_path, entry.streamed_tokens)
             if not fits_alone(size, max_payload):
                 resumed = f" with {len(entry.streamed_tokens)} streamed tokens" if entry.streamed_tokens else ""
-                await self._relay.fail(
+                await self._ledger.fail(
                     entry.return_path.request_id,
                     WireError(
                         ErrorCode.TOO_LARGE,
@@ -139,7 +106,7 @@ class Outbox:
         except Exception as exc:  # the routing task must outlive any one failed publish
             self._failures.warning("routing %d requests on %s failed: %s", len(batch), subject, exc)
             for entry in batch:
-                await self._relay.fail(
+                await self._ledger.fail(
                     entry.return_path.request_id,
                     WireError(ErrorCode.NO_ENGINE, f"could not return_path to engine: {exc}"),
                 )

@@ -17,9 +17,9 @@ from service.bus.registry import Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.core import Core
 from service.coordinator.forwarding import Forwarding
+from service.coordinator.ledger import RequestLedger
 from service.coordinator.peers import CoordinatorPeers
-from service.coordinator.relay import ReplyRelay
-from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
+from service.coordinator.requests import ClientKey, InflightRequest
 from service.protocol.codec import detect_encoding, encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedAbort, ForwardedSubmission
@@ -31,18 +31,16 @@ class Ownership:
     def __init__(
         self,
         core: Core,
-        requests: RequestTable,
+        ledger: RequestLedger,
         peers: CoordinatorPeers,
         admission: Admission,
-        relay: ReplyRelay,
         forwarding: Forwarding,
         replies: ReplySubjects,
     ) -> None:
         self._core = core
-        self._requests = requests
+        self._ledger = ledger
         self._peers = peers
         self._admission = admission
-        self._relay = relay
         self._forwarding = forwarding
         self._replies = replies
 
@@ -103,14 +101,14 @@ class Ownership:
 
     def _find(self, request_id: str | None, client_key: ClientKey | None) -> tuple[InflightRequest | None, str]:
         if request_id is not None:
-            return self._requests.get(request_id), f"request_id {request_id!r}"
+            return self._ledger.get(request_id), f"request_id {request_id!r}"
         if client_key is not None:
             wanted = f"client_request_id {client_key[1]!r} of client_id {client_key[0]!r}"
-            return self._requests.find_client(client_key), wanted
+            return self._ledger.find_client(client_key), wanted
         raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
 
     async def _abort(self, entry: InflightRequest, owner: str | None, wanted: str) -> str:
         if owner != entry.owner:
             raise WireError(ErrorCode.FORBIDDEN, f"the request with {wanted} belongs to another owner")
-        await self._relay.abort(entry)
+        await self._ledger.abort(entry)
         return entry.return_path.request_id

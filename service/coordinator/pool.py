@@ -170,6 +170,7 @@ class EnginePool:
         self._departed: OrderedDict[str, float] = OrderedDict()  # engine id -> when it left, oldest first
         self.everyone = EngineGroup()
         self._models: dict[str, EngineGroup] = {}
+        self.capacity = 0  # the live engines' slots, summed
 
     # ------------------------------------------------------------ membership
 
@@ -180,6 +181,7 @@ class EnginePool:
         self._engines[engine_id] = record
         self._by_silence[engine_id] = record
         self._departed.pop(engine_id, None)
+        self.capacity += record.capacity
         self.everyone.add(record)
         if model is not None:
             self._models.setdefault(model, EngineGroup()).add(record)
@@ -192,6 +194,7 @@ class EnginePool:
         if record is None:
             return None
         record.in_pool = False
+        self.capacity -= record.capacity
         del self._by_silence[engine_id]
         self.everyone.remove(record)
         if record.model is not None:

@@ -1,12 +1,13 @@
-"""Requests the coordinator has accepted and not yet answered with a terminal reply.
+"""Requests the coordinator has accepted and not yet answered with a terminal reply: the
+request ledger's table (:mod:`.ledger`, which alone changes it).
 
 Popping an entry is the right to send its terminal reply: whoever pops it answers, once.
 
-The table also keeps two tallies that admission needs and that must follow every way a request
-leaves: how many requests (and body bytes) wait in the queue, and how many engine slots each
-owner (the inbox prefix its replies go to) holds (``held``: the outbox counts a request in when
-it routes it). ``unrouted``, ``enqueued`` and ``dequeued`` move an entry between those states;
-:meth:`RequestTable.pop` settles both.
+The table also keeps two tallies that must follow every way a request leaves: how many
+requests (and body bytes) wait in the queue (admission's limits), and how many engine slots
+each owner (the inbox prefix its replies go to) holds (``held``: the ledger counts a request in
+when it routes it). ``unrouted``, ``enqueued`` and ``dequeued`` move an entry between those
+states; :meth:`RequestTable.pop` settles both.
 """
 
 from __future__ import annotations

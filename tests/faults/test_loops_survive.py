@@ -80,7 +80,7 @@ async def test_coordinator_heartbeat_survives_a_failed_beat(coordinator: Coordin
 
 async def test_routing_task_survives_a_failed_round(settings: Settings, nc: NATS) -> None:
     coordinator = Coordinator(settings, HANDLERS)
-    coordinator._outbox._ready = FlakyEvent()
+    coordinator.requests.routed = FlakyEvent()
     async with coordinator, EngineRuntime(settings, EchoBackend()):
         await coordinator.wait_for_engines(1)
         assert (await submit(nc, coordinator))["type"] == "final"
