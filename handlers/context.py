@@ -1,7 +1,8 @@
 """What a handler may ask of the coordinator: one narrow ``Protocol`` per group of handlers.
 
 Handlers never see the coordinator's fields; they call these methods, which the coordinator
-implements (``service/coordinator/coordinator.py``). A handler that needs something new adds
+provides (``service/coordinator/coordinator.py``): most are the methods of the job that acts on
+the message, bound as they are, the others a few lines that combine two jobs. A handler that needs something new adds
 it here first, so this file lists everything a message can make the coordinator do.
 """
 
@@ -103,7 +104,7 @@ class EngineContext(Replier, Protocol):
         engine_id: str,
         capacity: int,
         model: str | None,
-        weight_version: WeightVersion | None = None,
+        weight_version: WeightVersion | None,
     ) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
         restarted), and answer with the control state and epoch it must start in. One that

@@ -49,7 +49,6 @@ from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EnginePool
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.replica_watch import ReplicaWatch
-from service.coordinator.requests import ClientKey
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.coordinator.shared_state import SharedControlState
@@ -60,19 +59,13 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.handover import ForwardedAbort, ForwardedSubmission
-from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     Ack,
-    ControlSignal,
     RoutedReply,
-    ServedModel,
     SubmitEnvelope,
     SubmitRequest,
-    UpdateWeights,
-    WeightVersion,
 )
-from service.protocol.state import CoordinatorState, Written
+from service.protocol.state import CoordinatorState
 from service.protocol.subjects import (
     Header,
     InboxPrefixes,
@@ -139,6 +132,17 @@ class Coordinator:
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        # Handler contexts (handlers/context.py) a job serves as it is: the message goes straight to it.
+        self.abort = self._ownership.abort
+        self.take_resubmission = self._ownership.take_resubmission
+        self.abort_held = self._ownership.abort_held
+        self.served_models = self.engines.served
+        self.apply_control = self._control.apply
+        self.control_engines = self._control.control_engines
+        self.update_weights = self._weights.update
+        self.register_engine = self._enrolment.register
+        self.engine_heartbeat = self._enrolment.heartbeat
+        self.remove_engine = self._fleet.remove
         self._dispatch = Dispatch(core, self, self.replies)
         self._failure_log = RateLimitedLog(log)
         self._known_clients = KnownClients()
@@ -274,24 +278,12 @@ class Coordinator:
         else:
             await self._admission.admit(incoming, submit)
 
-    async def abort(self, incoming: Incoming, request_id: str | None, client_key: ClientKey | None) -> str:
-        return await self._ownership.abort(incoming, request_id, client_key)
-
     @property
     def settling(self) -> bool:
         return self._adoption.settling
 
-    async def take_resubmission(self, forwarded: ForwardedSubmission) -> bool:
-        return await self._ownership.take_resubmission(forwarded)
-
-    async def abort_held(self, forwarded: ForwardedAbort) -> str:
-        return await self._ownership.abort_held(forwarded)
-
     def client_connected(self, incoming: Incoming) -> None:
         self._known_clients.connected(incoming.owner)
-
-    def served_models(self) -> list[ServedModel]:
-        return self.engines.served()
 
     async def shut_down(self, incoming: Incoming) -> None:
         self._known_clients.check_shutdown(incoming.owner)
@@ -300,40 +292,16 @@ class Coordinator:
         await self.nc.flush()
         self.request_stop()
 
-    async def apply_control(self, signal: Header, payload: ControlSignal) -> Written:
-        return await self._control.apply(signal, payload)
-
-    async def control_engines(
-        self, incoming: Incoming, signal: Header, payload: ControlSignal, written: Written | None
-    ) -> None:
-        await self._control.control_engines(incoming, signal, payload, written)
-
     def engine_sender(self, incoming: Incoming, claimed: str) -> str:
         return self._fleet.speaker(incoming.sender, claimed)
 
     def check_weight_update(self) -> None:
         self._weights.check(self.state)
 
-    async def update_weights(self, incoming: Incoming, request: UpdateWeights) -> None:
-        await self._weights.update(incoming, request)
-
     async def _drop_engine(self, engine_id: str, reason: str) -> None:
         """Remove an engine that could not swap in the fleet's weights. Not as one that left:
         its heartbeats bring it back once they carry the fleet's version, if it registers no sooner."""
         await self._fleet.remove(engine_id, reason, departed=False)
-
-    async def register_engine(
-        self,
-        incoming: Incoming,
-        engine_id: str,
-        capacity: int,
-        model: str | None,
-        weight_version: WeightVersion | None = None,
-    ) -> None:
-        await self._enrolment.register(incoming, engine_id, capacity, model, weight_version)
-
-    async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
-        await self._enrolment.heartbeat(heartbeat, own_subjects)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         self._fleet.heard_from(engine_id)
@@ -342,9 +310,6 @@ class Coordinator:
     async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
         self._fleet.heard_from(engine_id)
         await self._relay.relay_partials(engine_id, replies)
-
-    async def remove_engine(self, engine_id: str, reason: str) -> None:
-        await self._fleet.remove(engine_id, reason)
 
     def peer_seen(self, coordinator_id: str, leaving: bool = False) -> None:
         if id_problem(coordinator_id, self.settings.max_id_bytes) is not None:
