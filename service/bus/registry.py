@@ -48,6 +48,10 @@ class Incoming:
 
 @dataclass(frozen=True, slots=True)
 class HandlerSpec(Generic[Context]):
+    """One header's handler. Its payload is typed ``Any`` here because the registry holds
+    handlers of every payload type; each receives the type its own annotation names, since
+    ``decoder`` is built from that annotation."""
+
     header: str
     fn: Callable[[Context, Incoming, Any], Awaitable[None]]
     decoder: PayloadDecoder
@@ -102,7 +106,7 @@ class HandlerRegistry(Mapping[str, HandlerSpec[Context]], Generic[Context]):
     def copy(self) -> HandlerRegistry[Context]:
         return HandlerRegistry(self._specs)
 
-    def __getitem__(self, header: str) -> HandlerSpec:
+    def __getitem__(self, header: str) -> HandlerSpec[Context]:
         return self._specs[header]
 
     def __iter__(self) -> Iterator[str]:
