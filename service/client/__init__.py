@@ -29,7 +29,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import Any
 
 import msgspec
@@ -41,7 +41,14 @@ from nats.errors import MaxPayloadError
 from service.bus.connection import close_nats, connect_nats
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call, check, reply_decoder
-from service.client.exchanges import RECONNECTED, CoordinatorLost, CoordinatorWatch, Exchanges, Refused
+from service.client.exchanges import (
+    EXPIRED,
+    RECONNECTED,
+    CoordinatorLost,
+    CoordinatorWatch,
+    Exchanges,
+    Refused,
+)
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
@@ -97,6 +104,11 @@ class DpcoordClient:
         self._refusals = refusals
         self._replies = replies
         self._watch = watch
+        self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        # One watch on the submission subject for the client's life: a refusal tells every
+        # submission in progress (as a watch per submission would, for less per submission).
+        self._watches = ExitStack()
+        self._watches.enter_context(refusals.watch(self._submit_subject, exchanges.refused))
 
     @classmethod
     async def connect(
@@ -144,6 +156,7 @@ class DpcoordClient:
 
     async def close(self) -> None:
         self._watch.stop()
+        self._watches.close()
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -237,30 +250,18 @@ class DpcoordClient:
 
     async def _exchange(self, body: bytes, timeout: float) -> AsyncGenerator[Partial | Final, None]:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
-        deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
-        subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
-        inbox, queue = self._exchanges.open()
+        wait_s = timeout + DEADLINE_MARGIN_S
+        deadline = time.monotonic() + wait_s
+        subject = self._submit_subject
+        inbox, queue = self._exchanges.open(wait_s)
         backoff = 0.02
         holder: str | None = None  # the replica holding the request, once a reply named it
         again: bytes | None = None  # the body marked as a resubmission, made at the first one
         try:
-            with self._refusals.watch(subject, lambda message: queue.put_nowait(Refused(message))):
-                await self._publish(subject, body, inbox)
-                while True:
-                    try:
-                        async with asyncio.timeout(deadline - time.monotonic()):
-                            item = await queue.get()
-                    except TimeoutError:
-                        raise TimeoutError(f"no reply within {timeout} s") from None
-                    if isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
-                        continue
-                    if item is RECONNECTED or isinstance(item, CoordinatorLost):
-                        again = again or _as_resubmission(body)
-                        await self._publish(subject, again, inbox)
-                        continue
-                    if isinstance(item, Refused):
-                        raise ClientError(ErrorCode.FORBIDDEN, item.message)
-                    assert isinstance(item, Msg)  # only the callbacks and the markers fill the queue
+            await self._publish(subject, body, inbox)
+            while True:
+                item = await queue.get()
+                if isinstance(item, Msg):
                     if _is_no_responders(item):
                         await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
                         backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
@@ -275,6 +276,15 @@ class DpcoordClient:
                         yield reply
                         if isinstance(reply, Final):
                             return
+                elif item is EXPIRED:
+                    raise TimeoutError(f"no reply within {timeout} s")
+                elif isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
+                    continue
+                elif item is RECONNECTED or isinstance(item, CoordinatorLost):
+                    again = again or _as_resubmission(body)
+                    await self._publish(subject, again, inbox)
+                elif isinstance(item, Refused):
+                    raise ClientError(ErrorCode.FORBIDDEN, item.message)
         finally:
             self._exchanges.close(inbox)
 
