@@ -14,7 +14,8 @@ uvicorn takes the protocol class as ``Config(http=...)``, so :class:`EdgeProtoco
   close (a new connection that sent nothing is closed without a word). The timer is armed only
   for a request that did not arrive whole in one read, so the common request costs none;
 - an idle keep-alive connection is closed after uvicorn's ``timeout_keep_alive``;
-- a connection beyond ``max_connections`` is answered 503 at once and closed.
+- a connection beyond ``max_connections`` is answered 503 at once and closed;
+- while the server drains (service/gateway/server.py), every response closes its connection.
 
 Each refusal is an OpenAI error body (service/gateway/errors.py) with ``Connection: close``.
 
@@ -27,6 +28,7 @@ together. On this 2-core machine a loopback write costs more than the rest of a 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,6 +49,7 @@ class EdgeProtocol(HttpToolsProtocol):
     """One HTTP connection; :func:`edge_protocol` makes the class for a set of limits."""
 
     limits: ClassVar[EdgeLimits] = EdgeLimits()
+    draining: ClassVar[staticmethod[[], bool]] = staticmethod(lambda: False)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -92,6 +95,8 @@ class EdgeProtocol(HttpToolsProtocol):
             self._refuse(self._too_large())
             return
         super().on_headers_complete()
+        if self.cycle is not None and self.draining():
+            self.cycle.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -240,6 +245,7 @@ LINGER_S = 1.0  # seconds a refused connection is read (and discarded) before it
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
-def edge_protocol(limits: EdgeLimits) -> type[EdgeProtocol]:
-    """The protocol class uvicorn instantiates per connection, bound to ``limits``."""
-    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
+def edge_protocol(limits: EdgeLimits, draining: Callable[[], bool] = lambda: False) -> type[EdgeProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``limits``; ``draining``
+    says whether the server drains."""
+    return type("EdgeProtocol", (EdgeProtocol,), {"limits": limits, "draining": staticmethod(draining)})
