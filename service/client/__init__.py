@@ -34,15 +34,16 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 
 from service.bus.connection import close_nats, connect_nats
+from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call, check, reply_decoder
 from service.client.exchanges import (
     EXPIRED,
+    NO_RESPONDERS,
     RECONNECTED,
     CoordinatorLost,
     CoordinatorWatch,
@@ -92,7 +93,7 @@ class DpcoordClient:
         owns_connection: bool,
         exchanges: Exchanges,
         refusals: PublishRefusals,
-        replies: Subscription,
+        replies: Subscription | DirectSubscription,
         watch: CoordinatorWatch,
     ) -> None:
         self.nc = nc
@@ -132,9 +133,13 @@ class DpcoordClient:
         )
         subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
-        replies = await connection.subscribe(
-            f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
-        )
+        replies: Subscription | DirectSubscription
+        if isinstance(connection, DirectClient):
+            replies = await connection.subscribe_inline(f"{exchanges.inbox}.*", exchanges.on_inline)
+        else:
+            replies = await connection.subscribe(
+                f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
+            )
         heartbeat_subject = subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
         refusals.optional(heartbeat_subject, "requests of a coordinator that dies wait for their deadline")
         heartbeats = await connection.subscribe(heartbeat_subject, cb=watch.on_heartbeat)
@@ -261,21 +266,20 @@ class DpcoordClient:
             await self._publish(subject, body, inbox)
             while True:
                 item = await queue.get()
-                if isinstance(item, Msg):
-                    if _is_no_responders(item):
-                        await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                        backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-                        await self._publish(subject, body, inbox)
-                        continue
-                    if not item.data:
+                if isinstance(item, bytes):
+                    if not item:
                         return
-                    reply = check(reply_decoder.decode(item.data))
+                    reply = check(reply_decoder.decode(item))
                     if isinstance(reply, (Partial, Final)):
                         holder = reply.request_id.rpartition("-")[0]
                         self._watch.heard_of(holder)
                         yield reply
                         if isinstance(reply, Final):
                             return
+                elif item is NO_RESPONDERS:
+                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
+                    await self._publish(subject, body, inbox)
                 elif item is EXPIRED:
                     raise TimeoutError(f"no reply within {timeout} s")
                 elif isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
@@ -370,10 +374,6 @@ class DpcoordClient:
 
 def _as_resubmission(body: bytes) -> bytes:
     return encode_msgpack(msgspec.structs.replace(_envelope_decoder.decode(body), resubmission=True))
-
-
-def _is_no_responders(msg: Msg) -> bool:
-    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
 
 
 __all__ = ["ClientError", "DpcoordClient"]

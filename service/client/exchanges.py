@@ -6,6 +6,12 @@ reconnects (:data:`RECONNECTED`) and of coordinator replicas that stopped heartb
 (:class:`CoordinatorLost`, from :class:`CoordinatorWatch`), after which it resubmits, and of
 publishes NATS refused (:class:`Refused`).
 
+A reply is queued as its body (``bytes``; empty for the end-of-stream marker), NATS's
+no-responders status as :data:`NO_RESPONDERS`. On a :class:`~service.bus.direct.DirectClient`
+connection the inbox is an inline subscription (:meth:`Exchanges.on_inline`), so a reply costs
+no nats-py ``Msg``, queue or task; on another connection, a callback subscription
+(:meth:`Exchanges.on_reply`).
+
 A submission's queue is a :class:`Mailbox`: one reader, no bound, and one timer for the whole
 submission's deadline (it queues :data:`EXPIRED`), which costs far less per reply than an
 ``asyncio.Queue`` read under an ``asyncio.timeout`` (a timer rescheduled for every reply: a
@@ -26,6 +32,7 @@ from service.protocol.membership import CoordinatorHeartbeat
 
 RECONNECTED = object()
 EXPIRED = object()  # queued by a mailbox's deadline timer
+NO_RESPONDERS = object()  # NATS's status reply: no coordinator subscribed to the submission subject
 heartbeat_decoder = msgspec.msgpack.Decoder(CoordinatorHeartbeat)
 
 
@@ -79,25 +86,34 @@ class Exchanges:
     about reconnects, lost coordinators and refused publishes."""
 
     def __init__(self) -> None:
-        self.queues: dict[str, Mailbox] = {}
+        self.queues: dict[bytes, Mailbox] = {}  # by the reply subject's last token
         self.inbox = ""  # the reply subjects' prefix, set once connected
         self._tokens = itertools.count()
 
     def open(self, timeout_s: float) -> tuple[str, Mailbox]:
         """A fresh reply subject and the mailbox its replies go to, expiring after ``timeout_s``."""
         token = str(next(self._tokens))
-        mailbox = self.queues[token] = Mailbox(timeout_s)
+        mailbox = self.queues[token.encode()] = Mailbox(timeout_s)
         return f"{self.inbox}.{token}", mailbox
 
     def close(self, reply_subject: str) -> None:
-        mailbox = self.queues.pop(reply_subject.rpartition(".")[2], None)
+        mailbox = self.queues.pop(reply_subject.rpartition(".")[2].encode(), None)
         if mailbox is not None:
             mailbox.close()
 
-    async def on_reply(self, msg: Msg) -> None:
-        queue = self.queues.get(msg.subject.rpartition(".")[2])
+    def on_inline(self, subject: bytes, data: bytes, headers: bytes | None) -> None:
+        """The inbox's inline handler (service/bus/direct.py)."""
+        queue = self.queues.get(subject[subject.rfind(b".") + 1 :])
         if queue is not None:  # else a late reply to a submission that ended
-            queue.put_nowait(msg)
+            no_responders = not data and headers is not None and headers.startswith(b"NATS/1.0 503")
+            queue.put_nowait(NO_RESPONDERS if no_responders else data)
+
+    async def on_reply(self, msg: Msg) -> None:
+        """The inbox's callback on a connection that is not a DirectClient."""
+        queue = self.queues.get(msg.subject.rpartition(".")[2].encode())
+        if queue is not None:
+            no_responders = not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
+            queue.put_nowait(NO_RESPONDERS if no_responders else msg.data)
 
     def reconnected(self) -> None:
         for queue in self.queues.values():

@@ -192,13 +192,18 @@ class ChunkWriter:
 class Replies:
     """Every reply of a plan's submissions, interleaved as they arrive, through one queue, so that
     a stream takes all the replies ready at once and writes their events together. A submission's
-    failure is raised after the replies that came before it."""
+    failure is raised after the replies that came before it.
+
+    A plan of one submission (the common case) reads its stream directly: no pump task and no
+    second queue, so a reply wakes one task rather than two."""
 
     def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[Partial | Final, None]]]) -> None:
         self._queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
         self._failure: BaseException | None = None
-        self._pumps = [asyncio.ensure_future(self._pump(job, stream)) for job, stream in streams]
-        self._running = len(self._pumps)
+        pairs = list(streams)
+        self._only = pairs[0] if len(pairs) == 1 else None
+        self._pumps = [] if self._only is not None else [asyncio.ensure_future(self._pump(*pair)) for pair in pairs]
+        self._running = len(pairs)
 
     async def _pump(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> None:
         queue = self._queue
@@ -215,6 +220,8 @@ class Replies:
         """The replies ready now (waiting for one if none is); empty once every stream ended."""
         if self._failure is not None:
             raise self._failure
+        if self._only is not None:
+            return await self._next_of_one(*self._only)
         queue = self._queue
         ready: list[Reply] = []
         while self._running and not ready:
@@ -234,7 +241,21 @@ class Replies:
                 item = queue.get_nowait()
         return ready
 
+    async def _next_of_one(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> list[Reply]:
+        if not self._running:
+            return []
+        try:
+            return [(job, await anext(stream))]
+        except StopAsyncIteration:
+            self._running = 0
+            return []
+        except Exception as exc:
+            self._failure = exc
+            raise
+
     async def aclose(self) -> None:
+        if self._only is not None:
+            await self._only[1].aclose()
         for task in self._pumps:
             task.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from service.client.exchanges import EXPIRED, Exchanges, Mailbox, Refused
+from service.client.exchanges import EXPIRED, NO_RESPONDERS, Exchanges, Mailbox, Refused
 
 
 async def test_items_come_out_in_arrival_order_and_a_reader_waits_for_the_next() -> None:
@@ -47,5 +47,18 @@ async def test_a_refusal_reaches_every_submission_in_progress_and_a_closed_one_n
     exchanges.refused("NATS refused the publish to x: permissions violation")
     told = await first.get()
     assert isinstance(told, Refused) and "permissions violation" in told.message
-    assert list(exchanges.queues) == [first_subject.rpartition(".")[2]]
+    assert list(exchanges.queues) == [first_subject.rpartition(".")[2].encode()]
     exchanges.close(first_subject)
+
+
+async def test_an_inline_reply_is_queued_as_its_body_and_the_no_responders_status_as_a_marker() -> None:
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.test"
+    subject, mailbox = exchanges.open(60.0)
+    raw = subject.encode()
+    exchanges.on_inline(raw, b"\x81", None)
+    exchanges.on_inline(raw, b"", b"NATS/1.0\r\nK: V\r\n\r\n")  # an empty message: the end marker
+    exchanges.on_inline(raw, b"", b"NATS/1.0 503\r\n\r\n")
+    exchanges.on_inline(b"_INBOX.test.999", b"late", None)  # a submission that ended: dropped
+    assert [await mailbox.get() for _ in range(3)] == [b"\x81", b"", NO_RESPONDERS]
+    exchanges.close(subject)
