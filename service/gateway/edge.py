@@ -17,6 +17,11 @@ uvicorn takes the protocol class as ``Config(http=...)``, so :class:`EdgeProtoco
 - a connection beyond ``max_connections`` is answered 503 at once and closed;
 - while the server drains (service/gateway/server.py), every response closes its connection.
 
+Each request's scope carries the connection's :class:`Departure` as the ASGI extension
+``dpcoord.departure`` (``scope["extensions"]["dpcoord.departure"]["departure"]``): callbacks run
+when the connection is lost, so a handler learns that its client left without a task waiting on
+``receive()`` for the whole request.
+
 Each refusal is an OpenAI error body (service/gateway/errors.py) with ``Connection: close``.
 
 Writes are corked (:class:`CorkedTransport`): what a connection is sent during one turn of the
@@ -28,6 +33,7 @@ together. On this 2-core machine a loopback write costs more than the rest of a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -35,6 +41,37 @@ from typing import Any, ClassVar
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.gateway.errors import GatewayError
+
+DEPARTURE = "dpcoord.departure"
+
+
+class Departure:
+    """Callbacks run once when the connection is lost (``gone`` from then on)."""
+
+    __slots__ = ("_callbacks", "gone")
+
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[], object]] = []
+        self.gone = False
+
+    def add(self, callback: Callable[[], object]) -> None:
+        self._callbacks.append(callback)
+
+    def discard(self, callback: Callable[[], object]) -> None:
+        with contextlib.suppress(ValueError):
+            self._callbacks.remove(callback)
+
+    def fire(self) -> None:
+        self.gone = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+def departure_of(scope: Any) -> Departure | None:
+    """The connection's Departure, when the server is this edge."""
+    extension = (scope.get("extensions") or {}).get(DEPARTURE)
+    return extension.get("departure") if extension is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +95,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._message_done = True  # the last request arrived in full, body included
         self._read_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._departure = Departure()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(CorkedTransport(transport, self.loop))
@@ -68,6 +106,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
+        self._departure.fire()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -87,6 +126,7 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {DEPARTURE: {"departure": self._departure}}
         self._message_done = False
 
     def on_headers_complete(self) -> None:

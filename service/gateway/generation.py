@@ -33,7 +33,14 @@ from service.gateway.asgi import check_json, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
-from service.gateway.streaming import ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
+from service.gateway.streaming import (
+    ChunkWriter,
+    DisconnectWatch,
+    Replies,
+    send_stream,
+    sse_events,
+    watch_disconnect,
+)
 from service.gateway.translate import (
     Job,
     Plan,
@@ -137,13 +144,13 @@ class Generation:
             raise from_validation(exc, body) from None
         client = self._client()
         ids = [f"{plan.id}-{job.index}" for job in plan.jobs]
-        watch = DisconnectWatch(receive, lambda: aborted(client, ids))
         if plan.stream:
             try:
-                return await self._stream(client, plan, ids, watch)
+                return await self._stream(client, plan, ids, DisconnectWatch(receive, lambda: aborted(client, ids)))
             except asyncio.CancelledError:
                 await self._abort_if_cut(client, ids)
                 raise
+        watch = watch_disconnect(scope, receive, lambda: aborted(client, ids))
         try:
             finals = await self._complete(client, plan, ids)
         except asyncio.CancelledError:

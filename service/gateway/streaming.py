@@ -15,6 +15,9 @@ longest stop string less one character). The events one reply produces go out as
 
 :class:`DisconnectWatch` listens for ``http.disconnect`` while a request is served and calls its
 ``on_disconnect`` (the gateway aborts the request's submissions, so the engine frees them).
+:func:`watch_disconnect` gives a request not streamed a :class:`DepartureWatch` instead when the
+server is the gateway's edge: the same, on the connection's departure callbacks, without a task
+per request.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from service.client import ClientError
+from service.gateway.edge import Departure, departure_of
 from service.gateway.errors import GatewayError, from_wire
 from service.gateway.schemas import (
     ChatCompletionChunk,
@@ -89,6 +93,38 @@ class DisconnectWatch:
         """The response is complete: a disconnect from now on is the connection closing normally."""
         self._stopped = True
         self._task.cancel()
+
+
+class DepartureWatch:
+    """:class:`DisconnectWatch` on the edge's :class:`~service.gateway.edge.Departure`: no task
+    waits on ``receive()``; the connection's loss calls ``on_disconnect``."""
+
+    def __init__(self, departure: Departure, on_disconnect: Callable[[], Awaitable[bool]]) -> None:
+        self.disconnected = False
+        self._departure = departure
+        self._on_disconnect = on_disconnect
+        self._aborting: asyncio.Future[bool] | None = None
+        departure.add(self._left)
+
+    def _left(self) -> None:
+        self.disconnected = True
+        self._aborting = asyncio.ensure_future(self._on_disconnect())
+
+    async def replied(self) -> None:
+        """Nothing to do: a request not streamed has no later reply to retry the abort at."""
+
+    def stop(self) -> None:
+        self._departure.discard(self._left)
+
+
+def watch_disconnect(
+    scope: Scope, receive: Receive, on_disconnect: Callable[[], Awaitable[bool]]
+) -> DisconnectWatch | DepartureWatch:
+    """For a request not streamed: a DepartureWatch under the gateway's edge, else a DisconnectWatch."""
+    departure = departure_of(scope)
+    if departure is None:
+        return DisconnectWatch(receive, on_disconnect)
+    return DepartureWatch(departure, on_disconnect)
 
 
 @dataclass(slots=True)
