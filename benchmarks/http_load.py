@@ -88,11 +88,16 @@ async def sequential(connection: Connection, raw: bytes, count: int, stream: boo
 
 
 class Pipelined:
-    """``connections`` workers, each sending its next request as soon as the last is answered."""
+    """``connections`` workers, each sending its next request as soon as the last is answered;
+    with ``rate`` (requests/s in all), each waits for its next slot too, so the server sees that
+    rate spread over the connections (an open-loop pace, as long as the server keeps up)."""
 
-    def __init__(self, host: str, port: int, raw: bytes, connections: int, stream: bool) -> None:
+    def __init__(
+        self, host: str, port: int, raw: bytes, connections: int, stream: bool, rate: float | None = None
+    ) -> None:
         self._host, self._port, self._raw, self._stream = host, port, raw, stream
         self._connections = connections
+        self._interval = connections / rate if rate else 0.0
         self.completed = 0
         self.errors = 0
         self.latencies: list[float] = []
@@ -102,10 +107,17 @@ class Pipelined:
         self._recording = on
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        async def worker() -> None:
+        async def worker(index: int) -> None:
             connection = await Connection.open(self._host, self._port)
+            interval = self._interval
+            slot = time.perf_counter() + interval * index / self._connections
             try:
                 while not stop.is_set():
+                    if interval:
+                        slot += interval
+                        wait = slot - time.perf_counter()
+                        if wait > 0:
+                            await asyncio.sleep(wait)  # the pace itself: there is nothing to await
                     started = time.perf_counter_ns()
                     status, body = await connection.request(self._raw)
                     self.completed += 1
@@ -115,4 +127,4 @@ class Pipelined:
             finally:
                 connection.close()
 
-        await asyncio.gather(*(worker() for _ in range(self._connections)))
+        await asyncio.gather(*(worker(index) for index in range(self._connections)))

@@ -11,6 +11,12 @@ answer, an acknowledgement), because the task that would read that message is th
 running the handler. Publishing is fine. Messages are handled one at a time in arrival
 order; NATS headers are not passed on. An exception is logged, never raised into the reader.
 
+An inline subscription (:meth:`DirectClient.subscribe_inline`) goes one step further for a
+reader that only files each message away (the client library's reply inbox): its handler is a
+plain function called with the raw subject, body and NATS header block (``None`` without one;
+a no-responders status is ``NATS/1.0 503``), so a message costs no coroutine at all. It must not
+block; an exception is logged, as for a direct handler.
+
 nats-py has no public hook for this, so :class:`DirectClient` overrides its protected
 ``_process_msg`` and reads a subscription's sid; tests/integration/test_direct_nats.py fails if a nats-py
 release changes either. Every other subscription behaves exactly as in nats-py.
@@ -28,6 +34,8 @@ log = logging.getLogger(__name__)
 
 DirectHandler = Callable[[str, str, bytes], Awaitable[None]]
 """``handler(subject, reply_subject, body)``; the reply subject is ``""`` when the sender gave none."""
+InlineHandler = Callable[[bytes, bytes, bytes | None], None]
+"""``handler(subject, body, headers)``, all raw bytes; ``headers`` is ``None`` without a header block."""
 
 
 class DirectSubscription:
@@ -50,6 +58,7 @@ class DirectClient(NATS):
     def __init__(self) -> None:
         super().__init__()
         self._direct: dict[int, DirectHandler] = {}
+        self._inline: dict[int, InlineHandler] = {}
 
     async def subscribe_direct(self, subject: str, handler: DirectHandler, queue: str = "") -> DirectSubscription:
         """Subscribe ``handler`` (see the module docstring for its contract); it survives reconnects."""
@@ -57,10 +66,26 @@ class DirectClient(NATS):
         self._direct[subscription._id] = handler
         return DirectSubscription(self, subscription)
 
+    async def subscribe_inline(self, subject: str, handler: InlineHandler) -> DirectSubscription:
+        """Subscribe ``handler`` (see the module docstring for its contract); it survives reconnects."""
+        subscription = await self.subscribe(subject)
+        self._inline[subscription._id] = handler
+        return DirectSubscription(self, subscription)
+
     def forget_direct(self, subscription: Subscription) -> None:
         self._direct.pop(subscription._id, None)
+        self._inline.pop(subscription._id, None)
 
     async def _process_msg(self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        inline = self._inline.get(sid)
+        if inline is not None:
+            self.stats["in_msgs"] += 1
+            self.stats["in_bytes"] += len(data)
+            try:
+                inline(subject, data, headers or None)
+            except Exception:
+                log.exception("inline handler for %s failed", subject.decode(errors="replace"))
+            return
         handler = self._direct.get(sid)
         if handler is None:
             await super()._process_msg(sid, subject, reply, data, headers)  # type: ignore[arg-type]  # None: no headers

@@ -29,19 +29,27 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 
 from service.bus.connection import close_nats, connect_nats
+from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call, check, reply_decoder
-from service.client.exchanges import RECONNECTED, CoordinatorLost, CoordinatorWatch, Exchanges, Refused
+from service.client.exchanges import (
+    EXPIRED,
+    NO_RESPONDERS,
+    RECONNECTED,
+    CoordinatorLost,
+    CoordinatorWatch,
+    Exchanges,
+    Refused,
+)
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
@@ -85,7 +93,7 @@ class DpcoordClient:
         owns_connection: bool,
         exchanges: Exchanges,
         refusals: PublishRefusals,
-        replies: Subscription,
+        replies: Subscription | DirectSubscription,
         watch: CoordinatorWatch,
     ) -> None:
         self.nc = nc
@@ -97,6 +105,11 @@ class DpcoordClient:
         self._refusals = refusals
         self._replies = replies
         self._watch = watch
+        self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        # One watch on the submission subject for the client's life: a refusal tells every
+        # submission in progress (as a watch per submission would, for less per submission).
+        self._watches = ExitStack()
+        self._watches.enter_context(refusals.watch(self._submit_subject, exchanges.refused))
 
     @classmethod
     async def connect(
@@ -120,9 +133,13 @@ class DpcoordClient:
         )
         subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
-        replies = await connection.subscribe(
-            f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
-        )
+        replies: Subscription | DirectSubscription
+        if isinstance(connection, DirectClient):
+            replies = await connection.subscribe_inline(f"{exchanges.inbox}.*", exchanges.on_inline)
+        else:
+            replies = await connection.subscribe(
+                f"{exchanges.inbox}.*", cb=exchanges.on_reply, pending_msgs_limit=-1, pending_bytes_limit=-1
+            )
         heartbeat_subject = subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
         refusals.optional(heartbeat_subject, "requests of a coordinator that dies wait for their deadline")
         heartbeats = await connection.subscribe(heartbeat_subject, cb=watch.on_heartbeat)
@@ -144,6 +161,7 @@ class DpcoordClient:
 
     async def close(self) -> None:
         self._watch.stop()
+        self._watches.close()
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -237,44 +255,40 @@ class DpcoordClient:
 
     async def _exchange(self, body: bytes, timeout: float) -> AsyncGenerator[Partial | Final, None]:
         """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
-        deadline = time.monotonic() + timeout + DEADLINE_MARGIN_S
-        subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
-        inbox, queue = self._exchanges.open()
+        wait_s = timeout + DEADLINE_MARGIN_S
+        deadline = time.monotonic() + wait_s
+        subject = self._submit_subject
+        inbox, queue = self._exchanges.open(wait_s)
         backoff = 0.02
         holder: str | None = None  # the replica holding the request, once a reply named it
         again: bytes | None = None  # the body marked as a resubmission, made at the first one
         try:
-            with self._refusals.watch(subject, lambda message: queue.put_nowait(Refused(message))):
-                await self._publish(subject, body, inbox)
-                while True:
-                    try:
-                        async with asyncio.timeout(deadline - time.monotonic()):
-                            item = await queue.get()
-                    except TimeoutError:
-                        raise TimeoutError(f"no reply within {timeout} s") from None
-                    if isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
-                        continue
-                    if item is RECONNECTED or isinstance(item, CoordinatorLost):
-                        again = again or _as_resubmission(body)
-                        await self._publish(subject, again, inbox)
-                        continue
-                    if isinstance(item, Refused):
-                        raise ClientError(ErrorCode.FORBIDDEN, item.message)
-                    assert isinstance(item, Msg)  # only the callbacks and the markers fill the queue
-                    if _is_no_responders(item):
-                        await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                        backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-                        await self._publish(subject, body, inbox)
-                        continue
-                    if not item.data:
+            await self._publish(subject, body, inbox)
+            while True:
+                item = await queue.get()
+                if isinstance(item, bytes):
+                    if not item:
                         return
-                    reply = check(reply_decoder.decode(item.data))
+                    reply = check(reply_decoder.decode(item))
                     if isinstance(reply, (Partial, Final)):
                         holder = reply.request_id.rpartition("-")[0]
                         self._watch.heard_of(holder)
                         yield reply
                         if isinstance(reply, Final):
                             return
+                elif item is NO_RESPONDERS:
+                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
+                    await self._publish(subject, body, inbox)
+                elif item is EXPIRED:
+                    raise TimeoutError(f"no reply within {timeout} s")
+                elif isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
+                    continue
+                elif item is RECONNECTED or isinstance(item, CoordinatorLost):
+                    again = again or _as_resubmission(body)
+                    await self._publish(subject, again, inbox)
+                elif isinstance(item, Refused):
+                    raise ClientError(ErrorCode.FORBIDDEN, item.message)
         finally:
             self._exchanges.close(inbox)
 
@@ -360,10 +374,6 @@ class DpcoordClient:
 
 def _as_resubmission(body: bytes) -> bytes:
     return encode_msgpack(msgspec.structs.replace(_envelope_decoder.decode(body), resubmission=True))
-
-
-def _is_no_responders(msg: Msg) -> bool:
-    return not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
 
 
 __all__ = ["ClientError", "DpcoordClient"]

@@ -30,7 +30,7 @@ from service.client import ClientError, DpcoordClient
 from service.gateway.asgi import TEXT, Route, Routes, header, respond, respond_error
 from service.gateway.auth import ApiKeys
 from service.gateway.errors import GatewayError, from_wire
-from service.gateway.generation import CHAT, COMPLETIONS, Generation, Streams
+from service.gateway.generation import CHAT, COMPLETIONS, Generation, Requests
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import ModelCard, ModelCards, json_encoder
 from service.ops.log_limit import RateLimitedLog
@@ -55,14 +55,20 @@ class Gateway:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.metrics)
         self.connected = asyncio.Event()
-        self.streams = Streams()
-        self.draining = False
+        self.requests = Requests()
+        self.draining = False  # set by the drain (service/gateway/server.py)
         self._client: DpcoordClient | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._refusal_log = RateLimitedLog(log)
         generate = {
             endpoint.name: Generation(
-                endpoint, settings, self.metrics, lambda: self.client, self._authorize, self.streams
+                endpoint,
+                settings,
+                self.metrics,
+                lambda: self.client,
+                self._authorize,
+                self.requests,
+                lambda: self.draining,
             )
             for endpoint in (COMPLETIONS, CHAT)
         }

@@ -6,8 +6,13 @@ A streamed request waits for its first reply before answering, so an error befor
 is a plain HTTP error; a choice that fails after that (any of several) ends the stream with an
 error event and ``[DONE]``, never silently. The replies ready together go out as one write
 (:class:`service.gateway.streaming.Replies`). A client that disconnects gets its submissions
-aborted, which frees their engine slots and KV memory. While the gateway drains, the streams it
-must cut end the same way (:meth:`Streams.cut`).
+aborted, which frees their engine slots and KV memory.
+
+While the gateway drains (service/gateway/server.py), a new generation request is answered 503
+``shutting_down``; those in progress at the drain's deadline are cut (:meth:`Requests.cut`): a
+stream ends with an error event and ``[DONE]``, a request not answered yet (non-streamed, or a
+stream waiting for its first reply) gets a 503 ``shutting_down`` error body, and the submissions
+of both are aborted.
 """
 
 from __future__ import annotations
@@ -15,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +33,14 @@ from service.gateway.asgi import check_json, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
-from service.gateway.streaming import ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
+from service.gateway.streaming import (
+    ChunkWriter,
+    DisconnectWatch,
+    Replies,
+    send_stream,
+    sse_events,
+    watch_disconnect,
+)
 from service.gateway.translate import (
     Job,
     Plan,
@@ -71,43 +83,54 @@ class Generation:
         metrics: GatewayMetrics,
         client: Callable[[], DpcoordClient],
         authorize: Callable[[Scope], None],
-        streams: Streams,
+        requests: Requests,
+        draining: Callable[[], bool],
     ) -> None:
         self.endpoint = endpoint
         self.settings = settings
         self.metrics = metrics
         self._client = client
         self._authorize = authorize
-        self._streams = streams
+        self._requests = requests
+        self._draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         metrics = self.metrics
         metrics.in_flight += 1
         status = 200
-        try:
-            stream = await self._answer(scope, receive, send)
-        except GatewayError as err:
-            stream, status = None, err.status
-            await respond_error(send, err)
-        except ClientError as exc:
-            refusal = from_wire(exc.code, exc.message)
-            stream, status = None, refusal.status
-            await respond_error(send, refusal)
-        except TimeoutError as exc:
-            stream, status = None, ErrorCode.TIMED_OUT
-            await respond_error(send, GatewayError(ErrorCode.TIMED_OUT, str(exc)))
-        if stream is None:
-            metrics.in_flight -= 1
-            metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
-            return
-        try:
-            await self._streams.run(stream, send)
-        finally:
-            metrics.disconnects += stream.watch.disconnected
-            metrics.in_flight -= 1
-            metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
-            metrics.used(stream.usage())
+        with self._requests.serving() as task:
+            try:
+                if self._draining():
+                    raise shutting_down("it takes no new requests")
+                stream = await self._answer(scope, receive, send)
+            except GatewayError as err:
+                stream, status = None, err.status
+                await respond_error(send, err)
+            except ClientError as exc:
+                refusal = from_wire(exc.code, exc.message)
+                stream, status = None, refusal.status
+                await respond_error(send, refusal)
+            except TimeoutError as exc:
+                stream, status = None, ErrorCode.TIMED_OUT
+                await respond_error(send, GatewayError(ErrorCode.TIMED_OUT, str(exc)))
+            except asyncio.CancelledError:
+                if not self._requests.cutting:
+                    raise
+                task.uncancel()
+                stream, status = None, 503
+                await respond_error(send, shutting_down("the request was cut"))
+            if stream is None:
+                metrics.in_flight -= 1
+                metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
+                return
+            try:
+                await self._requests.write(task, stream, send)
+            finally:
+                metrics.disconnects += stream.watch.disconnected
+                metrics.in_flight -= 1
+                metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
+                metrics.used(stream.usage())
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> EventStream | None:
         """Answers a non-streamed request itself; returns a stream whose first reply arrived."""
@@ -121,17 +144,29 @@ class Generation:
             raise from_validation(exc, body) from None
         client = self._client()
         ids = [f"{plan.id}-{job.index}" for job in plan.jobs]
-        watch = DisconnectWatch(receive, lambda: aborted(client, ids))
         if plan.stream:
-            return await self._stream(client, plan, ids, watch)
+            try:
+                return await self._stream(client, plan, ids, DisconnectWatch(receive, lambda: aborted(client, ids)))
+            except asyncio.CancelledError:
+                await self._abort_if_cut(client, ids)
+                raise
+        watch = watch_disconnect(scope, receive, lambda: aborted(client, ids))
         try:
             finals = await self._complete(client, plan, ids)
+        except asyncio.CancelledError:
+            await self._abort_if_cut(client, ids)
+            raise
         finally:
             watch.stop()
             self.metrics.disconnects += watch.disconnected
         self.metrics.used(usage_of(plan, ((job.index, final) for job, final in zip(plan.jobs, finals, strict=True))))
         await respond(send, 200, json_encoder.encode(endpoint.respond(plan, finals)))
         return None
+
+    async def _abort_if_cut(self, client: DpcoordClient, ids: list[str]) -> None:
+        """A drain cut this request before it was answered: abort its submissions."""
+        if self._requests.cutting:
+            await asyncio.shield(aborted(client, ids))
 
     def _submission(self, plan: Plan, job: Job, client_request_id: str) -> dict[str, Any]:
         return dict(
@@ -172,7 +207,7 @@ class Generation:
 
 
 class EventStream:
-    """A stream whose first reply arrived: its events, written by :meth:`Streams.run`."""
+    """A stream whose first reply arrived: its events, written by :meth:`Requests.write`."""
 
     def __init__(
         self,
@@ -194,38 +229,58 @@ class EventStream:
         return usage_of(writer.plan, finals)
 
 
-class Streams:
-    """The streams being written, so that a drain can cut those still running at its deadline:
-    each then ends with an error event and ``[DONE]``, and its submissions are aborted."""
+def shutting_down(why: str) -> GatewayError:
+    return GatewayError(503, f"the gateway is shutting down; {why}", code="shutting_down")
+
+
+class Requests:
+    """The generation requests in progress, streamed or not, so that a drain waits for them and
+    cuts those still running at its deadline (the module docstring says how each ends)."""
 
     def __init__(self) -> None:
-        self._running: dict[asyncio.Task[Any], EventStream] = {}
-        self._cut = False
+        self._running: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.cutting = False  # cut() was called: a cancelled request was cut, not abandoned
 
     def __len__(self) -> int:
         return len(self._running)
 
-    async def run(self, stream: EventStream, send: Send) -> None:
+    @contextmanager
+    def serving(self) -> Iterator[asyncio.Task[Any]]:
+        """Count the current task's request as in progress while the block runs."""
         task = asyncio.current_task()
         if task is None:
-            raise RuntimeError("a stream is written from a task")
-        self._running[task] = stream
+            raise RuntimeError("a request is served from a task")
+        self._running.add(task)
+        self._idle.clear()
+        try:
+            yield task
+        finally:
+            self._running.discard(task)
+            if not self._running:
+                self._idle.set()
+
+    async def idle(self) -> None:
+        """Returns once no request is in progress."""
+        await self._idle.wait()
+
+    async def write(self, task: asyncio.Task[Any], stream: EventStream, send: Send) -> None:
+        """Write ``stream``, ending it with an error event and ``[DONE]`` if it is cut."""
         try:
             async with aclosing(stream.replies), aclosing(stream.events):
                 await send_stream(send, stream.events, stream.watch)
         except asyncio.CancelledError:
-            if not self._cut:
+            if not self.cutting:
                 raise
             task.uncancel()
-            cut = GatewayError(503, "the gateway is shutting down; the stream was cut", code="shutting_down")
+            cut = shutting_down("the stream was cut")
             await send({"type": "http.response.body", "body": b"data: " + cut.body() + b"\n\ndata: [DONE]\n\n"})
             await asyncio.shield(stream.abort())
-        finally:
-            del self._running[task]
 
     def cut(self) -> int:
-        """End every running stream now; returns how many."""
-        self._cut = True
+        """End every request in progress now; returns how many."""
+        self.cutting = True
         for task in self._running:
             task.cancel()
         return len(self._running)

@@ -15,6 +15,9 @@ longest stop string less one character). The events one reply produces go out as
 
 :class:`DisconnectWatch` listens for ``http.disconnect`` while a request is served and calls its
 ``on_disconnect`` (the gateway aborts the request's submissions, so the engine frees them).
+:func:`watch_disconnect` gives a request not streamed a :class:`DepartureWatch` instead when the
+server is the gateway's edge: the same, on the connection's departure callbacks, without a task
+per request.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from starlette.types import Receive, Send
+from starlette.types import Receive, Scope, Send
 
 from service.client import ClientError
+from service.gateway.edge import Departure, departure_of
 from service.gateway.errors import GatewayError, from_wire
 from service.gateway.schemas import (
     ChatCompletionChunk,
@@ -89,6 +93,38 @@ class DisconnectWatch:
         """The response is complete: a disconnect from now on is the connection closing normally."""
         self._stopped = True
         self._task.cancel()
+
+
+class DepartureWatch:
+    """:class:`DisconnectWatch` on the edge's :class:`~service.gateway.edge.Departure`: no task
+    waits on ``receive()``; the connection's loss calls ``on_disconnect``."""
+
+    def __init__(self, departure: Departure, on_disconnect: Callable[[], Awaitable[bool]]) -> None:
+        self.disconnected = False
+        self._departure = departure
+        self._on_disconnect = on_disconnect
+        self._aborting: asyncio.Future[bool] | None = None
+        departure.add(self._left)
+
+    def _left(self) -> None:
+        self.disconnected = True
+        self._aborting = asyncio.ensure_future(self._on_disconnect())
+
+    async def replied(self) -> None:
+        """Nothing to do: a request not streamed has no later reply to retry the abort at."""
+
+    def stop(self) -> None:
+        self._departure.discard(self._left)
+
+
+def watch_disconnect(
+    scope: Scope, receive: Receive, on_disconnect: Callable[[], Awaitable[bool]]
+) -> DisconnectWatch | DepartureWatch:
+    """For a request not streamed: a DepartureWatch under the gateway's edge, else a DisconnectWatch."""
+    departure = departure_of(scope)
+    if departure is None:
+        return DisconnectWatch(receive, on_disconnect)
+    return DepartureWatch(departure, on_disconnect)
 
 
 @dataclass(slots=True)
@@ -192,13 +228,18 @@ class ChunkWriter:
 class Replies:
     """Every reply of a plan's submissions, interleaved as they arrive, through one queue, so that
     a stream takes all the replies ready at once and writes their events together. A submission's
-    failure is raised after the replies that came before it."""
+    failure is raised after the replies that came before it.
+
+    A plan of one submission (the common case) reads its stream directly: no pump task and no
+    second queue, so a reply wakes one task rather than two."""
 
     def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[Partial | Final, None]]]) -> None:
         self._queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
         self._failure: BaseException | None = None
-        self._pumps = [asyncio.ensure_future(self._pump(job, stream)) for job, stream in streams]
-        self._running = len(self._pumps)
+        pairs = list(streams)
+        self._only = pairs[0] if len(pairs) == 1 else None
+        self._pumps = [] if self._only is not None else [asyncio.ensure_future(self._pump(*pair)) for pair in pairs]
+        self._running = len(pairs)
 
     async def _pump(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> None:
         queue = self._queue
@@ -215,6 +256,8 @@ class Replies:
         """The replies ready now (waiting for one if none is); empty once every stream ended."""
         if self._failure is not None:
             raise self._failure
+        if self._only is not None:
+            return await self._next_of_one(*self._only)
         queue = self._queue
         ready: list[Reply] = []
         while self._running and not ready:
@@ -234,7 +277,21 @@ class Replies:
                 item = queue.get_nowait()
         return ready
 
+    async def _next_of_one(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> list[Reply]:
+        if not self._running:
+            return []
+        try:
+            return [(job, await anext(stream))]
+        except StopAsyncIteration:
+            self._running = 0
+            return []
+        except Exception as exc:
+            self._failure = exc
+            raise
+
     async def aclose(self) -> None:
+        if self._only is not None:
+            await self._only[1].aclose()
         for task in self._pumps:
             task.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)

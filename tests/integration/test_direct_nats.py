@@ -123,3 +123,36 @@ async def test_ordinary_subscriptions_on_a_direct_client_behave_as_in_nats_py(
         assert mirrored.data == b"direct:again"
     finally:
         await other.close()
+
+
+async def test_inline_handler_gets_raw_subject_body_and_headers_and_no_responders_status(
+    direct: DirectClient, nc: NATS
+) -> None:
+    """An inline subscription (the client library's reply inbox) hears raw bytes, the header
+    block included, so NATS's no-responders status (an empty body with ``NATS/1.0 503``) is
+    told apart from an empty message; a failing handler is logged, and the reader goes on."""
+    got: list[tuple[bytes, bytes, bytes | None]] = []
+    three = asyncio.Event()
+
+    def handler(subject: bytes, body: bytes, headers: bytes | None) -> None:
+        got.append((subject, body, headers))
+        if body == b"boom":
+            raise RuntimeError("boom")
+        if len(got) == 4:
+            three.set()
+
+    inbox = direct.new_inbox()
+    subscription = await direct.subscribe_inline(f"{inbox}.*", handler)
+    await flush_subscriptions(direct)
+    await nc.publish(f"{inbox}.1", b"reply")
+    await nc.publish(f"{inbox}.2", b"boom")
+    await nc.publish(f"{inbox}.1", b"", headers={"K": "V"})
+    await direct.publish("direct.nobody.listens", b"ask", reply=f"{inbox}.3")  # the server answers 503
+    await asyncio.wait_for(three.wait(), 5)
+    assert got[0] == (f"{inbox}.1".encode(), b"reply", None)
+    assert got[2][1] == b"" and got[2][2] is not None and b"K: V" in got[2][2]
+    status = got[3]
+    assert status[0] == f"{inbox}.3".encode() and status[1] == b""
+    assert status[2] is not None and status[2].startswith(b"NATS/1.0 503")
+    assert direct.is_connected
+    await subscription.unsubscribe()

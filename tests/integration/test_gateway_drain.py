@@ -1,6 +1,8 @@
-"""The gateway as a process (``dpcoord gateway``): on SIGTERM it fails readiness and stops
-accepting, lets streams finish within ``gateway_drain_s``, ends those still running with an error
-event and ``[DONE]``, and exits 0; with ``--workers N`` several processes share its port."""
+"""The gateway as a process (``dpcoord gateway``): on SIGTERM it fails readiness and takes no
+new work, lets requests finish within ``gateway_drain_s``, ends the streams still running with an
+error event and ``[DONE]`` and the non-streamed requests with a 503 error body, and exits 0;
+meanwhile it still answers probes on new connections (503). With ``--workers N`` several
+processes share its port."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import openai
+import pytest
 
 from service.bus.server import free_port
 from service.coordinator.coordinator import Coordinator
@@ -19,7 +25,7 @@ from service.gateway.app import Gateway
 from service.gateway.auth import ApiKeys
 from service.ops.settings import Settings
 from tests.conftest import EngineFactory
-from tests.gateway_helpers import http, sse_data
+from tests.gateway_helpers import http, sse_data, wait_until
 from tests.helpers import REPO_ROOT
 
 ECHO = "dpcoord-echo"
@@ -107,6 +113,75 @@ async def test_sigterm_lets_short_streams_finish_and_cuts_long_ones_with_an_erro
         code = await asyncio.to_thread(gateway.wait, DRAIN_S + 10)
         assert code == 0, (tmp_path / "gateway.log").read_text()
     finally:
+        if gateway.poll() is None:
+            gateway.kill()
+        gateway.wait()
+        log.close()
+
+
+async def test_while_draining_probes_get_503_new_work_is_refused_and_a_cut_request_gets_an_error_body(
+    settings: Settings, coordinator: Coordinator, start_engines: EngineFactory, tmp_path: Path
+) -> None:
+    """During the drain, a new connection is still answered: ``/readyz`` and ``/health`` 503,
+    ``/healthz`` 200, a new completion 503 ``shutting_down``, each closing its connection. A
+    non-streamed request still running at the deadline gets a 503 ``shutting_down`` error body
+    (the ``openai`` SDK raises it as an APIStatusError), not a dropped connection."""
+    await start_engines(1, token_delay_ms=50)
+    port = free_port()
+    env = dict(
+        os.environ,
+        DPCOORD_NATS_URL=settings.nats_url,
+        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
+        DPCOORD_GATEWAY_HOST="127.0.0.1",
+        DPCOORD_GATEWAY_PORT=str(port),
+        DPCOORD_GATEWAY_DRAIN_S="3",
+    )
+    log = (tmp_path / "gateway.log").open("w")
+    gateway = subprocess.Popen([sys.executable, "-m", "service", "gateway"], env=env, cwd=REPO_ROOT, stderr=log)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while True:  # until the gateway is connected and an engine serves
+            try:
+                stream = await _open_stream(port, max_tokens=2000)  # about 100 s: cut
+                break
+            except (OSError, TimeoutError):
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        long = asyncio.ensure_future(client.completions.create(model=ECHO, prompt="Hello", max_tokens=2000))
+
+        async def in_flight() -> float:
+            return _metric((await http(port, "GET", "/metrics")).body.decode(), "dpcoord_gateway_requests_in_flight")
+
+        while await in_flight() < 2:  # the non-streamed request is being served
+            assert loop.time() < deadline and not long.done(), (tmp_path / "gateway.log").read_text()
+            await asyncio.sleep(0.05)
+        gateway.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        await wait_until(lambda: "gateway draining" in (tmp_path / "gateway.log").read_text())
+
+        ready, health, alive = await asyncio.gather(
+            *(http(port, "GET", path) for path in ("/readyz", "/health", "/healthz"))
+        )
+        assert (ready.status, health.status, alive.status) == (503, 503, 200)
+        assert ready.body == b"not ok: draining\n" and ready.headers["connection"] == "close"
+        refused = await http(port, "POST", "/v1/completions", {"model": ECHO, "prompt": "hi", "max_tokens": 2})
+        assert refused.status == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert refused.headers["connection"] == "close"
+
+        with pytest.raises(openai.APIStatusError) as cut:
+            await asyncio.wait_for(long, 15)
+        assert cut.value.status_code == 503 and time.monotonic() - signalled >= 2.5
+        assert isinstance(cut.value.body, dict) and cut.value.body["code"] == "shutting_down"
+        events = await _rest(*stream)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert await asyncio.to_thread(gateway.wait, 10) == 0, (tmp_path / "gateway.log").read_text()
+        with pytest.raises(OSError):  # the drain over, the socket no longer listens
+            await http(port, "GET", "/readyz")
+    finally:
+        await client.close()
         if gateway.poll() is None:
             gateway.kill()
         gateway.wait()

@@ -1,0 +1,64 @@
+"""The client library's per-submission mailbox: arrival order, one deadline for the whole
+submission, and markers told to every submission in progress."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service.client.exchanges import EXPIRED, NO_RESPONDERS, Exchanges, Mailbox, Refused
+
+
+async def test_items_come_out_in_arrival_order_and_a_reader_waits_for_the_next() -> None:
+    mailbox = Mailbox(60.0)
+    mailbox.put_nowait("a")
+    mailbox.put_nowait("b")
+    assert [await mailbox.get(), await mailbox.get()] == ["a", "b"]
+    waiting = asyncio.ensure_future(mailbox.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    mailbox.put_nowait("c")
+    assert await asyncio.wait_for(waiting, 1.0) == "c"
+    mailbox.close()
+
+
+async def test_the_deadline_arrives_after_what_came_before_it() -> None:
+    mailbox = Mailbox(0.01)
+    mailbox.put_nowait("reply")
+    assert await mailbox.get() == "reply"
+    assert await asyncio.wait_for(mailbox.get(), 1.0) is EXPIRED
+
+
+async def test_a_closed_mailbox_never_expires() -> None:
+    mailbox = Mailbox(0.01)
+    mailbox.close()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(mailbox.get(), 0.1)
+
+
+async def test_a_refusal_reaches_every_submission_in_progress_and_a_closed_one_no_more() -> None:
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.test"
+    first_subject, first = exchanges.open(60.0)
+    second_subject, second = exchanges.open(60.0)
+    assert first_subject != second_subject and first_subject.startswith("_INBOX.test.")
+    exchanges.close(second_subject)
+    exchanges.refused("NATS refused the publish to x: permissions violation")
+    told = await first.get()
+    assert isinstance(told, Refused) and "permissions violation" in told.message
+    assert list(exchanges.queues) == [first_subject.rpartition(".")[2].encode()]
+    exchanges.close(first_subject)
+
+
+async def test_an_inline_reply_is_queued_as_its_body_and_the_no_responders_status_as_a_marker() -> None:
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.test"
+    subject, mailbox = exchanges.open(60.0)
+    raw = subject.encode()
+    exchanges.on_inline(raw, b"\x81", None)
+    exchanges.on_inline(raw, b"", b"NATS/1.0\r\nK: V\r\n\r\n")  # an empty message: the end marker
+    exchanges.on_inline(raw, b"", b"NATS/1.0 503\r\n\r\n")
+    exchanges.on_inline(b"_INBOX.test.999", b"late", None)  # a submission that ended: dropped
+    assert [await mailbox.get() for _ in range(3)] == [b"\x81", b"", NO_RESPONDERS]
+    exchanges.close(subject)
