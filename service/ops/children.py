@@ -6,6 +6,12 @@ and a gateway with several workers start their children with :func:`die_with_par
 ``preexec_fn``, so none outlives them. Elsewhere it does nothing (the parent's own stop path
 remains the only clean-up there).
 
+The signal is SIGKILL, not SIGTERM: a parent that exits without stopping its children was
+killed, and its other children (``up``'s nats-server among them) die at the same moment, so a
+graceful stop has nobody left to hand its work to. It would only wait, for its timeouts, on a
+bus that is gone (a coordinator's hand-over to peers took 10 s that way). An orderly stop is the
+parent's: it signals its children itself and waits for them.
+
 ``preexec_fn`` runs in the child between fork and exec, where looking a library up (which may
 start a process) or loading one could deadlock: libc is opened here, at import, in the parent,
 and the child only makes the one call.
@@ -22,6 +28,6 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 
 
 def die_with_parent() -> None:
-    """Run in the child between fork and exec: SIGTERM it when its parent dies."""
+    """Run in the child between fork and exec: SIGKILL it when its parent dies."""
     if _LIBC is not None:
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -299,7 +299,7 @@ class Settings(BaseSettings):
     gateway_drain_s: GatewaySetting[float] = Field(
         30.0,
         ge=0,
-        description="Seconds the gateway lets streams run after SIGTERM (it stops accepting and fails /readyz at once); those still running then end with an error event. Match the pod's terminationGracePeriodSeconds",
+        description="Seconds the gateway lets requests in progress run after SIGTERM: /readyz and /health fail at once and new generation requests get 503 shutting_down; streams still running then end with an error event and [DONE], other requests with a 503 error body. Match the pod's terminationGracePeriodSeconds",
     )
     gateway_read_timeout_s: GatewaySetting[float] = Field(
         10.0,
