@@ -1,19 +1,9 @@
 """The torch backend: a Llama-family model served with continuous batching.
 
-Glue in the nano-vllm shape. A step is launch → collect → emit, in a worker thread (the event
-loop never waits on torch):
-
-- **launch** schedules (pure bookkeeping, under a lock shared with ``add`` and ``abort``),
-  then runs one forward pass, eagerly or as a CUDA graph replay (decode-only steps on CUDA),
-  and one batched sampling pass; on CUDA the sampled ids start their copy to the host.
-- **collect** reads the sampled ids (the step's one host sync), appends each token and ends
-  the requests the token alone ends (EOS, ``max_tokens``, the context limit).
-- **emit** detokenises and checks stop strings.
-
-With overlapped steps (on by default on CUDA), step n + 1 is launched between collecting and
-emitting step n, so the GPU computes while Python detokenises and the runtime encodes the
-replies. A stop string then ends its request one step late: the next step's token for it is
-dropped, as is the token of a request aborted while its step ran.
+Glue in the nano-vllm shape: requests in and out (``add``, ``abort``), memory (suspend, resume),
+weight updates and the profiler. A step (:mod:`engines.torch_backend.step_phases`: launch →
+collect → emit, steps launched ahead on CUDA) runs in a worker thread, so the event loop never
+waits on torch.
 """
 
 from __future__ import annotations
@@ -30,7 +20,6 @@ import torch
 
 from engines.backend import Backend, ExecutionPath, GenerationRequest, PrefixCacheStats, TokenOutput
 from engines.chat_template import plain_prompt
-from engines.torch_backend.batch import build_batch
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.cuda_graphs import DecodeGraphs
 from engines.torch_backend.fast_path import (
@@ -48,11 +37,12 @@ from engines.torch_backend.memory import (
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.profiler import StepProfiler
 from engines.torch_backend.request_state import RequestState
-from engines.torch_backend.sampling import request_key, sample
+from engines.torch_backend.sampling import request_key
 from engines.torch_backend.scheduler import Scheduler
-from engines.torch_backend.sequence import Sequence, SequenceStatus
+from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.setup import resolve_device
-from engines.torch_backend.step_records import Launched, Sampled, sampling_params
+from engines.torch_backend.step_phases import StepPhases
+from engines.torch_backend.step_records import Launched
 from engines.torch_backend.tokenizer import (
     IncrementalDetokenizer,
 )
@@ -63,7 +53,7 @@ from service.protocol.messages import ChatMessage
 log = logging.getLogger(__name__)
 
 
-class TorchBackend(Backend):
+class TorchBackend(StepPhases, Backend):
     name = "torch"
     max_context: int  # set from the model and the KV cache; the runtime holds max_tokens to it
 
@@ -186,7 +176,12 @@ class TorchBackend(Backend):
         key = request_key(request.seed if request.seed is not None else request.request_id)
         state = RequestState(
             request,
-            Sequence.from_prompt(request.request_id, prompt, resume),
+            Sequence.from_prompt(
+                request.request_id,
+                prompt,
+                resume,
+                limit=min(len(prompt) + request.max_tokens, self.max_context),
+            ),
             key,
             IncrementalDetokenizer(self.tokenizer, prompt),
         )
@@ -229,107 +224,6 @@ class TorchBackend(Backend):
     def _step(self) -> list[TokenOutput]:
         with self._on_device():
             return self._step_on_device()
-
-    def _step_on_device(self) -> list[TokenOutput]:
-        if self._kv_cache is None:  # suspended: has_work() says so; a step that slips in does nothing
-            return []
-        launched, self._launched = self._launched or self._launch(), None
-        if launched is None:
-            return []
-        sampled = self._collect(launched)
-        if self._overlap:
-            self._launched = self._launch()
-        return self._emit(sampled)
-
-    def _launch(self) -> Launched | None:
-        cache = self._kv_cache
-        assert cache is not None, "steps run only with a cache"
-        graphs = self._graphs
-        with torch.inference_mode():
-            with self._lock:
-                scheduled = self.scheduler.schedule()
-                if not scheduled:
-                    return None
-                states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
-                params = sampling_params(states, self.device)
-                replay = (
-                    graphs.inputs(scheduled.decode, self.scheduler.grown)
-                    if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode))
-                    else None
-                )
-                if graphs and replay is None:
-                    graphs.forget_rows()
-                batch = (
-                    None
-                    if replay
-                    else build_batch(
-                        scheduled,
-                        self.scheduler.blocks.block_size,
-                        self.config.group_size,
-                        self.dtype,
-                        self.device,
-                        self.kernels.paged_decode is not None,
-                    )
-                )
-            if graphs is not None and replay is not None:
-                logits = graphs.replay(replay)
-            else:
-                assert batch is not None, "an eager step has its batch"
-                logits = self.model(batch, self._rotary, cache)
-            tokens = sample(logits, params)
-        if self.device.type != "cuda":
-            return Launched(states, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event(blocking=True)  # synchronize() then sleeps instead of spinning a core
-        ready.record()
-        return Launched(states, host, ready)
-
-    def _collect(self, launched: Launched) -> list[Sampled]:
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        tokens = launched.tokens.tolist()  # the step's one host sync
-        sampled: list[Sampled] = []
-        eos, max_context = self.config.eos_token_ids, self.max_context
-        with self._lock:
-            for state, token in zip(launched.states, tokens, strict=True):
-                # A request aborted (or stopped by a stop string) while its step ran is gone: its token is dropped.
-                if state.sequence.status is not SequenceStatus.RUNNING:
-                    continue
-                self.scheduler.append(state.sequence, token)
-                finish = state.token_finish(token, eos, max_context)
-                if finish is not None:
-                    self._finish(state)
-                sampled.append(Sampled(state, token, finish))
-        return sampled
-
-    def _emit(self, sampled: list[Sampled]) -> list[TokenOutput]:
-        outputs = []
-        for item in sampled:
-            state, finish = item.state, item.finish
-            text, stopped = state.text(item.token)
-            if stopped and finish != "stop":
-                if finish is None:
-                    with self._lock:
-                        self._finish(state)
-                finish = "stop"
-            if finish is not None:
-                text += state.detokenizer.flush()
-            outputs.append(TokenOutput(state.request.request_id, [item.token], text, finish))
-        return outputs
-
-    def _finish(self, state: RequestState) -> None:
-        """Under the lock: the request leaves the scheduler (its pages are free) and the table."""
-        if state.sequence.status is SequenceStatus.FINISHED:
-            return
-        self.scheduler.remove(state.sequence)
-        del self._requests[state.request.request_id]
-
-    def _drop_launched(self) -> None:
-        """Forget a step in flight: its tokens are never appended, so they are sampled again later."""
-        launched, self._launched = self._launched, None
-        if launched is not None and launched.ready is not None:
-            launched.ready.synchronize()
 
     # ------------------------------------------------------------ memory
 

@@ -28,6 +28,7 @@ import torch
 
 from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
 from engines.torch_backend.model import AttentionGroup, ForwardBatch, LlamaModel
+from engines.torch_backend.placeholders import resolve_on_device
 from engines.torch_backend.sequence import Sequence
 
 
@@ -165,13 +166,24 @@ class DecodeGraphs:
         self._rows.update(sequences, grown, size)
         return self._rows.inputs(size, len(sequences))
 
+    @property
+    def rows_reused(self) -> bool:
+        """Whether the last :meth:`inputs` kept the rows of the step before, in order."""
+        return self._rows.reused
+
     def forget_rows(self) -> None:
         """A step ran eagerly: the next graph step rewrites its rows from the sequences."""
         self._rows.forget()
 
-    def replay(self, inputs: GraphInputs) -> torch.Tensor:
-        """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe."""
+    def replay(
+        self, inputs: GraphInputs, previous: torch.Tensor | None = None, sources: list[int] | None = None
+    ) -> torch.Tensor:
+        """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe;
+        with a step in flight, the rows' input ids are its sampled ids ``previous``, from its
+        rows ``sources`` (None: row ``i`` from row ``i``)."""
         self._static.load(inputs)
+        if previous is not None:
+            resolve_on_device(self._static.longs[0, : inputs.count], previous, sources)
         self._graphs[inputs.size].replay()
         return self._logits[inputs.size][: inputs.count]
 

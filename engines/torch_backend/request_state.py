@@ -32,19 +32,25 @@ class RequestState:
         window and the stop check continue exactly where it left off."""
         self.resumed_text = "".join(self.text(token)[0] for token in tokens)
 
-    def token_finish(self, token: int, eos_token_ids: tuple[int, ...], max_context: int) -> FinishReason | None:
-        """Whether the token just appended ends the request, by the token alone (an EOS id only
-        without ``ignore_eos`` and from ``min_tokens`` on)."""
-        request = self.request
-        if token in eos_token_ids and not request.ignore_eos and self.sequence.num_generated > request.min_tokens:
+    def token_finish(
+        self, token: int, eos_token_ids: tuple[int, ...], max_context: int, position: int | None = None
+    ) -> FinishReason | None:
+        """Whether the token at ``position`` (by default the last) ends the request, by the token
+        alone (an EOS id only without ``ignore_eos`` and from ``min_tokens`` on). With steps
+        launched ahead, the sequence already holds the next step's placeholder after it."""
+        request, sequence = self.request, self.sequence
+        length = len(sequence.token_ids) if position is None else position + 1
+        generated = length - sequence.num_prompt_tokens
+        if token in eos_token_ids and not request.ignore_eos and generated > request.min_tokens:
             return "stop"
-        if self.sequence.num_generated >= self.request.max_tokens or len(self.sequence.token_ids) >= max_context:
+        if generated >= request.max_tokens or length >= max_context:
             return "length"
         return None
 
-    def text(self, token: int) -> tuple[str, bool]:
+    def text(self, token: int, generated: int | None = None) -> tuple[str, bool]:
         """The text the token completes, and whether that text completes a stop string (from
-        ``min_tokens`` tokens on: a stop string completed before is not matched later)."""
+        ``min_tokens`` tokens on: a stop string completed before is not matched later).
+        ``generated``: which generated token it is, counting from 1 (by default the last)."""
         text = self.detokenizer.push(token)
         stops = self.request.stop
         if not stops or not text:
@@ -52,7 +58,7 @@ class RequestState:
         window = self.stop_window + text
         keep = max(len(stop) for stop in stops) - 1
         self.stop_window = window[-keep:] if keep else ""
-        if self.sequence.num_generated < self.request.min_tokens:
+        if (self.sequence.num_generated if generated is None else generated) < self.request.min_tokens:
             self.stop_window = ""
             return text, False
         return text, any(stop in window for stop in stops)

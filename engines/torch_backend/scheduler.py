@@ -62,6 +62,14 @@ class Scheduler:
         if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
             self.blocks.commit(sequence)
 
+    def resolve(self, sequence: Sequence, position: int, token: int) -> None:
+        """The token read back for the placeholder at ``position`` (see ``Sequence.feed``); the
+        pages it filled join the prefix cache. Every cached token is known by then: the one at
+        ``position`` is the newest a launched step feeds."""
+        sequence.token_ids[position] = token
+        if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
+            self.blocks.commit(sequence)
+
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
         if sequence.status is SequenceStatus.RUNNING:
@@ -90,7 +98,8 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         """Every running sequence, in order, with room for the token it feeds; the ones that
         needed a new page for it are in :attr:`grown` (a decode step's block tables change
-        only there)."""
+        only there). A sequence whose pending token reaches its ``limit`` is left out: that
+        token ends it."""
         scheduled: list[Sequence] = []
         self.grown = []
         running, blocks, page = self.running, self.blocks, self.blocks.block_size
@@ -98,6 +107,9 @@ class Scheduler:
         while index < len(running):
             sequence = running[index]
             needed = len(sequence.token_ids)
+            if needed >= sequence.limit:
+                index += 1
+                continue
             if needed > len(sequence.block_table) * page:  # most steps: the last page has room
                 while not blocks.can_hold(sequence, needed) and running[-1] is not sequence:
                     self._preempt(running.pop())
@@ -130,6 +142,8 @@ class Scheduler:
 
     def _preempt(self, sequence: Sequence) -> None:
         self.blocks.release(sequence)
+        sequence.drop_placeholder()  # its token is sampled again when it is recomputed
         sequence.status = SequenceStatus.WAITING
         self.waiting.appendleft(sequence)
         self.num_preempted += 1
+        sequence.preempted = self.num_preempted

@@ -15,11 +15,15 @@ from service.protocol.messages import FinishReason
 
 @dataclass(slots=True)
 class Launched:
-    """A step on its way: the sampled ids are on the host once ``ready`` (CUDA) has fired."""
+    """A step on its way: the sampled ids are on the host (``tokens``) once ``ready`` (CUDA)
+    has fired, and on the device (``device_tokens``) for the next step to feed."""
 
     states: list[RequestState]
+    positions: list[int]  # of each row's sampled token in its sequence (a placeholder until read)
     tokens: torch.Tensor
+    device_tokens: torch.Tensor
     ready: torch.cuda.Event | None
+    mark: int  # the scheduler's preemption count at launch: a row preempted since drops its token
 
 
 @dataclass(slots=True)
@@ -27,6 +31,7 @@ class Sampled:
     state: RequestState
     token: int
     finish: FinishReason | None
+    generated: int  # which generated token of its request it is, counting from 1
 
 
 def sampling_params(states: list[RequestState], device: torch.device) -> SamplingParams | None:
