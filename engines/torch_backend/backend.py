@@ -41,8 +41,8 @@ from engines.torch_backend.sampling import request_key
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.setup import resolve_device
-from engines.torch_backend.step_phases import StepPhases
-from engines.torch_backend.step_records import Launched
+from engines.torch_backend.step_phases import StepPhases, bound_gil_wait
+from engines.torch_backend.step_records import Launched, StepRows
 from engines.torch_backend.tokenizer import (
     IncrementalDetokenizer,
 )
@@ -93,9 +93,12 @@ class TorchBackend(StepPhases, Backend):
             options.max_prefill_tokens,
         )
         self._overlap = options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda"
+        if self._overlap:
+            bound_gil_wait()
 
         self._requests: dict[str, RequestState] = {}
         self._launched: Launched | None = None
+        self._rows = StepRows()
         self._lock = threading.Lock()  # scheduler and request table: step thread vs add/abort on the loop
         self._step_lock = asyncio.Lock()  # step, suspend and resume never overlap
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
@@ -180,7 +183,7 @@ class TorchBackend(StepPhases, Backend):
                 request.request_id,
                 prompt,
                 resume,
-                limit=min(len(prompt) + request.max_tokens, self.max_context),
+                limit=self.max_context,  # and max_tokens: RequestState bounds it
             ),
             key,
             IncrementalDetokenizer(self.tokenizer, prompt),

@@ -27,9 +27,9 @@ def decode_sources(decode: list[Sequence]) -> list[int] | None:
 def resolve_on_device(ids: torch.Tensor, previous: torch.Tensor, sources: list[int] | None) -> None:
     """Overwrite ``ids`` ``[count]`` (the decode rows' input ids, on the device) with the ids
     ``previous`` ``[rows]`` (the step in flight's sampled ids) holds for them."""
-    count = ids.shape[0]
     if sources is None:
-        ids.copy_(previous[:count], non_blocking=True)
+        count = ids.shape[0]
+        ids.copy_(previous if previous.shape[0] == count else previous[:count], non_blocking=True)
         return
     index = torch.tensor(sources, dtype=torch.long).to(previous.device, non_blocking=True)
     ids.copy_(previous.index_select(0, index), non_blocking=True)

@@ -24,8 +24,14 @@ class RequestState:
     sequence: Sequence
     key: int  # the sampling stream's key
     detokenizer: IncrementalDetokenizer
+    eos_from: int = 0  # the first position at which an EOS id ends the request (set from the request)
     stop_window: str = ""  # the last characters of the text, enough to see a stop string complete
     resumed_text: str = ""  # the text of the tokens an earlier run generated (a migration)
+
+    def __post_init__(self) -> None:
+        request, sequence = self.request, self.sequence
+        self.eos_from = 1 << 62 if request.ignore_eos else sequence.num_prompt_tokens + request.min_tokens
+        sequence.limit = min(sequence.limit, sequence.num_prompt_tokens + request.max_tokens)
 
     def resume(self, tokens: list[int]) -> None:
         """Detokenise the tokens an earlier run generated, as that run did, so the detokeniser's
@@ -36,14 +42,15 @@ class RequestState:
         self, token: int, eos_token_ids: tuple[int, ...], max_context: int, position: int | None = None
     ) -> FinishReason | None:
         """Whether the token at ``position`` (by default the last) ends the request, by the token
-        alone (an EOS id only without ``ignore_eos`` and from ``min_tokens`` on). With steps
-        launched ahead, the sequence already holds the next step's placeholder after it."""
-        request, sequence = self.request, self.sequence
-        length = len(sequence.token_ids) if position is None else position + 1
-        generated = length - sequence.num_prompt_tokens
-        if token in eos_token_ids and not request.ignore_eos and generated > request.min_tokens:
+        alone: an EOS id (not with ``ignore_eos``, and only past ``min_tokens``), or its length
+        (``max_tokens``, the context). With steps launched ahead, the sequence already holds the
+        next step's placeholder after it. Runs for every row of every step: the bounds are
+        precomputed (``eos_from``, ``Sequence.limit``)."""
+        if position is None:
+            position = len(self.sequence.token_ids) - 1
+        if token in eos_token_ids and position >= self.eos_from:
             return "stop"
-        if generated >= request.max_tokens or length >= max_context:
+        if position + 1 >= self.sequence.limit or position + 1 >= max_context:
             return "length"
         return None
 

@@ -62,14 +62,6 @@ class Scheduler:
         if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
             self.blocks.commit(sequence)
 
-    def resolve(self, sequence: Sequence, position: int, token: int) -> None:
-        """The token read back for the placeholder at ``position`` (see ``Sequence.feed``); the
-        pages it filled join the prefix cache. Every cached token is known by then: the one at
-        ``position`` is the newest a launched step feeds."""
-        sequence.token_ids[position] = token
-        if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
-            self.blocks.commit(sequence)
-
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
         if sequence.status is SequenceStatus.RUNNING:

@@ -5,9 +5,9 @@ holding its tokens in order); token ``i`` lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``.
 
 A step being launched feeds a sequence's uncached tokens and samples the next one on the
-device: :meth:`Sequence.feed` records that at once with :data:`PLACEHOLDER` in the token's
-place, so the next step can be scheduled (lengths, pages, positions) before the token is read
-back; :meth:`Sequence.resolve` writes it in once it is.
+device: :func:`feed` records that at once with :data:`PLACEHOLDER` in the token's place, so
+the next step can be scheduled (lengths, pages, positions) before the token is read back; the
+step's collect writes it in once it is (``engines/torch_backend/step_phases.py``).
 """
 
 from __future__ import annotations
@@ -74,14 +74,6 @@ class Sequence:
         self.num_cached = len(self.token_ids)
         self.token_ids.append(token)
 
-    def feed(self, row: int) -> int:
-        """A step launched as ``row`` feeds the uncached tokens: they are cached from now on,
-        and the token it samples follows them as a placeholder. Returns that token's position."""
-        position = self.num_cached = len(self.token_ids)
-        self.token_ids.append(PLACEHOLDER)
-        self.pending_row = row
-        return position
-
     def drop_placeholder(self) -> None:
         """The step in flight will not give this sequence its token (it was preempted)."""
         if self.token_ids and self.token_ids[-1] == PLACEHOLDER:
@@ -89,3 +81,19 @@ class Sequence:
 
     def slot(self, position: int, block_size: int) -> int:
         return self.block_table[position // block_size] * block_size + position % block_size
+
+
+def feed(sequences: list[Sequence]) -> list[int]:
+    """A step being launched as rows ``sequences`` feeds their uncached tokens: those are cached
+    from now on, and the token it samples for row ``i`` follows them as a placeholder, whose row
+    the sequence keeps (``pending_row``). Returns the placeholders' positions. One loop for the
+    step: it runs for every row of every step."""
+    positions: list[int] = []
+    keep = positions.append
+    for row, sequence in enumerate(sequences):
+        token_ids = sequence.token_ids
+        position = sequence.num_cached = len(token_ids)
+        token_ids.append(PLACEHOLDER)
+        sequence.pending_row = row
+        keep(position)
+    return positions

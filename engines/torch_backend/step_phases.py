@@ -3,7 +3,7 @@
 - **launch** schedules (pure bookkeeping, under the lock shared with ``add`` and ``abort``),
   then runs one forward pass, eagerly or as a CUDA graph replay (decode-only steps on CUDA),
   and one batched sampling pass; on CUDA the sampled ids start their copy to the host. Each
-  row's token is a placeholder in its sequence from then on (``Sequence.feed``).
+  row's token is a placeholder in its sequence from then on (``sequence.feed``).
 - **collect** reads the sampled ids (the step's one host sync), writes each token over its
   placeholder and ends the requests the token alone ends (EOS, ``max_tokens``, the context).
 - **emit** detokenises and checks stop strings.
@@ -22,6 +22,7 @@ a row's token depends only on its own sequence and its count of generated tokens
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -35,8 +36,20 @@ from engines.torch_backend.placeholders import decode_sources
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.sampling import sample
 from engines.torch_backend.scheduler import Scheduler
-from engines.torch_backend.sequence import SequenceStatus
-from engines.torch_backend.step_records import Launched, Sampled, sampling_params
+from engines.torch_backend.sequence import SequenceStatus, feed
+from engines.torch_backend.step_records import Launched, Sampled, StepRows, sampling_params
+
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
+def bound_gil_wait() -> None:
+    """Bound how long the step thread waits for the GIL. Steps run on a worker thread while the
+    event loop's thread encodes and publishes the replies of the step before; a thread that wants
+    the GIL waits up to ``sys.getswitchinterval()`` (5 ms by default, several decode steps) before
+    its holder is asked to let go. Backends that launch steps ahead lower it for the process to
+    200 µs, so the step thread gets the GIL back soon after its host sync returns."""
+    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 class StepPhases:
@@ -55,6 +68,7 @@ class StepPhases:
     _requests: dict[str, RequestState]
     _launched: Launched | None
     _lock: threading.Lock
+    _rows: StepRows
 
     def _step_on_device(self) -> list[TokenOutput]:
         if self._kv_cache is None:  # suspended: has_work() says so; a step that slips in does nothing
@@ -79,12 +93,11 @@ class StepPhases:
                 if not scheduled:
                     return None
                 sequences = scheduled.sequences
-                requests = self._requests
-                states = [requests[sequence.request_id] for sequence in sequences]
-                params = sampling_params(states, self.device)
+                states = self._rows.states(sequences, self._requests)
+                params = None if self._rows.greedy else sampling_params(states, self.device)
                 decode = scheduled.decode
                 replay = (
-                    graphs.inputs(decode, self.scheduler.grown)
+                    graphs.inputs(decode, self.scheduler.grown, earlier is not None)
                     if graphs and not scheduled.prefill and graphs.fits(len(decode))
                     else None
                 )
@@ -103,7 +116,7 @@ class StepPhases:
                         self.model.kernels.paged_decode is not None,
                         earlier,
                     )
-                positions = [sequence.feed(row) for row, sequence in enumerate(sequences)]
+                positions = feed(sequences)
                 mark = self.scheduler.num_preempted
             if graphs is not None and replay is not None:
                 logits = graphs.replay(replay, earlier, sources)
@@ -120,31 +133,39 @@ class StepPhases:
         return Launched(states, positions, host, tokens, ready, mark)
 
     def _collect(self, launched: Launched) -> list[Sampled]:
+        """Read the step's ids back, write each over its placeholder (the pages it fills join
+        the prefix cache: every cached token is known by then, as the newest a launched step
+        feeds is this one) and end the requests a token ends."""
         if launched.ready is not None:
             launched.ready.synchronize()
         tokens = launched.tokens.tolist()  # the step's one host sync
         sampled: list[Sampled] = []
+        keep = sampled.append
         eos, max_context, mark = self.config.eos_token_ids, self.max_context, launched.mark
         running = SequenceStatus.RUNNING
-        resolve = self.scheduler.resolve
+        blocks = self.scheduler.blocks
+        page = blocks.block_size
         with self._lock:
             for state, position, token in zip(launched.states, launched.positions, tokens, strict=True):
                 sequence = state.sequence
                 # A request aborted, finished or preempted while its step ran: its token is dropped.
                 if sequence.status is not running or sequence.preempted > mark:
                     continue
-                resolve(sequence, position, token)
+                sequence.token_ids[position] = token
+                if sequence.num_cached >= (sequence.num_committed + 1) * page:  # a page filled
+                    blocks.commit(sequence)
                 finish = state.token_finish(token, eos, max_context, position)
-                if finish is not None:
-                    self._finish(state)
-                sampled.append(Sampled(state, token, finish, position + 1 - sequence.num_prompt_tokens))
+                if finish is None:
+                    keep((state, token, None, position + 1 - sequence.num_prompt_tokens))
+                    continue
+                self._finish(state)
+                keep((state, token, finish, position + 1 - sequence.num_prompt_tokens))
         return sampled
 
     def _emit(self, sampled: list[Sampled]) -> list[TokenOutput]:
         outputs = []
-        for item in sampled:
-            state, finish = item.state, item.finish
-            text, stopped = state.text(item.token, item.generated)
+        for state, token, finish, generated in sampled:
+            text, stopped = state.text(token, generated)
             if stopped and finish != "stop":
                 if finish is None:
                     with self._lock:
@@ -152,7 +173,7 @@ class StepPhases:
                 finish = "stop"
             if finish is not None:
                 text += state.detokenizer.flush()
-            outputs.append(TokenOutput(state.request.request_id, [item.token], text, finish))
+            outputs.append(TokenOutput(state.request.request_id, [token], text, finish))
         return outputs
 
     def _finish(self, state: RequestState) -> None:

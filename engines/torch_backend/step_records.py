@@ -10,6 +10,7 @@ import torch
 
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.sampling import SamplingParams
+from engines.torch_backend.sequence import Sequence
 from service.protocol.messages import FinishReason
 
 
@@ -26,12 +27,28 @@ class Launched:
     mark: int  # the scheduler's preemption count at launch: a row preempted since drops its token
 
 
-@dataclass(slots=True)
-class Sampled:
-    state: RequestState
-    token: int
-    finish: FinishReason | None
-    generated: int  # which generated token of its request it is, counting from 1
+# A row's token once read back: its request, the token, why it ends the request (None: it does
+# not), and which generated token of the request it is, counting from 1. A tuple: one is made
+# per row and step.
+Sampled = tuple[RequestState, int, FinishReason | None, int]
+
+
+class StepRows:
+    """The rows of the last step launched: a step with the same sequences in the same order
+    (most decode steps) reuses their request states and whether all of them are greedy,
+    instead of looking each up again."""
+
+    def __init__(self) -> None:
+        self._sequences: list[Sequence] = []
+        self._states: list[RequestState] = []
+        self.greedy = True  # every row of the last step samples greedily
+
+    def states(self, sequences: list[Sequence], requests: dict[str, RequestState]) -> list[RequestState]:
+        if sequences != self._sequences:  # identity, row by row, in C: Sequence compares by identity
+            self._sequences = sequences
+            self._states = [requests[sequence.request_id] for sequence in sequences]
+            self.greedy = all(state.request.temperature == 0 for state in self._states)
+        return self._states
 
 
 def sampling_params(states: list[RequestState], device: torch.device) -> SamplingParams | None:
