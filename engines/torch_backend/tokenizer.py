@@ -116,16 +116,29 @@ class IncrementalDetokenizer:
         return self._stream.flush()
 
 
+_ASCII = [chr(byte) for byte in range(128)]
+_BYTES = [bytes((byte,)) for byte in range(256)]
+
+
 class _ByteStream:
-    """Byte ids through an incremental UTF-8 decoder; ids past the bytes carry no text."""
+    """Byte ids through an incremental UTF-8 decoder; ids past the bytes carry no text. An ASCII
+    byte while no character is incomplete is its own text (most bytes: no decoder call)."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._held = False  # the decoder holds the first bytes of a character
 
     def push(self, token: int) -> str:
-        return self._decoder.decode(bytes((token,))) if token < 256 else ""
+        if token < 128 and not self._held:
+            return _ASCII[token]
+        if token >= 256:
+            return ""
+        text = self._decoder.decode(_BYTES[token])
+        self._held = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
+        self._held = False
         return self._decoder.decode(b"", final=True)
 
 
