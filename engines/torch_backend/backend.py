@@ -41,7 +41,7 @@ from engines.torch_backend.sampling import request_key
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.setup import resolve_device
-from engines.torch_backend.step_phases import StepPhases, bound_gil_wait
+from engines.torch_backend.step_phases import StepPhases
 from engines.torch_backend.step_records import Launched, StepRows
 from engines.torch_backend.tokenizer import (
     IncrementalDetokenizer,
@@ -93,8 +93,6 @@ class TorchBackend(StepPhases, Backend):
             options.max_prefill_tokens,
         )
         self._overlap = options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda"
-        if self._overlap:
-            bound_gil_wait()
 
         self._requests: dict[str, RequestState] = {}
         self._launched: Launched | None = None

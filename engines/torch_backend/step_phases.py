@@ -22,7 +22,6 @@ a row's token depends only on its own sequence and its count of generated tokens
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import torch
@@ -38,18 +37,6 @@ from engines.torch_backend.sampling import sample
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import SequenceStatus, feed
 from engines.torch_backend.step_records import Launched, Sampled, StepRows, sampling_params
-
-GIL_SWITCH_INTERVAL_S = 0.0002
-
-
-def bound_gil_wait() -> None:
-    """Bound how long the step thread waits for the GIL. Steps run on a worker thread while the
-    event loop's thread encodes and publishes the replies of the step before; a thread that wants
-    the GIL waits up to ``sys.getswitchinterval()`` (5 ms by default, several decode steps) before
-    its holder is asked to let go. Backends that launch steps ahead lower it for the process to
-    200 µs, so the step thread gets the GIL back soon after its host sync returns."""
-    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
 class StepPhases:
