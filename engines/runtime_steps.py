@@ -20,9 +20,13 @@ class StepLoop(RuntimeCore):
     async def _step_once(self) -> None:
         """One round of the step loop (run by :func:`~service.ops.loops.keep_running`). Steps
         while there is work, the fleet is not paused and NATS is reachable: tokens generated
-        with nowhere to send them would only fill the outbound buffer. A step's replies are
-        encoded and published while the next step runs (its kernels launch on the backend's
-        thread meanwhile), so they stay off the step's critical path; they go out at once when
+        with nowhere to send them would only fill the outbound buffer.
+
+        A step's replies stay off the critical path either way: a backend that launches steps
+        ahead (``Backend.launches_ahead``) has its next step queued on the device when ``step``
+        returns, so they are encoded and published at once, with no thread competing for the
+        GIL with the one that launches; otherwise they are encoded and published while the
+        next step runs (its kernels launch on the backend's thread meanwhile), and at once when
         no step follows."""
         await self._wake.wait()
         if self.paused or not self.backend.has_work() or not self._connected.is_set():
@@ -39,7 +43,7 @@ class StepLoop(RuntimeCore):
             finally:
                 outputs = await self._finish_step(step)
         self._unsent = outputs
-        if not self.backend.has_work():
+        if self.backend.launches_ahead or not self.backend.has_work():
             await self._publish_unsent()
         self._stepped.set()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not

@@ -126,6 +126,10 @@ class TorchBackend(StepPhases, Backend):
     def graphs(self) -> DecodeGraphs | None:
         return self._graphs
 
+    @property
+    def launches_ahead(self) -> bool:
+        return self._overlap
+
     def execution_path(self) -> ExecutionPath:
         """The path decode runs: while suspended, the one it ran and resumes on."""
         return self._path
