@@ -52,10 +52,12 @@ class ReplayTimer:
         # The instance attribute shadows the method; mypy refuses a plain assignment to a method.
         setattr(graphs, "replay", self)  # noqa: B010
 
-    def __call__(self, inputs: GraphInputs) -> torch.Tensor:
+    def __call__(
+        self, inputs: GraphInputs, previous: torch.Tensor | None = None, sources: list[int] | None = None
+    ) -> torch.Tensor:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        logits = self._replay(inputs)
+        logits = self._replay(inputs, previous, sources)
         end.record()
         self._events.append((inputs.size, start, end))
         return logits

@@ -176,6 +176,12 @@ class Backend(abc.ABC):
         the new weights."""
         raise WireError(ErrorCode.INTERNAL, f"the {self.name} backend cannot update its weights")
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether ``step`` returns with the next step already launched on the device: the
+        runtime then publishes the replies at once instead of while the next step runs."""
+        return False
+
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The KV cache's prefix-cache counters; None for a backend without one."""
         return None

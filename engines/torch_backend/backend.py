@@ -1,19 +1,9 @@
 """The torch backend: a Llama-family model served with continuous batching.
 
-Glue in the nano-vllm shape. A step is launch → collect → emit, in a worker thread (the event
-loop never waits on torch):
-
-- **launch** schedules (pure bookkeeping, under a lock shared with ``add`` and ``abort``),
-  then runs one forward pass, eagerly or as a CUDA graph replay (decode-only steps on CUDA),
-  and one batched sampling pass; on CUDA the sampled ids start their copy to the host.
-- **collect** reads the sampled ids (the step's one host sync), appends each token and ends
-  the requests the token alone ends (EOS, ``max_tokens``, the context limit).
-- **emit** detokenises and checks stop strings.
-
-With overlapped steps (on by default on CUDA), step n + 1 is launched between collecting and
-emitting step n, so the GPU computes while Python detokenises and the runtime encodes the
-replies. A stop string then ends its request one step late: the next step's token for it is
-dropped, as is the token of a request aborted while its step ran.
+Glue in the nano-vllm shape: requests in and out (``add``, ``abort``), memory (suspend, resume),
+weight updates and the profiler. A step (:mod:`engines.torch_backend.step_phases`: launch →
+collect → emit, steps launched ahead on CUDA) runs in a worker thread, so the event loop never
+waits on torch.
 """
 
 from __future__ import annotations
@@ -24,16 +14,13 @@ import contextlib
 import logging
 import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engines.backend import Backend, ExecutionPath, GenerationRequest, PrefixCacheStats, TokenOutput
-from engines.chat_template import ChatTemplate, plain_prompt
-from engines.torch_backend.batch import build_batch
+from engines.chat_template import plain_prompt
 from engines.torch_backend.block_manager import BlockManager
-from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.cuda_graphs import DecodeGraphs
 from engines.torch_backend.fast_path import (
     LoadPhases,
@@ -43,56 +30,30 @@ from engines.torch_backend.fast_path import (
     require_fast,
 )
 from engines.torch_backend.kernels import Kernels
+from engines.torch_backend.loading import load_model
 from engines.torch_backend.memory import (
-    activation_peak,
     allocate_cache,
-    cache_shape,
-    page_bytes,
-    plan_cache,
 )
-from engines.torch_backend.model import LlamaModel
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.profiler import StepProfiler
 from engines.torch_backend.request_state import RequestState
-from engines.torch_backend.rope import rotary_table
-from engines.torch_backend.sampling import SamplingParams, request_key, sample
+from engines.torch_backend.sampling import request_key
 from engines.torch_backend.scheduler import Scheduler
-from engines.torch_backend.sequence import Sequence, SequenceStatus
-from engines.torch_backend.setup import checked_cuda_kernels, resolve_device, resolve_dtype
+from engines.torch_backend.sequence import Sequence
+from engines.torch_backend.setup import resolve_device
+from engines.torch_backend.step_phases import StepPhases
+from engines.torch_backend.step_records import Launched, StepRows
 from engines.torch_backend.tokenizer import (
     IncrementalDetokenizer,
-    Tokenizer,
-    load_tokenizer,
 )
 from engines.torch_backend.weight_update import StagedWeights, stage_checkpoint, swap_in
-from engines.torch_backend.weights import (
-    build_model,
-    checkpoint_weights,
-    random_weights,
-)
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import ChatMessage, FinishReason
+from service.protocol.messages import ChatMessage
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Launched:
-    """A step on its way: the sampled ids are on the host once ``ready`` (CUDA) has fired."""
-
-    states: list[RequestState]
-    tokens: torch.Tensor
-    ready: torch.cuda.Event | None
-
-
-@dataclass(slots=True)
-class _Sampled:
-    state: RequestState
-    token: int
-    finish: FinishReason | None
-
-
-class TorchBackend(Backend):
+class TorchBackend(StepPhases, Backend):
     name = "torch"
     max_context: int  # set from the model and the KV cache; the runtime holds max_tokens to it
 
@@ -106,57 +67,20 @@ class TorchBackend(Backend):
         if options.require_fast_path:  # before loading anything when the options alone rule it out
             require_fast(possible_path(self.device, options.cuda_graphs, options.torch_compile))
         self.load_phases = phases = LoadPhases()
-        model_dir = Path(model_path).expanduser() if model_path else None
-        self.config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
-        self.dtype = resolve_dtype(options.dtype, self.config, self.device)
-        weights = (
-            checkpoint_weights(model_dir)
-            if model_dir
-            else iter(random_weights(self.config, options.model_seed).items())
+        loaded = load_model(options, model_path, self.device, phases)
+        self.config, self.dtype, self.model, self.tokenizer = (
+            loaded.config,
+            loaded.dtype,
+            loaded.model,
+            loaded.tokenizer,
         )
-        self.model: LlamaModel = build_model(self.config, weights, self.dtype, self.device)
-        self.tokenizer: Tokenizer = load_tokenizer(model_dir)
-        self.model_name = str(model_dir) if model_dir else f"random default model (seed {options.model_seed})"
-        self.default_model_name = (model_dir.resolve().name or str(model_dir)) if model_dir else "dpcoord-random"
-        self.chat_template = ChatTemplate.from_dir(model_dir) if model_dir else None
-        phases.done("weights")
-
-        max_context = options.max_context or self.config.max_position_embeddings
-        if max_context > self.config.max_position_embeddings:
-            raise ValueError(
-                f"max_context {max_context} exceeds the model's max_position_embeddings {self.config.max_position_embeddings}"
-            )
-        block_size = options.kv_block_size
-        self._rotary = rotary_table(self.config.rope, self.config.head_dim, max_context, self.dtype, self.device)
-        self._failures: list[str] = []  # fast-path pieces that failed to build
-        if self.device.type == "cuda":
-            self.model.kernels, self._failures = checked_cuda_kernels(self.model, self._rotary, options.torch_compile)
-        phases.done("kernel checks")
-        peak = (
-            activation_peak(self.model, self._rotary, min(options.max_prefill_tokens, max_context - 1), block_size)
-            if self.device.type == "cuda"
-            else 0
-        )
-        page = page_bytes(self.config, block_size, self.dtype)
-        pages_per_sequence = -(-max_context // block_size)
-        plan = plan_cache(
-            self.device,
-            page,
-            options.max_batch * pages_per_sequence,
-            options.kv_memory_fraction,
-            options.kv_cache_gb,
-            peak,
-        )
-        self.max_context = min(max_context, plan.num_blocks * block_size)
-        if self.max_context < max_context:
-            log.warning(
-                "the KV cache holds %d tokens: requests are limited to that context, not %d",
-                self.max_context,
-                max_context,
-            )
-        self._cache_shape = cache_shape(self.config, plan.num_blocks, block_size)
-        self._kv_cache: torch.Tensor | None = allocate_cache(self._cache_shape, self.dtype, self.device)
-        phases.done("activation peak and cache")
+        self.model_name, self.default_model_name = loaded.model_name, loaded.default_model_name
+        self.chat_template = loaded.chat_template
+        self._rotary, self._failures = loaded.rotary, loaded.failures
+        self.max_context = loaded.max_context
+        self._cache_shape = loaded.cache_shape
+        self._kv_cache: torch.Tensor | None = loaded.kv_cache
+        plan, page = loaded.plan, loaded.page_bytes
         self._use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.kernels.paged_decode is not None
         self._graphs: DecodeGraphs | None = self._capture_graphs()
         phases.done("graph capture")
@@ -164,14 +88,15 @@ class TorchBackend(Backend):
         if options.require_fast_path:
             require_fast(self._path)
         self.scheduler = Scheduler(
-            BlockManager(plan.num_blocks, block_size, options.prefix_caching),
+            BlockManager(plan.num_blocks, options.kv_block_size, options.prefix_caching),
             options.max_batch,
             options.max_prefill_tokens,
         )
         self._overlap = options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda"
 
         self._requests: dict[str, RequestState] = {}
-        self._launched: _Launched | None = None
+        self._launched: Launched | None = None
+        self._rows = StepRows()
         self._lock = threading.Lock()  # scheduler and request table: step thread vs add/abort on the loop
         self._step_lock = asyncio.Lock()  # step, suspend and resume never overlap
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
@@ -200,6 +125,10 @@ class TorchBackend(Backend):
     @property
     def graphs(self) -> DecodeGraphs | None:
         return self._graphs
+
+    @property
+    def launches_ahead(self) -> bool:
+        return self._overlap
 
     def execution_path(self) -> ExecutionPath:
         """The path decode runs: while suspended, the one it ran and resumes on."""
@@ -252,7 +181,12 @@ class TorchBackend(Backend):
         key = request_key(request.seed if request.seed is not None else request.request_id)
         state = RequestState(
             request,
-            Sequence.from_prompt(request.request_id, prompt, resume),
+            Sequence.from_prompt(
+                request.request_id,
+                prompt,
+                resume,
+                limit=self.max_context,  # and max_tokens: RequestState bounds it
+            ),
             key,
             IncrementalDetokenizer(self.tokenizer, prompt),
         )
@@ -295,121 +229,6 @@ class TorchBackend(Backend):
     def _step(self) -> list[TokenOutput]:
         with self._on_device():
             return self._step_on_device()
-
-    def _step_on_device(self) -> list[TokenOutput]:
-        if self._kv_cache is None:  # suspended: has_work() says so; a step that slips in does nothing
-            return []
-        launched, self._launched = self._launched or self._launch(), None
-        if launched is None:
-            return []
-        sampled = self._collect(launched)
-        if self._overlap:
-            self._launched = self._launch()
-        return self._emit(sampled)
-
-    def _launch(self) -> _Launched | None:
-        cache = self._kv_cache
-        assert cache is not None, "steps run only with a cache"
-        graphs = self._graphs
-        with torch.inference_mode():
-            with self._lock:
-                scheduled = self.scheduler.schedule()
-                if not scheduled:
-                    return None
-                states = [self._requests[sequence.request_id] for sequence in scheduled.sequences]
-                params = self._sampling_params(states)
-                replay = (
-                    graphs.inputs(scheduled.decode, self.scheduler.grown)
-                    if graphs and not scheduled.prefill and graphs.fits(len(scheduled.decode))
-                    else None
-                )
-                if graphs and replay is None:
-                    graphs.forget_rows()
-                batch = (
-                    None
-                    if replay
-                    else build_batch(
-                        scheduled,
-                        self.scheduler.blocks.block_size,
-                        self.config.group_size,
-                        self.dtype,
-                        self.device,
-                        self.kernels.paged_decode is not None,
-                    )
-                )
-            if graphs is not None and replay is not None:
-                logits = graphs.replay(replay)
-            else:
-                assert batch is not None, "an eager step has its batch"
-                logits = self.model(batch, self._rotary, cache)
-            tokens = sample(logits, params)
-        if self.device.type != "cuda":
-            return _Launched(states, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event(blocking=True)  # synchronize() then sleeps instead of spinning a core
-        ready.record()
-        return _Launched(states, host, ready)
-
-    def _sampling_params(self, states: list[RequestState]) -> SamplingParams | None:
-        """None when every row is greedy: argmax needs no parameters."""
-        requests = [state.request for state in states]
-        if all(request.temperature == 0 for request in requests):
-            return None
-        return SamplingParams.build(
-            [request.temperature for request in requests],
-            [request.top_k for request in requests],
-            [request.top_p for request in requests],
-            [state.key for state in states],
-            [state.sequence.num_generated for state in states],
-            self.device,
-        )
-
-    def _collect(self, launched: _Launched) -> list[_Sampled]:
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        tokens = launched.tokens.tolist()  # the step's one host sync
-        sampled: list[_Sampled] = []
-        eos, max_context = self.config.eos_token_ids, self.max_context
-        with self._lock:
-            for state, token in zip(launched.states, tokens, strict=True):
-                # A request aborted (or stopped by a stop string) while its step ran is gone: its token is dropped.
-                if state.sequence.status is not SequenceStatus.RUNNING:
-                    continue
-                self.scheduler.append(state.sequence, token)
-                finish = state.token_finish(token, eos, max_context)
-                if finish is not None:
-                    self._finish(state)
-                sampled.append(_Sampled(state, token, finish))
-        return sampled
-
-    def _emit(self, sampled: list[_Sampled]) -> list[TokenOutput]:
-        outputs = []
-        for item in sampled:
-            state, finish = item.state, item.finish
-            text, stopped = state.text(item.token)
-            if stopped and finish != "stop":
-                if finish is None:
-                    with self._lock:
-                        self._finish(state)
-                finish = "stop"
-            if finish is not None:
-                text += state.detokenizer.flush()
-            outputs.append(TokenOutput(state.request.request_id, [item.token], text, finish))
-        return outputs
-
-    def _finish(self, state: RequestState) -> None:
-        """Under the lock: the request leaves the scheduler (its pages are free) and the table."""
-        if state.sequence.status is SequenceStatus.FINISHED:
-            return
-        self.scheduler.remove(state.sequence)
-        del self._requests[state.request.request_id]
-
-    def _drop_launched(self) -> None:
-        """Forget a step in flight: its tokens are never appended, so they are sampled again later."""
-        launched, self._launched = self._launched, None
-        if launched is not None and launched.ready is not None:
-            launched.ready.synchronize()
 
     # ------------------------------------------------------------ memory
 

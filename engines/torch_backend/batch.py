@@ -3,7 +3,8 @@
 Host-side bookkeeping (which token goes to which cache slot, which pages a sequence reads)
 is gathered into Python lists and sent to the device in one small transfer per tensor;
 masks are built on the device. Decode groups for the paged kernel carry lengths instead
-of a mask.
+of a mask. With a step in flight (``previous``), the decode rows' input ids are its sampled
+ids, copied on the device (:mod:`engines.torch_backend.placeholders`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engines.torch_backend.model import AttentionGroup, ForwardBatch
+from engines.torch_backend.placeholders import decode_sources, resolve_on_device
 from engines.torch_backend.scheduler import ScheduledBatch
 from engines.torch_backend.sequence import Sequence
 
@@ -41,6 +43,7 @@ def build_batch(
     dtype: torch.dtype,
     device: torch.device,
     paged_decode: bool = False,
+    previous: torch.Tensor | None = None,
 ) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -52,8 +55,11 @@ def build_batch(
             positions.append(position)
             slots.append(sequence.slot(position, block_size))
         last.append(len(input_ids) - 1)
+    ids = _long(input_ids, device)
+    if previous is not None and scheduled.decode:  # decode rows first, one input id each
+        resolve_on_device(ids[: len(scheduled.decode)], previous, decode_sources(scheduled.decode))
     return ForwardBatch(
-        input_ids=_long(input_ids, device),
+        input_ids=ids,
         positions=_long(positions, device),
         slot_mapping=_long(slots, device),
         last_token_index=_long(last, device),

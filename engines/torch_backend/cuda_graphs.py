@@ -28,6 +28,7 @@ import torch
 
 from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
 from engines.torch_backend.model import AttentionGroup, ForwardBatch, LlamaModel
+from engines.torch_backend.placeholders import resolve_on_device
 from engines.torch_backend.sequence import Sequence
 
 
@@ -135,6 +136,8 @@ class DecodeGraphs:
         self._rows = DecodeRows(self.buckets[-1], max_pages, block_size, self.scratch_page)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # ids, logits
+        self._bucket_of = [next(bucket for bucket in self.buckets if bucket >= count) for count in range(max_batch + 1)]
         self._capture()
 
     @torch.inference_mode()
@@ -158,22 +161,39 @@ class DecodeGraphs:
     def fits(self, count: int) -> bool:
         return 0 < count <= self.buckets[-1]
 
-    def inputs(self, sequences: list[Sequence], grown: list[Sequence]) -> GraphInputs:
+    def inputs(self, sequences: list[Sequence], grown: list[Sequence], ids_on_device: bool = False) -> GraphInputs:
         """The step's inputs, read from the sequences (call under the scheduler's lock);
-        ``grown``: those the scheduler gave a page since the last step."""
-        size = next(bucket for bucket in self.buckets if bucket >= len(sequences))
-        self._rows.update(sequences, grown, size)
-        return self._rows.inputs(size, len(sequences))
+        ``grown``: those the scheduler gave a page since the last step; ``ids_on_device``: the
+        token ids come from the step in flight (:meth:`replay`'s ``previous``)."""
+        count = len(sequences)
+        size = self._bucket_of[count]
+        self._rows.update(sequences, grown, size, ids_on_device)
+        return self._rows.inputs(size, count)
+
+    @property
+    def rows_reused(self) -> bool:
+        """Whether the last :meth:`inputs` kept the rows of the step before, in order."""
+        return self._rows.reused
 
     def forget_rows(self) -> None:
         """A step ran eagerly: the next graph step rewrites its rows from the sequences."""
         self._rows.forget()
 
-    def replay(self, inputs: GraphInputs) -> torch.Tensor:
-        """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe."""
+    def replay(
+        self, inputs: GraphInputs, previous: torch.Tensor | None = None, sources: list[int] | None = None
+    ) -> torch.Tensor:
+        """Logits ``[count, vocab]`` (float32, on the device) of the step ``inputs`` describe;
+        with a step in flight, the rows' input ids are its sampled ids ``previous``, from its
+        rows ``sources`` (None: row ``i`` from row ``i``)."""
         self._static.load(inputs)
-        self._graphs[inputs.size].replay()
-        return self._logits[inputs.size][: inputs.count]
+        size, count = inputs.size, inputs.count
+        views = self._views.get((size, count))
+        if views is None:  # slicing a tensor costs microseconds: each view is made once
+            views = self._views[size, count] = (self._static.longs[0, :count], self._logits[size][:count])
+        if previous is not None:
+            resolve_on_device(views[0], previous, sources)
+        self._graphs[size].replay()
+        return views[1]
 
 
 __all__ = ["DecodeGraphs", "GraphInputs", "StaticDecodeBatch", "decode_buckets"]

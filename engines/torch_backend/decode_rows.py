@@ -58,15 +58,18 @@ class DecodeRows:
         self._size = 0
         self._first_length = 0  # tokens of the first row's sequence at the last update
         self._all_rows = np.arange(largest)
+        self._views: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def forget(self) -> None:
         """The next step rewrites every row: the last one did not go through :meth:`update`."""
         self._rows = []
 
-    def update(self, sequences: list[Sequence], grown: list[Sequence], size: int) -> None:
+    def update(self, sequences: list[Sequence], grown: list[Sequence], size: int, ids_on_device: bool = False) -> None:
         """The rows of a decode step of ``sequences`` (read under the scheduler's lock), padded to
         the bucket ``size`` with rows that feed token 0 at position 0 into the scratch page.
-        ``grown``: the sequences given a page since the last step.
+        ``grown``: the sequences given a page since the last step. ``ids_on_device``: the rows'
+        token ids are copied on the device from the step in flight (placeholders here), so kept
+        rows leave them unwritten.
 
         Kept rows rely on the scheduler's page rule: a sequence's position enters a new page
         exactly when the scheduler gives it that page, so every other row's slot is the next
@@ -81,9 +84,9 @@ class DecodeRows:
             self.reused = True
             self.tables_changed = bool(grown)
             count = len(sequences)
-            self.longs[1, :count] += 1
-            self.longs[2, :count] += 1
-            self.longs[0, :count] = [sequence.token_ids[-1] for sequence in sequences]
+            self.longs[1:, :count] += 1  # positions and slots
+            if not ids_on_device:
+                self.longs[0, :count] = [sequence.token_ids[-1] for sequence in sequences]
             slots, block_size, width = self.longs[2], self.block_size, self.width
             for sequence in grown:
                 row, table, position = self._row_of[sequence], sequence.block_table, len(sequence.token_ids) - 1
@@ -97,8 +100,11 @@ class DecodeRows:
         self._rewrite(sequences, size)
 
     def inputs(self, size: int, count: int) -> GraphInputs:
-        """Views of the rows :meth:`update` wrote last."""
-        return GraphInputs(size, count, self.longs[:, :size], self.tables[:size, : self.width], self.tables_changed)
+        """Views of the rows :meth:`update` wrote last (made once per shape: slicing costs)."""
+        views = self._views.get((size, self.width))
+        if views is None:
+            views = self._views[size, self.width] = (self.longs[:, :size], self.tables[:size, : self.width])
+        return GraphInputs(size, count, views[0], views[1], self.tables_changed)
 
     def _rewrite(self, sequences: list[Sequence], size: int) -> None:
         self._rows = list(sequences)

@@ -90,7 +90,8 @@ class Scheduler:
     def _schedule_decode(self) -> list[Sequence]:
         """Every running sequence, in order, with room for the token it feeds; the ones that
         needed a new page for it are in :attr:`grown` (a decode step's block tables change
-        only there)."""
+        only there). A sequence whose pending token reaches its ``limit`` is left out: that
+        token ends it."""
         scheduled: list[Sequence] = []
         self.grown = []
         running, blocks, page = self.running, self.blocks, self.blocks.block_size
@@ -98,6 +99,9 @@ class Scheduler:
         while index < len(running):
             sequence = running[index]
             needed = len(sequence.token_ids)
+            if needed >= sequence.limit:
+                index += 1
+                continue
             if needed > len(sequence.block_table) * page:  # most steps: the last page has room
                 while not blocks.can_hold(sequence, needed) and running[-1] is not sequence:
                     self._preempt(running.pop())
@@ -130,6 +134,8 @@ class Scheduler:
 
     def _preempt(self, sequence: Sequence) -> None:
         self.blocks.release(sequence)
+        sequence.drop_placeholder()  # its token is sampled again when it is recomputed
         sequence.status = SequenceStatus.WAITING
         self.waiting.appendleft(sequence)
         self.num_preempted += 1
+        sequence.preempted = self.num_preempted

@@ -108,14 +108,18 @@ def test_stop_string_ends_the_request_and_keeps_the_text(backend: TorchBackend) 
     assert text(outputs) == free[: free.index(stop) + len(stop)]
 
 
-def test_max_tokens_and_context_limit(backend: TorchBackend) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_max_tokens_and_context_limit(overlap: bool) -> None:
+    backend = TorchBackend(engine_options(model_seed=1, overlap_steps=overlap))
     assert len(tokens(run(backend, sampled("m", max_tokens=3))["m"])) == 3
     prompt = [65] * (backend.max_context - 2)
     outputs = run(backend, GenerationRequest("c", prompt, max_tokens=50, temperature=0.0))["c"]
     assert len(tokens(outputs)) == 2 and outputs[-1].finish_reason == "length"
 
 
-def test_eos_from_generation_config_stops_with_stop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_eos_from_generation_config_stops_with_stop(tmp_path: Path, overlap: bool) -> None:
+    """Launched ahead, the step after the EOS has a row for it, whose token is never emitted."""
     config = tiny()
     weights = random_weights(config, seed=2)
     _checkpoint(tmp_path, config.to_hf(), weights)
@@ -123,11 +127,13 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path) -> None:
     generated = tokens(run(free, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"])
     eos = generated[4]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, eos]}))
-    backend = TorchBackend(engine_options(), str(tmp_path))
+    backend = TorchBackend(engine_options(overlap_steps=overlap), str(tmp_path))
     assert backend.config.eos_token_ids == (999, eos)
     outputs = run(backend, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"]
     assert tokens(outputs) == generated[: generated.index(eos) + 1]
     assert outputs[-1].finish_reason == "stop"
+    blocks = backend.scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks
 
 
 def test_eos_null_means_no_eos(tmp_path: Path) -> None:
@@ -152,10 +158,12 @@ def test_refusals(backend: TorchBackend) -> None:
     assert not backend.has_work()
 
 
-def test_a_full_cache_queues_requests_and_serves_them_all() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_a_full_cache_queues_requests_and_serves_them_all(overlap: bool) -> None:
+    """Launched ahead, a preempted request drops the token of the step in flight and samples it again."""
     pages = 6  # 24 token slots: two 10-token requests at most
     budget = pages * page_bytes(ModelConfig(), 4, torch.float32) / (1 << 30)
-    backend = TorchBackend(engine_options(kv_block_size=4, max_context=64, kv_cache_gb=budget))
+    backend = TorchBackend(engine_options(kv_block_size=4, max_context=64, kv_cache_gb=budget, overlap_steps=overlap))
     assert backend.scheduler.blocks.num_blocks == pages
     requests = [GenerationRequest(f"q{i}", "abcdefgh", max_tokens=12, temperature=0.0) for i in range(5)]
     outputs = run(backend, *requests)

@@ -3,6 +3,7 @@ forwarded to the client, control signals and the profiler ack."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,8 +24,12 @@ from tests.helpers import request_json
 from tests.integration.test_observability import http_get, port_of, samples, value
 
 
-@pytest.fixture
-async def torch_engine(settings: Settings, coordinator: Coordinator, tmp_path: Path) -> AsyncIterator[EngineRuntime]:
+@pytest.fixture(params=[False, True], ids=["one at a time", "launched ahead"])
+async def torch_engine(
+    settings: Settings, coordinator: Coordinator, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[EngineRuntime]:
+    """Also with steps launched ahead, as on CUDA: the runtime then publishes each step's replies
+    as soon as the step returns (``Backend.launches_ahead``)."""
     engine_settings = settings.model_copy(
         update={
             "backend": "torch",
@@ -34,7 +39,8 @@ async def torch_engine(settings: Settings, coordinator: Coordinator, tmp_path: P
             "profile_dir": str(tmp_path),
         }
     )
-    engine = EngineRuntime(engine_settings, TorchBackend(torch_options(engine_settings)))
+    options = dataclasses.replace(torch_options(engine_settings), overlap_steps=request.param)
+    engine = EngineRuntime(engine_settings, TorchBackend(options))
     await engine.start()
     await coordinator.wait_for_engines(1)
     await engine.registered.wait()

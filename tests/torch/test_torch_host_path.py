@@ -15,8 +15,9 @@ import torch
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.cuda_graphs import StaticDecodeBatch, decode_buckets
 from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
+from engines.torch_backend.placeholders import decode_sources
 from engines.torch_backend.scheduler import Scheduler
-from engines.torch_backend.sequence import Sequence
+from engines.torch_backend.sequence import PLACEHOLDER, Sequence, SequenceStatus, feed
 from engines.torch_backend.tokenizer import ByteTokenizer, IncrementalDetokenizer
 
 BLOCK = 4
@@ -68,6 +69,52 @@ def test_rows_kept_between_steps_equal_rows_built_from_scratch(seed: int) -> Non
             if sequence.num_generated >= draw.randrange(8, 40):
                 scheduler.remove(sequence)
     assert graph_steps > 100 and kept_steps > 50  # both paths ran, the kept one most
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_launched_ahead_equal_rows_built_from_scratch(seed: int) -> None:
+    """The overlap scheduler's flow: each step is launched (placeholders fed) before the step
+    before it is read back. Kept rows leave the token ids to the device; their positions,
+    slots and tables equal a build from scratch, and each row's source in the step in flight
+    is its own row whenever the rows are kept."""
+    draw = random.Random(seed)
+    num_blocks, max_batch = 48, 8
+    scheduler = Scheduler(BlockManager(num_blocks, BLOCK, prefix_caching=True), max_batch, max_prefill_tokens=64)
+    rows = DecodeRows(max_batch, num_blocks, BLOCK, num_blocks)
+    buckets = decode_buckets(max_batch)
+    in_flight: list[tuple[Sequence, int]] = []
+    kept_steps = 0
+    for step in range(300):
+        if draw.random() < 0.15:
+            prompt = [draw.randrange(256) for _ in range(draw.randrange(1, 12))]
+            scheduler.add(Sequence.from_prompt(f"s{step}", prompt, limit=len(prompt) + draw.randrange(4, 40)))
+        scheduled = scheduler.schedule()
+        if scheduled and scheduled.prefill:
+            rows.forget()
+        elif scheduled:
+            decode = scheduled.decode
+            size = next(bucket for bucket in buckets if bucket >= len(decode))
+            rows.update(decode, scheduler.grown, size, ids_on_device=bool(in_flight))
+            kept = rows.inputs(size, len(decode))
+            fresh = GraphInputs.of(decode, size, BLOCK, num_blocks)
+            np.testing.assert_array_equal(kept.longs[1:], fresh.longs[1:])
+            for row, sequence in enumerate(decode):
+                np.testing.assert_array_equal(kept.tables[row, : len(sequence.block_table)], sequence.block_table)
+            if in_flight:
+                assert all(sequence.token_ids[-1] == PLACEHOLDER for sequence in decode)
+                sources = decode_sources(decode)
+                assert sources is None or not rows.reused
+                expected = [next(r for r, (s, _) in enumerate(in_flight) if s is sequence) for sequence in decode]
+                assert (sources or list(range(len(decode)))) == expected
+            kept_steps += rows.reused
+        positions = feed(scheduled.sequences) if scheduled else []
+        for sequence, position in in_flight:  # the step before is read back after this one launched
+            if sequence.status is SequenceStatus.RUNNING and sequence.token_ids[position] == PLACEHOLDER:
+                sequence.token_ids[position] = draw.randrange(256)
+                if position + 1 >= sequence.limit:
+                    scheduler.remove(sequence)
+        in_flight = list(zip(scheduled.sequences, positions, strict=True)) if scheduled else []
+    assert kept_steps > 50
 
 
 def test_a_sequence_that_skipped_a_graph_step_is_rewritten() -> None:

@@ -63,9 +63,11 @@ def test_logits_match_transformers(name: str) -> None:
             torch.testing.assert_close(ours[rid], expected, atol=2e-5, rtol=1e-4)
 
 
-def test_greedy_generation_matches_transformers_generate() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_greedy_generation_matches_transformers_generate(overlap: bool) -> None:
+    """Also with steps launched ahead, whose input ids come from the step in flight on the device."""
     config = ModelConfig()
-    backend = TorchBackend(engine_options(model_seed=3))
+    backend = TorchBackend(engine_options(model_seed=3, overlap_steps=overlap))
     reference = hf_model(config, random_weights(config, seed=3))
     for i, prompt in enumerate(PROMPTS):
         backend.add(GenerationRequest(f"r{i}", prompt, max_tokens=24, temperature=0.0))
@@ -74,8 +76,9 @@ def test_greedy_generation_matches_transformers_generate() -> None:
         assert generated[f"r{i}"] == hf_greedy(reference, prompt, 24), f"prompt {i}"
 
 
-def test_a_batch_gives_each_prompt_its_alone_tokens() -> None:
-    backend = TorchBackend(engine_options(model_seed=11))
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_a_batch_gives_each_prompt_its_alone_tokens(overlap: bool) -> None:
+    backend = TorchBackend(engine_options(model_seed=11, overlap_steps=overlap))
     prompts = {f"p{i}": [(13 * i + k * k) % 256 for k in range(3 + 5 * i)] for i in range(12)}
     alone = {}
     for rid, prompt in prompts.items():

@@ -31,8 +31,12 @@ def test_multi_byte_characters_are_held_until_complete() -> None:
 
 def test_invalid_bytes_come_out_as_replacement_characters() -> None:
     pieces = stream(ByteTokenizer(), [], [0xE2, 0x82, 0x41, 0xFF])
-    assert "".join(pieces) == "\ufffdA\ufffd"
-    assert pieces[-1] == "\ufffd"  # the trailing invalid byte is only released by the flush
+    # An invalid byte is replaced as soon as it is known to be invalid, not held to the end.
+    assert pieces == ["", "", "\ufffdA", "\ufffd", ""]
+
+
+def test_an_incomplete_character_at_the_end_is_released_by_the_flush() -> None:
+    assert stream(ByteTokenizer(), [], [0x41, 0xE2, 0x82]) == ["A", "", "", "\ufffd"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -86,6 +90,79 @@ def test_hf_stream_equals_the_whole_decode(hf_tokenizer: HFTokenizer, text: str)
     pieces = stream(hf_tokenizer, prompt, generated)
     assert "".join(pieces) == hf_tokenizer.decode(generated)
     assert all("\ufffd" not in piece for piece in pieces)  # byte-level pieces never split a character
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    """A Llama-2-style tokenizer: SentencePiece pieces (``▁`` for a space) with byte fallback
+    for characters outside its vocabulary, and a decoder that drops the leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=200,
+        special_tokens=["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256))],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 10, trainer)
+    directory = tmp_path_factory.mktemp("sentencepiece")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    loaded = load_tokenizer(Path(directory))
+    assert isinstance(loaded, HFTokenizer)
+    return loaded
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="the quick fox €😀üж", max_size=30))
+def test_byte_fallback_stream_equals_the_whole_decode(sentencepiece_tokenizer: HFTokenizer, text: str) -> None:
+    """Multi-byte characters the vocabulary lacks are several ``<0xNN>`` tokens each; the
+    first generated token's space survives the decoder's leading-space strip."""
+    tokenizer = sentencepiece_tokenizer
+    prompt = tokenizer.encode("the lazy")
+    generated = tokenizer.encode(" " + text)
+    pieces = stream(tokenizer, prompt, generated)
+    assert "".join(pieces) == tokenizer.decode([*prompt, *generated])[len(tokenizer.decode(prompt)) :]
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("name", ["bytes", "byte-level BPE", "byte fallback"])
+def test_a_long_output_costs_the_same_per_token(
+    name: str, hf_tokenizer: HFTokenizer, sentencepiece_tokenizer: HFTokenizer
+) -> None:
+    """O(1) per token: no call decodes more than a bounded window, however long the output
+    (a test double counts the tokens each decode is given)."""
+    tokenizer = {"bytes": ByteTokenizer(), "byte-level BPE": hf_tokenizer, "byte fallback": sentencepiece_tokenizer}[
+        name
+    ]
+    text = "the quick brown fox € jumps 😀 over the lazy dog " * 40
+    generated = tokenizer.encode(text)[1:] if isinstance(tokenizer, HFTokenizer) else tokenizer.encode(text)
+    longest = 0
+    decode = tokenizer.decode
+
+    def counting(token_ids: list[int]) -> str:
+        nonlocal longest
+        longest = max(longest, len(token_ids))
+        return decode(token_ids)
+
+    tokenizer.decode = counting  # type: ignore[method-assign]
+    try:
+        pieces = stream(tokenizer, [], generated)
+    finally:
+        del tokenizer.decode
+    assert len(generated) > 500
+    assert longest <= 8  # Python-side decodes, if any, see a few tokens only
+    assert "".join(pieces) == decode(generated)
+
+
+def test_special_tokens_that_add_no_text_do_not_grow_the_window(hf_tokenizer: HFTokenizer) -> None:
+    specials = [1] * 100  # "</s>", skipped in text
+    fox = hf_tokenizer.encode(" fox")[1:]
+    assert "".join(stream(hf_tokenizer, [], [*specials, *fox])) == " fox"
 
 
 def test_without_tokenizer_json_the_byte_tokenizer_is_used(tmp_path: Path) -> None:
