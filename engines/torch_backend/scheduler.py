@@ -56,12 +56,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def append(self, sequence: Sequence, token: int) -> None:
-        """Record a sampled token; the pages it filled join the prefix cache."""
-        sequence.append(token)
-        if sequence.num_cached >= (sequence.num_committed + 1) * self.blocks.block_size:  # a page filled
-            self.blocks.commit(sequence)
-
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
         if sequence.status is SequenceStatus.RUNNING:

@@ -69,11 +69,6 @@ class Sequence:
         """Tokens the next step feeds."""
         return len(self.token_ids) - self.num_cached
 
-    def append(self, token: int) -> None:
-        """Record a sampled token: every token fed before it is now cached."""
-        self.num_cached = len(self.token_ids)
-        self.token_ids.append(token)
-
     def drop_placeholder(self) -> None:
         """The step in flight will not give this sequence its token (it was preempted)."""
         if self.token_ids and self.token_ids[-1] == PLACEHOLDER:

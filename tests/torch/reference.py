@@ -56,6 +56,16 @@ def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
     return model.eval()
 
 
+def record_token(sequence: Sequence, token: int, blocks: BlockManager | None = None) -> None:
+    """What a step without the backend records of a sampled token: every token fed before it is
+    now cached (the engine writes it over its placeholder instead, ``step_phases._collect``);
+    with ``blocks``, the pages it filled join the prefix cache."""
+    sequence.num_cached = len(sequence.token_ids)
+    sequence.token_ids.append(token)
+    if blocks is not None and sequence.num_cached >= (sequence.num_committed + 1) * blocks.block_size:
+        blocks.commit(sequence)
+
+
 def engine_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
     return build_model(config, iter(weights.items()), torch.float32, torch.device("cpu"))
 
@@ -103,7 +113,7 @@ class Harness:
                 fed = len(collected[rid]) - 1
                 continuation = sequences[rid][1]
                 if fed < len(continuation):
-                    states[rid].append(continuation[fed])
+                    record_token(states[rid], continuation[fed])
                 else:
                     self.scheduler.remove(states[rid])
         return {rid: torch.stack(rows) for rid, rows in collected.items()}

@@ -25,7 +25,7 @@ from engines.torch_backend.scheduler import ScheduledBatch
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.setup import check_pointwise
 from service.ops.settings import Settings
-from tests.torch.reference import engine_model, engine_options, random_weights, tiny
+from tests.torch.reference import engine_model, engine_options, random_weights, record_token, tiny
 
 FAST = ExecutionPath("cuda", cuda_graphs=True, paged_kernel=True, compiled=True)
 
@@ -107,7 +107,7 @@ def test_serving_never_recompiles_the_pieces_the_load_time_check_compiled() -> N
 
     with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         for sequence, token in zip(sequences, forward([], sequences), strict=True):
-            sequence.append(token)
+            record_token(sequence, token)
         for chosen in (sequences[:1], sequences, sequences[:1]):
             for sequence, token in zip(chosen, forward(chosen, []), strict=True):
-                sequence.append(token)
+                record_token(sequence, token)

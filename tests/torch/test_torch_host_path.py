@@ -19,6 +19,7 @@ from engines.torch_backend.placeholders import decode_sources
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import PLACEHOLDER, Sequence, SequenceStatus, feed
 from engines.torch_backend.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from tests.torch.reference import record_token
 
 BLOCK = 4
 
@@ -65,7 +66,7 @@ def test_rows_kept_between_steps_equal_rows_built_from_scratch(seed: int) -> Non
             graph_steps += 1
             kept_steps += rows.reused
         for sequence in scheduled.sequences:
-            scheduler.append(sequence, draw.randrange(256))
+            record_token(sequence, draw.randrange(256), scheduler.blocks)
             if sequence.num_generated >= draw.randrange(8, 40):
                 scheduler.remove(sequence)
     assert graph_steps > 100 and kept_steps > 50  # both paths ran, the kept one most
@@ -125,8 +126,8 @@ def test_a_sequence_that_skipped_a_graph_step_is_rewritten() -> None:
     rows = DecodeRows(4, 8, BLOCK, 7)
     rows.update(sequences, [], 2)
     for sequence in sequences:
-        sequence.append(9)
-        sequence.append(10)
+        record_token(sequence, 9)
+        record_token(sequence, 10)
     rows.update(sequences, [], 2)
     same_inputs(rows.inputs(2, 2), GraphInputs.of(sequences, 2, BLOCK, 7), sequences)
 

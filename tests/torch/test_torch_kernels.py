@@ -24,7 +24,7 @@ from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.scheduler import ScheduledBatch
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.setup import check_kernels
-from tests.torch.reference import TINY, engine_model, random_weights, tiny
+from tests.torch.reference import TINY, engine_model, random_weights, record_token, tiny
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -89,7 +89,7 @@ def test_the_model_decodes_the_same_with_the_paged_kernel() -> None:
         prefill = build_batch(ScheduledBatch([], sequences), block_size, config.group_size, torch.float32, DEVICE)
         first = model(prefill, rotary, cache).argmax(dim=-1).tolist()
         for sequence, token in zip(sequences, first, strict=True):
-            sequence.append(token)
+            record_token(sequence, token)
         decode = ScheduledBatch(sequences, [])
         eager = model(build_batch(decode, block_size, config.group_size, torch.float32, DEVICE), rotary, cache.clone())
         model.kernels = paged_decode_kernel()
@@ -148,7 +148,7 @@ def test_a_padded_static_decode_batch_gives_the_unpadded_rows_and_touches_only_t
     with torch.inference_mode():
         prefill = build_batch(ScheduledBatch([], sequences), block_size, config.group_size, torch.float32, DEVICE)
         for sequence, token in zip(sequences, model(prefill, rotary, cache).argmax(dim=-1).tolist(), strict=True):
-            sequence.append(token)
+            record_token(sequence, token)
         model.kernels = paged_decode_kernel()
         for chosen in (sequences, sequences[:3]):  # five rows, then three: rows 3..7 are padding the second time
             expected = model(

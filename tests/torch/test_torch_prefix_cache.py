@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from engines.torch_backend.block_manager import BlockManager, chain_hash
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence, SequenceStatus
+from tests.torch.reference import record_token
 
 
 def make(num_blocks: int = 16, block_size: int = 4, max_batch: int = 8, max_prefill_tokens: int = 256) -> Scheduler:
@@ -22,7 +23,7 @@ def run_to_end(scheduler: Scheduler, *sequences: Sequence, generate: int = 1) ->
         scheduler.add(sequence)
     while any(sequence.status is not SequenceStatus.FINISHED for sequence in sequences):
         for sequence in scheduler.schedule().sequences:
-            scheduler.append(sequence, 0)
+            record_token(sequence, 0, scheduler.blocks)
             if sequence.num_generated >= generate:
                 scheduler.remove(sequence)
 
@@ -132,10 +133,10 @@ def test_a_preempted_request_resumes_from_its_own_cached_pages() -> None:
     for sequence in (a, b):
         scheduler.add(sequence)
     for sequence in scheduler.schedule().sequences:  # a: 3 pages, b: 2 pages
-        scheduler.append(sequence, 0)
+        record_token(sequence, 0, scheduler.blocks)
     batch = scheduler.schedule()  # b needs a third page, none is free: b is preempted
     assert batch.decode == [a] and b.status is SequenceStatus.WAITING
-    scheduler.append(a, 0)
+    record_token(a, 0, scheduler.blocks)
     scheduler.remove(a)
     resumed = scheduler.schedule()
     assert resumed.prefill == [b] and b.num_cached == 4 and b.num_new == 1  # prompt pages cached, the sampled token fed
@@ -195,7 +196,7 @@ def test_reused_pages_always_hold_the_tokens_their_readers_expect(prompts: list[
                     assert contents.get(sequence.slot(position, block_size)) == sequence.token_ids[position]
                 for position in range(sequence.num_cached, len(sequence.token_ids)):
                     contents[sequence.slot(position, block_size)] = sequence.token_ids[position]
-                scheduler.append(sequence, len(sequence.token_ids) % 3)
+                record_token(sequence, len(sequence.token_ids) % 3, scheduler.blocks)
         elif action == "add" and pending:
             scheduler.add(pending.pop())
         elif action == "drop":

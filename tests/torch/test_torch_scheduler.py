@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence, SequenceStatus
+from tests.torch.reference import record_token
 
 
 def make(
@@ -31,7 +32,7 @@ def seq(rid: str, length: int) -> Sequence:
 
 def advance(batch_sequences: list[Sequence]) -> None:
     for sequence in batch_sequences:
-        sequence.append(0)
+        record_token(sequence, 0)
 
 
 def test_the_module_does_not_import_torch() -> None:
