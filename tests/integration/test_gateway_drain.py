@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import openai
 import pytest
@@ -58,6 +58,34 @@ async def _rest(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> l
     return sse_data(b"".join(lines))
 
 
+def _start_gateway(settings: Settings, port: int, log: IO[str], *args: str, **env: str) -> subprocess.Popen[bytes]:
+    """``dpcoord gateway`` as a process on ``port``, its standard error to ``log``."""
+    environment = dict(
+        os.environ,
+        DPCOORD_NATS_URL=settings.nats_url,
+        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
+        DPCOORD_GATEWAY_HOST="127.0.0.1",
+        DPCOORD_GATEWAY_PORT=str(port),
+        **env,
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "service", "gateway", *args], env=environment, cwd=REPO_ROOT, stderr=log
+    )
+
+
+async def _first_stream(port: int, max_tokens: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream opened as soon as the gateway is connected and an engine serves."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while True:
+        try:
+            return await _open_stream(port, max_tokens)
+        except (OSError, TimeoutError):
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 async def _readyz(gateway: Gateway) -> int:
     """Call the app's /readyz directly (the listening socket is closed by then)."""
     sent: list[dict[str, Any]] = []
@@ -83,27 +111,10 @@ async def test_sigterm_lets_short_streams_finish_and_cuts_long_ones_with_an_erro
 ) -> None:
     await start_engines(1, token_delay_ms=50)
     port = free_port()
-    env = dict(
-        os.environ,
-        DPCOORD_NATS_URL=settings.nats_url,
-        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
-        DPCOORD_GATEWAY_HOST="127.0.0.1",
-        DPCOORD_GATEWAY_PORT=str(port),
-        DPCOORD_GATEWAY_DRAIN_S=str(DRAIN_S),
-    )
     log = (tmp_path / "gateway.log").open("w")
-    gateway = subprocess.Popen([sys.executable, "-m", "service", "gateway"], env=env, cwd=REPO_ROOT, stderr=log)
+    gateway = _start_gateway(settings, port, log, DPCOORD_GATEWAY_DRAIN_S=str(DRAIN_S))
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20
-        while True:  # until the gateway is connected and an engine serves
-            try:
-                short = await _open_stream(port, max_tokens=10)  # about 0.5 s: within the drain
-                break
-            except (OSError, TimeoutError):
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
+        short = await _first_stream(port, max_tokens=10)  # about 0.5 s: within the drain
         long = await _open_stream(port, max_tokens=2000)  # about 100 s: cut
         gateway.send_signal(signal.SIGTERM)
         finished, cut = await asyncio.gather(_rest(*short), _rest(*long))
@@ -128,28 +139,13 @@ async def test_while_draining_probes_get_503_new_work_is_refused_and_a_cut_reque
     (the ``openai`` SDK raises it as an APIStatusError), not a dropped connection."""
     await start_engines(1, token_delay_ms=50)
     port = free_port()
-    env = dict(
-        os.environ,
-        DPCOORD_NATS_URL=settings.nats_url,
-        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
-        DPCOORD_GATEWAY_HOST="127.0.0.1",
-        DPCOORD_GATEWAY_PORT=str(port),
-        DPCOORD_GATEWAY_DRAIN_S="3",
-    )
     log = (tmp_path / "gateway.log").open("w")
-    gateway = subprocess.Popen([sys.executable, "-m", "service", "gateway"], env=env, cwd=REPO_ROOT, stderr=log)
+    gateway = _start_gateway(settings, port, log, DPCOORD_GATEWAY_DRAIN_S="3")
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     try:
+        stream = await _first_stream(port, max_tokens=2000)  # about 100 s: cut
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
-        while True:  # until the gateway is connected and an engine serves
-            try:
-                stream = await _open_stream(port, max_tokens=2000)  # about 100 s: cut
-                break
-            except (OSError, TimeoutError):
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
         long = asyncio.ensure_future(client.completions.create(model=ECHO, prompt="Hello", max_tokens=2000))
 
         async def in_flight() -> float:
@@ -200,17 +196,8 @@ async def test_workers_share_the_port_and_stop_with_the_gateway(
     SIGTERM."""
     await start_engines(1)
     port = free_port()
-    env = dict(
-        os.environ,
-        DPCOORD_NATS_URL=settings.nats_url,
-        DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
-        DPCOORD_GATEWAY_HOST="127.0.0.1",
-        DPCOORD_GATEWAY_PORT=str(port),
-    )
     log = (tmp_path / "gateway.log").open("w")
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "service", "gateway", "--workers", "2"], env=env, cwd=REPO_ROOT, stderr=log
-    )
+    gateway = _start_gateway(settings, port, log, "--workers", "2")
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30

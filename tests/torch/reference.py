@@ -144,3 +144,15 @@ __all__ = [
     "random_weights",
     "tiny",
 ]
+
+
+def run_to_end(backend: Any, *requests: Any) -> dict[str, list[Any]]:
+    """Add ``requests`` to a TorchBackend and step it until it has no work: each request's
+    outputs (TokenOutput), in order."""
+    for request in requests:
+        backend.add(request)
+    outputs: dict[str, list[Any]] = {}
+    while backend.has_work():
+        for output in backend._step():
+            outputs.setdefault(output.request_id, []).append(output)
+    return outputs

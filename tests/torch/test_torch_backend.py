@@ -16,22 +16,12 @@ from engines.torch_backend.memory import KVCacheSizeError, page_bytes
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.setup import resolve_dtype
 from service.protocol.errors import WireError
-from tests.torch.reference import engine_options, random_weights, tiny
+from tests.torch.reference import engine_options, random_weights, run_to_end, tiny
 
 
 @pytest.fixture(scope="module")
 def backend() -> TorchBackend:
     return TorchBackend(engine_options(model_seed=1))
-
-
-def run(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[TokenOutput]]:
-    for request in requests:
-        backend.add(request)
-    outputs: dict[str, list[TokenOutput]] = {}
-    while backend.has_work():
-        for output in backend._step():
-            outputs.setdefault(output.request_id, []).append(output)
-    return outputs
 
 
 def tokens(outputs: list[TokenOutput]) -> list[int]:
@@ -49,32 +39,34 @@ def sampled(rid: str, prompt: str = "Once upon a time", **params: object) -> Gen
 
 
 def test_defaults_without_sampling_params_give_sixteen_tokens(backend: TorchBackend) -> None:
-    outputs = run(backend, GenerationRequest("d", "Hi"))["d"]
+    outputs = run_to_end(backend, GenerationRequest("d", "Hi"))["d"]
     assert len(tokens(outputs)) == 16 and outputs[-1].finish_reason == "length"
     assert all(output.finish_reason is None for output in outputs[:-1])
 
 
 def test_same_seed_and_prompt_same_tokens_whatever_the_neighbours(backend: TorchBackend) -> None:
-    alone = tokens(run(backend, sampled("alone"))["alone"])
-    greedy_alone = tokens(run(backend, sampled("greedy", temperature=0.0))["greedy"])
+    alone = tokens(run_to_end(backend, sampled("alone"))["alone"])
+    greedy_alone = tokens(run_to_end(backend, sampled("greedy", temperature=0.0))["greedy"])
     neighbours = [sampled(f"n{i}", prompt="x" * (i + 1), seed=i, top_k=5 * i, top_p=0.5 + i / 20) for i in range(7)]
-    crowded = run(backend, *neighbours[:3], sampled("crowded"), sampled("greedy", temperature=0.0), *neighbours[3:])
+    crowded = run_to_end(
+        backend, *neighbours[:3], sampled("crowded"), sampled("greedy", temperature=0.0), *neighbours[3:]
+    )
     assert tokens(crowded["crowded"]) == alone
     assert tokens(crowded["greedy"]) == greedy_alone
-    other_seed = tokens(run(backend, sampled("other", seed=43))["other"])
+    other_seed = tokens(run_to_end(backend, sampled("other", seed=43))["other"])
     assert other_seed != alone
 
 
 def test_sampling_is_not_greedy_at_temperature_one(backend: TorchBackend) -> None:
-    greedy = tokens(run(backend, sampled("g", temperature=0.0))["g"])
-    draws = {tuple(tokens(run(backend, sampled(f"s{seed}", seed=seed))[f"s{seed}"])) for seed in range(4)}
+    greedy = tokens(run_to_end(backend, sampled("g", temperature=0.0))["g"])
+    draws = {tuple(tokens(run_to_end(backend, sampled(f"s{seed}", seed=seed))[f"s{seed}"])) for seed in range(4)}
     assert len(draws) == 4 and tuple(greedy) not in draws
 
 
 def test_top_k_one_and_a_tiny_top_p_are_greedy(backend: TorchBackend) -> None:
-    greedy = tokens(run(backend, sampled("g", temperature=0.0))["g"])
-    assert tokens(run(backend, sampled("k", top_k=1))["k"]) == greedy
-    assert tokens(run(backend, sampled("p", top_p=1e-6))["p"]) == greedy
+    greedy = tokens(run_to_end(backend, sampled("g", temperature=0.0))["g"])
+    assert tokens(run_to_end(backend, sampled("k", top_k=1))["k"]) == greedy
+    assert tokens(run_to_end(backend, sampled("p", top_p=1e-6))["p"]) == greedy
 
 
 def test_sampler_respects_top_k_and_top_p() -> None:
@@ -100,10 +92,10 @@ def test_sampler_respects_top_k_and_top_p() -> None:
 
 
 def test_stop_string_ends_the_request_and_keeps_the_text(backend: TorchBackend) -> None:
-    free = text(run(backend, sampled("free", max_tokens=30))["free"])
+    free = text(run_to_end(backend, sampled("free", max_tokens=30))["free"])
     start = next(i for i in range(5, len(free) - 1) if "\ufffd" not in free[i : i + 2])
     stop = free[start : start + 2]
-    outputs = run(backend, sampled("stopped", max_tokens=30, stop=("never", stop)))["stopped"]
+    outputs = run_to_end(backend, sampled("stopped", max_tokens=30, stop=("never", stop)))["stopped"]
     assert outputs[-1].finish_reason == "stop"
     assert text(outputs) == free[: free.index(stop) + len(stop)]
 
@@ -111,9 +103,9 @@ def test_stop_string_ends_the_request_and_keeps_the_text(backend: TorchBackend) 
 @pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
 def test_max_tokens_and_context_limit(overlap: bool) -> None:
     backend = TorchBackend(engine_options(model_seed=1, overlap_steps=overlap))
-    assert len(tokens(run(backend, sampled("m", max_tokens=3))["m"])) == 3
+    assert len(tokens(run_to_end(backend, sampled("m", max_tokens=3))["m"])) == 3
     prompt = [65] * (backend.max_context - 2)
-    outputs = run(backend, GenerationRequest("c", prompt, max_tokens=50, temperature=0.0))["c"]
+    outputs = run_to_end(backend, GenerationRequest("c", prompt, max_tokens=50, temperature=0.0))["c"]
     assert len(tokens(outputs)) == 2 and outputs[-1].finish_reason == "length"
 
 
@@ -124,12 +116,12 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path, overlap: boo
     weights = random_weights(config, seed=2)
     _checkpoint(tmp_path, config.to_hf(), weights)
     free = TorchBackend(engine_options(), str(tmp_path))
-    generated = tokens(run(free, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"])
+    generated = tokens(run_to_end(free, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"])
     eos = generated[4]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [999, eos]}))
     backend = TorchBackend(engine_options(overlap_steps=overlap), str(tmp_path))
     assert backend.config.eos_token_ids == (999, eos)
-    outputs = run(backend, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"]
+    outputs = run_to_end(backend, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"]
     assert tokens(outputs) == generated[: generated.index(eos) + 1]
     assert outputs[-1].finish_reason == "stop"
     blocks = backend.scheduler.blocks
@@ -166,7 +158,7 @@ def test_a_full_cache_queues_requests_and_serves_them_all(overlap: bool) -> None
     backend = TorchBackend(engine_options(kv_block_size=4, max_context=64, kv_cache_gb=budget, overlap_steps=overlap))
     assert backend.scheduler.blocks.num_blocks == pages
     requests = [GenerationRequest(f"q{i}", "abcdefgh", max_tokens=12, temperature=0.0) for i in range(5)]
-    outputs = run(backend, *requests)
+    outputs = run_to_end(backend, *requests)
     assert sorted(outputs) == [f"q{i}" for i in range(5)]
     assert all(len(tokens(outputs[f"q{i}"])) == 12 for i in range(5))
     assert len({tuple(tokens(value)) for value in outputs.values()}) == 1  # preemption and recompute change nothing
@@ -184,7 +176,9 @@ def test_abort_frees_the_cache_at_once(backend: TorchBackend) -> None:
 
 
 async def test_suspend_releases_the_cache_and_requests_survive(backend: TorchBackend) -> None:
-    expected = {rid: tokens(outs) for rid, outs in run(backend, sampled("x"), sampled("y", seed=7, top_k=20)).items()}
+    expected = {
+        rid: tokens(outs) for rid, outs in run_to_end(backend, sampled("x"), sampled("y", seed=7, top_k=20)).items()
+    }
     backend.add(sampled("x"))
     backend.add(sampled("y", seed=7, top_k=20))
     got: dict[str, list[int]] = {"x": [], "y": []}
@@ -207,7 +201,7 @@ def test_cpu_profiler_writes_a_trace_whose_path_is_returned(backend: TorchBacken
     assert str(tmp_path) in backend.start_profiler()
     with pytest.raises(RuntimeError, match="already running"):
         backend.start_profiler()
-    run(backend, sampled("p", max_tokens=2))
+    run_to_end(backend, sampled("p", max_tokens=2))
     path = Path(backend.stop_profiler())
     assert path.parent == tmp_path and path.stat().st_size > 0
     assert "aten::" in path.read_text()
@@ -234,7 +228,7 @@ def test_checkpoint_dtype_is_used(tmp_path: Path) -> None:
     backend = TorchBackend(engine_options(), str(tmp_path))
     assert backend.dtype == torch.bfloat16
     assert next(backend.model.parameters()).dtype == torch.bfloat16
-    outputs = run(backend, GenerationRequest("r", [1, 2, 3], max_tokens=4, temperature=0.0))["r"]
+    outputs = run_to_end(backend, GenerationRequest("r", [1, 2, 3], max_tokens=4, temperature=0.0))["r"]
     assert len(tokens(outputs)) == 4
 
 

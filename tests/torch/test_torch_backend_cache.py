@@ -9,25 +9,15 @@ import pytest
 from engines.backend import GenerationRequest, TokenOutput
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
-from tests.torch.reference import engine_options, hf_greedy, hf_model, random_weights
+from tests.torch.reference import engine_options, hf_greedy, hf_model, random_weights, run_to_end
 
 SEED = 5
 PREFIX = [(7 * k + 3) % 256 for k in range(40)]  # two full 16-token pages and 8 tokens
 
 
-def outputs_of(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[TokenOutput]]:
-    for request in requests:
-        backend.add(request)
-    outputs: dict[str, list[TokenOutput]] = {}
-    while backend.has_work():
-        for output in backend._step():
-            outputs.setdefault(output.request_id, []).append(output)
-    return outputs
-
-
 def tokens_of(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[int]]:
     return {
-        rid: [t for output in outs for t in output.new_tokens] for rid, outs in outputs_of(backend, *requests).items()
+        rid: [t for output in outs for t in output.new_tokens] for rid, outs in run_to_end(backend, *requests).items()
     }
 
 
@@ -116,14 +106,14 @@ def test_overlapped_steps_give_the_same_outputs() -> None:
     plain = TorchBackend(engine_options(model_seed=SEED, overlap_steps=False))
     free = "".join(
         output.text
-        for output in outputs_of(plain, GenerationRequest("f", "Once upon a time", max_tokens=30, seed=4))["f"]
+        for output in run_to_end(plain, GenerationRequest("f", "Once upon a time", max_tokens=30, seed=4))["f"]
     )
     start = next(i for i in range(6, len(free) - 1) if "\ufffd" not in free[i : i + 2])
     stop = free[start : start + 2]
-    expected = outputs_of(plain, *_mixed_requests(stop))
+    expected = run_to_end(plain, *_mixed_requests(stop))
     assert expected["stopped"][-1].finish_reason == "stop" and len(expected["stopped"]) < 30
     overlapped = TorchBackend(engine_options(model_seed=SEED, overlap_steps=True))
-    assert outputs_of(overlapped, *_mixed_requests(stop)) == expected
+    assert run_to_end(overlapped, *_mixed_requests(stop)) == expected
     assert not overlapped.has_work() and overlapped.scheduler.blocks.num_free == overlapped.scheduler.blocks.num_blocks
 
 

@@ -14,7 +14,7 @@ from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.memory import page_bytes
 from engines.torch_backend.sequence import PLACEHOLDER
-from tests.torch.reference import engine_options
+from tests.torch.reference import engine_options, run_to_end
 
 SEED = 7
 
@@ -31,16 +31,6 @@ class RecordingModel(torch.nn.Module):
     def forward(self, batch: Any, rotary: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         self.fed.append(batch.input_ids.tolist())
         return self.inner(batch, rotary, cache)
-
-
-def run(backend: TorchBackend, *requests: GenerationRequest) -> dict[str, list[TokenOutput]]:
-    for request in requests:
-        backend.add(request)
-    outputs: dict[str, list[TokenOutput]] = {}
-    while backend.has_work():
-        for output in backend._step():
-            outputs.setdefault(output.request_id, []).append(output)
-    return outputs
 
 
 def test_the_next_step_is_launched_before_this_one_is_read_and_feeds_its_tokens() -> None:
@@ -70,10 +60,12 @@ def test_the_next_step_is_launched_before_this_one_is_read_and_feeds_its_tokens(
 
 def test_a_stop_string_ends_a_request_one_step_late_without_emitting_the_extra_token() -> None:
     plain = TorchBackend(engine_options(model_seed=SEED, overlap_steps=False))
-    free = "".join(output.text for output in run(plain, GenerationRequest("f", "abc", max_tokens=20, seed=1))["f"])
+    free = "".join(
+        output.text for output in run_to_end(plain, GenerationRequest("f", "abc", max_tokens=20, seed=1))["f"]
+    )
     stop = free[6:8]
     request = GenerationRequest("s", "abc", max_tokens=20, seed=1, stop=(stop,))
-    expected = run(plain, request)["s"]
+    expected = run_to_end(plain, request)["s"]
     overlapped = TorchBackend(engine_options(model_seed=SEED, overlap_steps=True))
     overlapped.add(request)
     got: list[TokenOutput] = []
