@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import openai
@@ -25,12 +24,6 @@ from tests.conftest import EngineFactory, make_settings
 from tests.gateway_helpers import Served, http, serve_gateway, sse_data, wait_until
 
 ECHO = "dpcoord-echo"
-
-
-@pytest.fixture
-async def gateway(settings: Settings, coordinator: Coordinator) -> AsyncIterator[Served]:
-    async with serve_gateway(settings) as served:
-        yield served
 
 
 def sdk(served: Served, api_key: str = "unused") -> openai.AsyncOpenAI:

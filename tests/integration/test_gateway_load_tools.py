@@ -7,7 +7,6 @@ engine's request state."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -16,26 +15,11 @@ from engines.backend import GenerationRequest
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.tokenizer import ByteTokenizer, IncrementalDetokenizer
-from service.coordinator.coordinator import Coordinator
-from service.ops.settings import Settings
 from tests.conftest import EngineFactory
-from tests.gateway_helpers import Served, http, serve_gateway, sse_data
+from tests.gateway_helpers import Served, http, sse_data
 
 ECHO = "dpcoord-echo"
 EOS = 0
-
-
-@pytest.fixture
-async def gateway(settings: Settings, coordinator: Coordinator) -> AsyncIterator[Served]:
-    async with serve_gateway(settings) as served:
-        yield served
-
-
-@pytest.fixture
-async def aclient(gateway: Served) -> AsyncIterator[openai.AsyncOpenAI]:
-    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
-    yield client
-    await client.close()
 
 
 def _state(**overrides: object) -> RequestState:

@@ -5,7 +5,6 @@ engine's random default model."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -14,22 +13,9 @@ from engines.runtime import EngineRuntime
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from tests.conftest import EngineFactory
-from tests.gateway_helpers import Served, serve_gateway
+from tests.gateway_helpers import Served
 
 ECHO = "dpcoord-echo"
-
-
-@pytest.fixture
-async def gateway(settings: Settings, coordinator: Coordinator) -> AsyncIterator[Served]:
-    async with serve_gateway(settings) as served:
-        yield served
-
-
-@pytest.fixture
-async def aclient(gateway: Served) -> AsyncIterator[openai.AsyncOpenAI]:
-    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
-    yield client
-    await client.close()
 
 
 async def test_models_are_the_fleets(start_engines: EngineFactory, aclient: openai.AsyncOpenAI) -> None:

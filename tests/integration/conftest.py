@@ -1,0 +1,27 @@
+"""Fixtures the gateway's integration tests share: a gateway on the test coordinator, and the
+official ``openai`` SDK pointed at it (a test module that needs other gateway settings defines
+its own ``gateway``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+
+from service.coordinator.coordinator import Coordinator
+from service.ops.settings import Settings
+from tests.gateway_helpers import Served, serve_gateway
+
+
+@pytest.fixture
+async def gateway(settings: Settings, coordinator: Coordinator) -> AsyncIterator[Served]:
+    async with serve_gateway(settings) as served:
+        yield served
+
+
+@pytest.fixture
+async def aclient(gateway: Served) -> AsyncIterator[openai.AsyncOpenAI]:
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+    yield client
+    await client.close()
