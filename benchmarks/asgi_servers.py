@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.http_load import Pipelined, post
+from benchmarks.http_load import Pipelined, post, wait_listening
 from benchmarks.proc_cpu import cpu_seconds
 from service.bus.server import free_port
 
@@ -92,16 +92,11 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 async def _serving(port: int, process: asyncio.subprocess.Process) -> None:
-    for _ in range(300):
+    def check() -> None:
         if process.returncode is not None:
             raise RuntimeError(f"the server exited with {process.returncode}")
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
-    raise RuntimeError("the server did not listen within 15 s")
+
+    await wait_listening(port, check, 15.0, "the server")
 
 
 async def measure(command: list[str], args: argparse.Namespace) -> dict[str, float]:

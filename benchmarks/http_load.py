@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -62,6 +63,20 @@ class Connection:
 
     def close(self) -> None:
         self._writer.close()
+
+
+async def wait_listening(port: int, check: Callable[[], None], timeout_s: float, what: str) -> None:
+    """Return once 127.0.0.1:``port`` accepts a connection; ``check`` raises if the process
+    that should listen there has died."""
+    for _ in range(int(timeout_s / 0.05)):
+        check()
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
+    raise RuntimeError(f"{what} did not listen within {timeout_s:g} s")
 
 
 def post(host: str, path: str, body: bytes) -> bytes:

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from benchmarks.http_load import wait_listening
 from benchmarks.raw_peers import Subjects as RawSubjects
 from service.bus.server import EmbeddedNatsServer
 from service.protocol.messages import ErrorReply, Final, Partial, Reply
@@ -136,15 +137,7 @@ class BenchStack:
     async def start_hello(self, port: int) -> None:
         """The bare ASGI baseline (benchmarks/hello_asgi.py) on 127.0.0.1:``port``, once it answers."""
         await self._spawn("hello", "-m", "benchmarks.hello_asgi", str(port), env=self._dpcoord_env())
-        for _ in range(600):
-            self._check_children()
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                return
-            except OSError:
-                await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
-        raise RuntimeError("the hello app was not up in 30 s")
+        await wait_listening(port, self._check_children, 30.0, "the hello app")
 
     def _check_children(self) -> None:
         children = [name for name in self.pids if name not in ("client", "nats_server")]
