@@ -144,16 +144,9 @@ class PodContainer:
                 text = "(removed)"
         return f"--- {self.pod.name} ({self.image}): {' '.join(self.argv)}\n{text}"
 
-    def host_port(self, probe: Manifest) -> int:
-        port = self.pod.container_port(probe["httpGet"]["port"])
-        rendered = int(self.rendered_env[overrides.port_env(self.pod.component)])
-        assert port == rendered, f"{self.pod.name}: the probe targets port {port}, the process listens on {rendered}"
-        return self.http_port
-
     def probe(self, name: str) -> ProbeAnswer:
         """One GET of probe ``name``, with the probe's timeout."""
-        spec = self.pod.probes()[name]
-        return http_probe(self.pod.name, name, spec, overrides.CONTAINER_LISTEN_HOST, self.host_port(spec))
+        return http_probe(self.pod, self.rendered_env, self.http_port, name, overrides.CONTAINER_LISTEN_HOST)
 
     @property
     def returncode(self) -> int | None:

@@ -17,10 +17,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Protocol
 
 from service.bus.server import free_port
-from tests.chart.render import Manifest
 from tests.rehearsal import overrides
 from tests.rehearsal.deployment import Pod
 from tests.rehearsal.image_env import ImageEnvironment
@@ -132,17 +131,9 @@ class PodProcess:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return f"--- {self.pod.name}: {' '.join(self.argv)}\n" + "\n".join(text.splitlines()[-lines:])
 
-    def host_port(self, probe: Manifest) -> int:
-        """Where the kubelet's GET lands: the probe's port, if the process listens where the manifest says."""
-        port = self.pod.container_port(probe["httpGet"]["port"])
-        rendered = int(self.rendered_env[overrides.port_env(self.pod.component)])
-        assert port == rendered, f"{self.pod.name}: the probe targets port {port}, the process listens on {rendered}"
-        return self.http_port
-
     def probe(self, name: str) -> ProbeAnswer:
         """One GET of probe ``name``, with the probe's timeout."""
-        spec = self.pod.probes()[name]
-        return http_probe(self.pod.name, name, spec, "127.0.0.1", self.host_port(spec))
+        return http_probe(self.pod, self.rendered_env, self.http_port, name, "127.0.0.1")
 
     @property
     def returncode(self) -> int | None:
@@ -168,12 +159,18 @@ class PodProcess:
             self.process.wait()
 
 
-def http_probe(pod_name: str, name: str, spec: dict[str, Any], host: str, port: int) -> ProbeAnswer:
-    """One GET of the rendered probe ``spec`` at ``host:port``, with the probe's timeout, as the
-    kubelet sends it (a pod run as a process or as a container)."""
+def http_probe(pod: Pod, rendered_env: dict[str, str], http_port: int, name: str, host: str) -> ProbeAnswer:
+    """One GET of the pod's rendered probe ``name``, with the probe's timeout, as the kubelet
+    sends it (a pod run as a process or as a container). It lands on ``host:http_port``, where
+    the process listens, once the probe's port is checked to be the one the pod's rendered
+    environment tells it to listen on."""
+    spec = pod.probes()[name]
     get = spec["httpGet"]
-    assert get.get("scheme", "HTTP") == "HTTP", f"{pod_name}: {name} scheme {get['scheme']} is not rehearsed"
-    connection = http.client.HTTPConnection(host, port, timeout=float(spec.get("timeoutSeconds", 1)))
+    port = pod.container_port(get["port"])
+    rendered = int(rendered_env[overrides.port_env(pod.component)])
+    assert port == rendered, f"{pod.name}: the probe targets port {port}, the process listens on {rendered}"
+    assert get.get("scheme", "HTTP") == "HTTP", f"{pod.name}: {name} scheme {get['scheme']} is not rehearsed"
+    connection = http.client.HTTPConnection(host, http_port, timeout=float(spec.get("timeoutSeconds", 1)))
     began = time.monotonic()
     try:
         connection.request("GET", get["path"])
