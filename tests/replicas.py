@@ -25,18 +25,20 @@ from tests.helpers import REPO_ROOT
 Status = dict[str, Any]
 
 
-def replica_env(settings: Settings, coordinator_id: str) -> dict[str, str]:
+def child_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment of a ``dpcoord`` child process on the test's NATS server and prefix,
+    with the test's heartbeat, control, request and reconnect timings, logging warnings only."""
     return dict(
         os.environ,
         DPCOORD_NATS_URL=settings.nats_url,
         DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
-        DPCOORD_COORDINATOR_ID=coordinator_id,
         DPCOORD_HEARTBEAT_INTERVAL_S=str(settings.heartbeat_interval_s),
         DPCOORD_HEARTBEAT_TIMEOUT_S=str(settings.heartbeat_timeout_s),
         DPCOORD_CONTROL_TIMEOUT_S=str(settings.control_timeout_s),
         DPCOORD_REQUEST_TIMEOUT_S=str(settings.request_timeout_s),
         DPCOORD_RECONNECT_GRACE_S=str(settings.reconnect_grace_s),
         DPCOORD_LOG_LEVEL="WARNING",
+        **extra,
     )
 
 
@@ -57,7 +59,7 @@ class ReplicaSet:
             "-m",
             "service",
             "coordinator",
-            env=replica_env(self.settings, coordinator_id),
+            env=child_env(self.settings, DPCOORD_COORDINATOR_ID=coordinator_id),
             cwd=REPO_ROOT,
             stderr=asyncio.subprocess.PIPE,
         )

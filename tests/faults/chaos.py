@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from service.protocol.subjects import Subjects
 from tests.conftest import make_settings
 from tests.gateway_helpers import http
 from tests.helpers import REPO_ROOT
+from tests.replicas import child_env
 
 TOKEN_DELAY_MS = 5
 # Tokens per streamed partial. Streams of a few hundred tokens last seconds on an engine, as a
@@ -133,23 +133,8 @@ class ChaosStack:
 
     # ------------------------------------------------------------ processes
 
-    def _env(self, **extra: str) -> dict[str, str]:
-        settings = self.settings
-        return dict(
-            os.environ,
-            DPCOORD_NATS_URL=settings.nats_url,
-            DPCOORD_SUBJECT_PREFIX=settings.subject_prefix,
-            DPCOORD_HEARTBEAT_INTERVAL_S=str(settings.heartbeat_interval_s),
-            DPCOORD_HEARTBEAT_TIMEOUT_S=str(settings.heartbeat_timeout_s),
-            DPCOORD_CONTROL_TIMEOUT_S=str(settings.control_timeout_s),
-            DPCOORD_REQUEST_TIMEOUT_S=str(settings.request_timeout_s),
-            DPCOORD_RECONNECT_GRACE_S=str(settings.reconnect_grace_s),
-            DPCOORD_LOG_LEVEL="WARNING",
-            **extra,
-        )
-
     def _spawn(self, name: str, *args: str, **env: str) -> _Child:
-        return _Child(name, [sys.executable, "-m", "service", *args], self._env(**env), self.log_dir)
+        return _Child(name, [sys.executable, "-m", "service", *args], child_env(self.settings, **env), self.log_dir)
 
     def start(self) -> ChaosStack:
         self.nats.start()
