@@ -166,8 +166,7 @@ class SharedControlState:
         While JetStream answers "temporarily unavailable", "no suitable peers" (a cluster still
         forming) or not at all (a cluster still electing its leader), ask again for up to
         ``JETSTREAM_WAIT_S``."""
-        deadline = time.monotonic() + JETSTREAM_WAIT_S
-        delay = 0.1
+        patience = _Patience()
         while True:
             try:
                 try:
@@ -187,11 +186,9 @@ class SharedControlState:
                     f"JetStream did not answer within {self._timeout_s:g} s (not ready yet, or may this NATS user "
                     f"not publish to $JS.API for bucket {self.bucket}? docs/security.md)"
                 )
-            if time.monotonic() > deadline:
+            if patience.spent:
                 raise RuntimeError(f"{problem}; gave up after {JETSTREAM_WAIT_S:g} s")
-            log.warning("%s; asking again", problem)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            await patience.wait(problem)
 
     async def _create_bucket(self, js: JetStreamContext) -> KeyValue:
         config = KeyValueConfig(
@@ -303,17 +300,14 @@ class SharedControlState:
         """:meth:`_read`, asked again for up to ``JETSTREAM_WAIT_S`` while the bucket does not
         answer: a bucket just created with three replicas serves only once its own leader is
         elected, which on a loaded cluster can take longer than one ``control_timeout_s``."""
-        deadline = time.monotonic() + JETSTREAM_WAIT_S
-        delay = 0.1
+        patience = _Patience()
         while True:
             try:
                 return await self._read(kv)
             except WireError as exc:
-                if exc.code != ErrorCode.NO_ENGINE or time.monotonic() > deadline:
+                if exc.code != ErrorCode.NO_ENGINE or patience.spent:
                     raise
-                log.warning("%s; reading again", exc.message)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+                await patience.wait(exc.message)
 
     async def refresh(self) -> bool:
         """Read the record again and learn it if newer; True when the watch had missed it. A
@@ -382,6 +376,24 @@ class SharedControlState:
                         await watcher.stop()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+
+class _Patience:
+    """Asking JetStream again while it is not ready yet: for up to ``JETSTREAM_WAIT_S``, after
+    waits that double from 0.1 s to 2 s, each logged with what JetStream said."""
+
+    def __init__(self) -> None:
+        self._deadline = time.monotonic() + JETSTREAM_WAIT_S
+        self._delay = 0.1
+
+    @property
+    def spent(self) -> bool:
+        return time.monotonic() > self._deadline
+
+    async def wait(self, problem: str) -> None:
+        log.warning("%s; asking again", problem)
+        await asyncio.sleep(self._delay)
+        self._delay = min(self._delay * 2, 2.0)
 
 
 def _unavailable(exc: Exception) -> WireError:
