@@ -197,7 +197,9 @@ class DpcoordClient:
             raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
         hashes = prefix_hashes(prompt, chat) or None
         return encode_msgpack(
-            SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)
+            SubmitEnvelope(
+                1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
+            )
         )
 
     async def submit(

@@ -7,7 +7,9 @@ reconnects (:data:`RECONNECTED`) and of coordinator replicas that stopped heartb
 publishes NATS refused (:class:`Refused`).
 
 A reply is queued as its body (``bytes``; empty for the end-of-stream marker), NATS's
-no-responders status as :data:`NO_RESPONDERS`. On a :class:`~service.bus.direct.DirectClient`
+no-responders status as :data:`NO_RESPONDERS`. The client reads reply batches
+(:mod:`service.protocol.reply_batches`): a batch, on the inbox's ``b`` token, is split into its
+replies, each queued as if it had come alone. On a :class:`~service.bus.direct.DirectClient`
 connection the inbox is an inline subscription (:meth:`Exchanges.on_inline`), so a reply costs
 no nats-py ``Msg``, queue or task; on another connection, a callback subscription
 (:meth:`Exchanges.on_reply`).
@@ -22,13 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 
 import msgspec
 from nats.aio.msg import Msg
 
+from service.ops.log_limit import RateLimitedLog
 from service.protocol.membership import CoordinatorHeartbeat
+from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
+
+log = logging.getLogger(__name__)
+BATCH = BATCH_TOKEN.encode()  # the last token of the inbox's batch subject
 
 RECONNECTED = object()
 EXPIRED = object()  # queued by a mailbox's deadline timer
@@ -89,6 +97,7 @@ class Exchanges:
         self.queues: dict[bytes, Mailbox] = {}  # by the reply subject's last token
         self.inbox = ""  # the reply subjects' prefix, set once connected
         self._tokens = itertools.count()
+        self._bad_batches = RateLimitedLog(log)
 
     def open(self, timeout_s: float) -> tuple[str, Mailbox]:
         """A fresh reply subject and the mailbox its replies go to, expiring after ``timeout_s``."""
@@ -103,17 +112,38 @@ class Exchanges:
 
     def on_inline(self, subject: bytes, data: bytes, headers: bytes | None) -> None:
         """The inbox's inline handler (service/bus/direct.py)."""
-        queue = self.queues.get(subject[subject.rfind(b".") + 1 :])
+        token = subject[subject.rfind(b".") + 1 :]
+        if token == BATCH:
+            self._on_batch(data)
+            return
+        queue = self.queues.get(token)
         if queue is not None:  # else a late reply to a submission that ended
             no_responders = not data and headers is not None and headers.startswith(b"NATS/1.0 503")
             queue.put_nowait(NO_RESPONDERS if no_responders else data)
 
     async def on_reply(self, msg: Msg) -> None:
         """The inbox's callback on a connection that is not a DirectClient."""
-        queue = self.queues.get(msg.subject.rpartition(".")[2].encode())
+        token = msg.subject.rpartition(".")[2].encode()
+        if token == BATCH:
+            self._on_batch(msg.data)
+            return
+        queue = self.queues.get(token)
         if queue is not None:
             no_responders = not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
             queue.put_nowait(NO_RESPONDERS if no_responders else msg.data)
+
+    def _on_batch(self, data: bytes) -> None:
+        """A reply batch: each reply to its submission's mailbox, in the batch's order."""
+        try:
+            pairs = batch_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._bad_batches.warning("reply batch of %d bytes dropped: %s", len(data), exc)
+            return
+        queues = self.queues
+        for token, body in pairs:
+            queue = queues.get(token)
+            if queue is not None:
+                queue.put_nowait(body)
 
     def reconnected(self) -> None:
         for queue in self.queues.values():

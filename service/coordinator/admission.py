@@ -19,6 +19,9 @@ Contract:
   releases it. A replica that has not yet heard the fleet (one heartbeat timeout after it
   starts) queues rather than answering 503 or 404.
 - Request ids are random (:mod:`service.coordinator.request_ids`).
+- A submission whose client reads reply batches (``SubmitEnvelope.batched_replies``) has its
+  replies batched (:mod:`service.protocol.reply_batches`) when its batch subject is one replies
+  may go to, under the request's owner; else they go alone.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from service.protocol.codec import detect_encoding
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedSubmission
 from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
+from service.protocol.reply_batches import batch_subject
 from service.protocol.subjects import ReplySubjects, utf8_length
 
 log = logging.getLogger(__name__)
@@ -114,8 +118,16 @@ class Admission:
                 )
 
         request_id = next(self._ids)
+        batched = isinstance(submit, SubmitEnvelope) and submit.batched_replies and self._batches(reply_to, owner)
         return_path = ReturnPath(
-            request_id, self._id, reply_to, encoding.value, submit.stream, submit.client_request_id, submit.client_id
+            request_id,
+            self._id,
+            reply_to,
+            encoding.value,
+            submit.stream,
+            submit.client_request_id,
+            submit.client_id,
+            batched,
         )
         entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
         ledger.admit(entry, timeout_s, engine)
@@ -143,6 +155,12 @@ class Admission:
         if reply_to is None or owner is None:
             return None
         return ForwardedSubmission(owner, reply_to, submit.stream, client_id, client_request_id, submit.body)
+
+    def _batches(self, reply_to: str, owner: str) -> bool:
+        """Whether replies to ``reply_to`` may go in reply batches: its batch subject is one replies
+        may go to, under the same owner (else they go alone, as for a client that reads no batches)."""
+        subject = batch_subject(reply_to)
+        return subject is not None and self._replies.check(subject) == (owner, None)
 
     def _reply_subject(self, incoming: Incoming, reply_to: str) -> tuple[str, str]:
         """Where replies go and who owns them: ``reply_to`` under an inbox prefix, the sender's own

@@ -5,7 +5,8 @@ Contract:
 - :meth:`Answers.send` publishes one reply along a return path, through the deliveries that
   hold replies while NATS is down (:mod:`.deliveries`). A terminal reply is counted
   (``completed``), cached for a named client's resubmissions when an owner is given
-  (:mod:`.results`), and followed by the empty message that ends a stream.
+  (:mod:`.results`), and followed by the empty message that ends a stream. Inside
+  :meth:`Answers.batching`, replies to clients that read reply batches leave batched.
 - :meth:`Answers.replay` sends a cached terminal reply again (``replayed``).
 - :meth:`Answers.tell_engine_abort` is best effort: the request is answered already, so a
   failed publish is only logged and counted (``engine_aborts_lost``).
@@ -14,6 +15,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractAsyncContextManager
 
 from service.coordinator.core import Core
 from service.coordinator.deliveries import ClientDeliveries
@@ -49,13 +51,14 @@ class Answers:
         client_key = None
         if return_path.client_id is not None and return_path.client_request_id is not None:
             client_key = (return_path.client_id, return_path.client_request_id)
-        await self._deliveries.publish(return_path.reply_to, body, client_key)
+        batched = return_path.batched
+        await self._deliveries.publish(return_path.reply_to, body, client_key, batched)
         if terminal:
             self._counters["completed"] += 1
             if client_key is not None and owner is not None:
                 self._results.put(client_key, body, owner, request_body)
             if return_path.stream:
-                await self._deliveries.publish(return_path.reply_to, b"", client_key)
+                await self._deliveries.publish(return_path.reply_to, b"", client_key, batched)
 
     async def final(self, entry: InflightRequest, body: bytes) -> None:
         """``entry``'s terminal reply, ``body`` as its engine wrote it."""
@@ -74,6 +77,10 @@ class Answers:
         return_path = entry.return_path
         final = Final(return_path.request_id, return_path.client_request_id, None, [], "", "abort")
         await self.final(entry, encode(final, entry.encoding))
+
+    def batching(self) -> AbstractAsyncContextManager[None]:
+        """Replies sent inside the block to clients that read reply batches leave batched at its end."""
+        return self._deliveries.batching()
 
     def cached(self, client_key: ClientKey) -> CachedResult | None:
         return self._results.get(client_key)

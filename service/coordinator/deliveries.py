@@ -1,4 +1,10 @@
-"""Replies on their way to clients, held while NATS is down.
+"""Replies on their way to clients, batched per client where it reads batches, held while NATS is down.
+
+Inside :meth:`ClientDeliveries.batching` (the relay opens one per engine reply message), a
+reply published with ``batched`` waits, and when the block ends the waiting replies leave as
+reply batches (:mod:`service.protocol.reply_batches`): one message per client batch subject and
+``max_payload``, a lone reply to its own subject, each client's in the order published. A batch
+that fails to publish is logged and counted (``reply_batches_lost``), and the others still leave.
 
 While the coordinator's connection is down, and for a grace period after it is back, replies
 wait here in order, so that clients have re-subscribed their inboxes before replies reach
@@ -15,12 +21,16 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 
+from service.bus.batches import split_batches
 from service.coordinator.requests import ClientKey
 from service.ops.log_limit import RateLimitedLog
+from service.protocol.reply_batches import BATCH_TOKEN, ReplyBatch, encode_batch, pair_size
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +59,19 @@ class ClientDeliveries:
         self._held_by_client: dict[ClientKey, list[HeldDelivery]] = {}
         self._held_bytes = 0
         self._failures = RateLimitedLog(log)
+        self._batches: dict[str, ReplyBatch] | None = None  # inside batching(): pairs by reply subject prefix
 
-    async def publish(self, subject: str, body: bytes, client_key: ClientKey | None) -> None:
+    async def publish(self, subject: str, body: bytes, client_key: ClientKey | None, batched: bool = False) -> None:
+        """Send ``body`` to ``subject``; ``batched``: its client reads reply batches."""
         if self._open:
+            batches = self._batches
+            if batched and batches is not None:
+                prefix, _, token = subject.rpartition(".")
+                pairs = batches.get(prefix)
+                if pairs is None:
+                    pairs = batches[prefix] = []
+                pairs.append((token.encode(), body))
+                return
             await self._nc.publish(subject, body)
             return
         delivery = HeldDelivery(subject, body, client_key)
@@ -61,6 +81,37 @@ class ClientDeliveries:
             self._held_by_client.setdefault(client_key, []).append(delivery)
         while self._held_bytes > self._max_bytes and self._held:
             self._drop_oldest()
+
+    @asynccontextmanager
+    async def batching(self) -> AsyncIterator[None]:
+        """Batched replies published inside the block leave as reply batches when it ends (a block
+        inside another one joins it)."""
+        if self._batches is not None:
+            yield
+            return
+        batches: dict[str, ReplyBatch] = {}
+        self._batches = batches
+        try:
+            yield
+        finally:
+            self._batches = None
+            await self._send_batches(batches)
+
+    async def _send_batches(self, batches: dict[str, ReplyBatch]) -> None:
+        max_payload = self._nc.max_payload
+        for prefix, pairs in batches.items():
+            for group in split_batches(pairs, pair_size, max_payload):
+                if len(group) == 1 or not self._open:  # a lone reply, or NATS went down meanwhile: each alone
+                    for token, body in group:
+                        await self.publish(f"{prefix}.{token.decode()}", body, None)
+                    continue
+                try:
+                    await self._nc.publish(f"{prefix}.{BATCH_TOKEN}", encode_batch(group))
+                except Exception as exc:
+                    self._counters["reply_batches_lost"] += 1
+                    self._failures.warning(
+                        "reply batch of %d to %s.%s not sent: %s", len(group), prefix, BATCH_TOKEN, exc
+                    )
 
     def _drop_oldest(self) -> None:
         dropped = self._held.popleft()

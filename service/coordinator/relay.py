@@ -5,6 +5,8 @@ Contract:
   ledger (:meth:`.ledger.RequestLedger.finish`) sends it: the relay an engine's final, the
   ledger an error (:meth:`.ledger.RequestLedger.fail`: deadline, engine lost, shutdown).
   Finishing frees the engine slot and routes what waits for it (the ledger's job).
+- The replies of one engine message leave together: batched for clients that read reply
+  batches (:mod:`service.protocol.reply_batches`), in the order relayed.
 - A stream's replies reach the client in order. Partials and finals travel on two subjects,
   so a final that overtook a partial waits for it (:data:`EARLY_FINAL_WAIT_S` at most).
 - A reply is accepted only from the engine its request was routed to; the engine is the one the
@@ -68,8 +70,9 @@ class ReplyRelay:
         self._refusal_log = RateLimitedLog(log)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
-        for reply in replies:
-            await self._relay_final(engine_id, reply)
+        async with self._answers.batching():
+            for reply in replies:
+                await self._relay_final(engine_id, reply)
 
     async def _relay_final(self, engine_id: str, reply: RoutedReply) -> None:
         request_id = reply.return_path.request_id
@@ -91,8 +94,9 @@ class ReplyRelay:
         await self._answers.final(entry, reply.body)
 
     async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
-        for reply in replies:
-            await self._relay_partial(engine_id, reply)
+        async with self._answers.batching():
+            for reply in replies:
+                await self._relay_partial(engine_id, reply)
 
     async def _relay_partial(self, engine_id: str, reply: RoutedReply) -> None:
         entry = self._ledger.get(reply.return_path.request_id)

@@ -100,6 +100,9 @@ class SubmitEnvelope(Struct, array_like=True):
     # An extension: set on every publish of a submission after its first, so a replica that does
     # not hold the request asks its peers before running it (docs/reliability.md, ownership).
     resubmission: bool = False
+    # An extension: the client reads reply batches (service/protocol/reply_batches.py), so this
+    # request's replies may arrive together with its other requests' ones.
+    batched_replies: bool = False
 
 
 class ConnectRequest(Struct):
@@ -258,6 +261,7 @@ class ReturnPath(Struct, array_like=True, gc=False):
     stream: bool
     client_request_id: ClientRequestId | None
     client_id: str | None = None
+    batched: bool = False  # replies may go in reply batches (service/protocol/reply_batches.py)
 
 
 class RoutedRequest(Struct, array_like=True, gc=False):

@@ -1,6 +1,6 @@
 """The coordinator's fast paths: the client library's envelope (routed without decoding the
-body), routed requests batched per engine, and the wire decoder that tells envelopes from
-plain bodies. Plain JSON and msgpack bodies are covered by test_submit.py and friends."""
+body), routed requests batched per engine, replies batched per client, and the wire decoder
+that tells envelopes from plain bodies. Plain JSON and msgpack bodies are covered by test_submit.py and friends."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from service.coordinator.metrics import CoordinatorCollector
 from service.protocol.codec import Encoding, PayloadDecoder, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.messages import RoutedRequestBatch, SamplingParams, SubmitEnvelope, SubmitRequest
+from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import request_stream
 
@@ -216,13 +217,15 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
     decoded = _decoder.decode(
-        msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, False, "future", 42]), Encoding.MSGPACK
+        msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, False, False, "future", 42]), Encoding.MSGPACK
     )
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
     with_model = _decoder.decode(
-        msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], True, "future"]), Encoding.MSGPACK
+        msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], True, True, "future"]), Encoding.MSGPACK
     )
-    assert with_model == SubmitEnvelope(1, b"{}", True, 9, "c", model="m", prefix_hashes=[7], resubmission=True)
+    assert with_model == SubmitEnvelope(
+        1, b"{}", True, 9, "c", model="m", prefix_hashes=[7], resubmission=True, batched_replies=True
+    )
 
 
 def test_envelope_carries_at_most_16_prefix_hashes() -> None:
@@ -248,3 +251,33 @@ def test_json_array_is_not_an_envelope() -> None:
 def test_decoder_rejects_unions_it_cannot_tell_apart() -> None:
     with pytest.raises(TypeError):
         PayloadDecoder(SubmitRequest | SamplingParams)
+
+
+async def test_a_client_that_reads_reply_batches_gets_every_stream_exact_in_fewer_messages(
+    coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
+) -> None:
+    await start_engines(1)
+    count, tokens = 32, 8
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(f"{inbox}.*")
+    for index in range(count):  # published together: the engine steps them together
+        body = envelope(inner([index + 1] * 2, max_tokens=tokens, stream=True), stream=True, batched_replies=True)
+        await nc.publish(submit_subject(coordinator), body, reply=f"{inbox}.{index}")
+    replies: dict[str, list[bytes]] = {str(index): [] for index in range(count)}
+    messages = batches = 0
+    while any(not got or got[-1] != b"" for got in replies.values()):
+        msg = await sub.next_msg(timeout=10)
+        messages += 1
+        token = msg.subject.rpartition(".")[2]
+        if token == BATCH_TOKEN:
+            batches += 1
+            for pair_token, body in batch_decoder.decode(msg.data):
+                replies[pair_token.decode()].append(body)
+        else:
+            replies[token].append(msg.data)
+    for index, got in replies.items():
+        *partials, final, end = (msgpack.unpackb(body) if body else None for body in got)
+        assert end is None and final["type"] == "final" and final["generated_tokens"] == [int(index) + 1] * tokens
+        assert [token for partial in partials for token in partial["new_tokens"]] == final["generated_tokens"]
+    total = sum(len(got) for got in replies.values())
+    assert batches > 0 and messages < total / 4, f"{total} replies took {messages} messages ({batches} batches)"

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from service.client.exchanges import EXPIRED, NO_RESPONDERS, Exchanges, Mailbox, Refused
+from service.protocol.reply_batches import batch_subject, encode_batch
 
 
 async def test_items_come_out_in_arrival_order_and_a_reader_waits_for_the_next() -> None:
@@ -62,3 +63,21 @@ async def test_an_inline_reply_is_queued_as_its_body_and_the_no_responders_statu
     exchanges.on_inline(b"_INBOX.test.999", b"late", None)  # a submission that ended: dropped
     assert [await mailbox.get() for _ in range(3)] == [b"\x81", b"", NO_RESPONDERS]
     exchanges.close(subject)
+
+
+async def test_a_reply_batch_is_split_into_its_submissions_mailboxes_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.me"
+    first, one = exchanges.open(60.0)
+    second, two = exchanges.open(60.0)
+    assert batch_subject(first) == batch_subject(second) == "_INBOX.me.b"
+    token, other = first.rpartition(".")[2].encode(), second.rpartition(".")[2].encode()
+    batch = encode_batch([(token, b"1a"), (other, b"2a"), (b"999", b"late"), (token, b"")])
+    exchanges.on_inline(b"_INBOX.me.b", batch, None)
+    assert [await one.get(), await one.get(), await two.get()] == [b"1a", b"", b"2a"]
+    exchanges.on_inline(b"_INBOX.me.b", b"\xc1not msgpack", None)  # dropped, and said
+    assert "reply batch of 12 bytes dropped" in caplog.text
+    exchanges.on_inline(second.encode(), b"2b", None)  # replies alone still arrive as ever
+    assert await two.get() == b"2b"
+    exchanges.close(first)
+    exchanges.close(second)

@@ -10,9 +10,9 @@ import pytest
 
 from service.bus.registry import Incoming
 from service.coordinator.admission import Admission
-from service.protocol.codec import Encoding
+from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.errors import WireError
-from service.protocol.messages import SubmitRequest
+from service.protocol.messages import SubmitEnvelope, SubmitRequest
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import Header
 from tests.unit.coordinator.conftest import Later
@@ -107,3 +107,19 @@ async def test_an_anonymous_repeat_in_flight_is_a_conflict() -> None:
     job = admission(floor)
     await job.admit(*submission(client_request_id="q1"))
     assert await refused(job, "_INBOX.client.2", client_request_id="q1") == 409
+
+
+async def test_a_client_that_reads_reply_batches_gets_them_where_its_batch_subject_may_receive_replies() -> None:
+    floor = build()
+    floor.engine("e1")
+    job = admission(floor)
+    body = encode_msgpack(SubmitRequest("hi"))
+    for reply_to, reads_batches in (("_INBOX.client.1", True), ("_INBOX.client.b", True), ("_INBOX.client.2", False)):
+        incoming = Incoming(Header.SUBMIT_REQUEST, reply_to, Encoding.MSGPACK, b"", None, "_INBOX")
+        await job.admit(incoming, SubmitEnvelope(1, body, batched_replies=reads_batches))
+    batched = {entry.return_path.reply_to: entry.return_path.batched for entry in floor.ledger}
+    # "b" is the batch token itself, so that subject's replies cannot be told from a batch: they go alone.
+    assert batched == {"_INBOX.client.1": True, "_INBOX.client.b": False, "_INBOX.client.2": False}
+    await job.admit(*submission("_INBOX.client.3"))  # a plain submission (the nats CLI's) reads no batches
+    [plain] = [entry for entry in floor.ledger if entry.return_path.reply_to == "_INBOX.client.3"]
+    assert not plain.return_path.batched

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import msgspec
 
+from service.bus.batches import BATCH_OVERHEAD
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest
 from service.protocol.messages import RoutedReply
+from service.protocol.reply_batches import batch_decoder
 from tests.unit.coordinator.conftest import Later
 from tests.unit.coordinator.wiring import Floor, build, reply
 
@@ -110,3 +112,45 @@ async def test_an_orphan_is_delivered_to_an_inbox_only(later: Later) -> None:
     rewritten = msgspec.structs.replace(orphan.return_path, reply_to="dpcoord.submit_request")  # not an inbox
     await job.relay_finals("e1", [RoutedReply(rewritten, b'{"type":"final"}')])
     assert floor.bus.published == [] and floor.core.counters["unsafe_reply_subject"] == 1
+
+
+async def test_one_engine_message_reaches_a_client_that_reads_batches_as_one_batch_in_order() -> None:
+    floor = build()
+    floor.engine("e1")
+    job = relay(floor)
+    first, second = admitted(floor, stream=True, batched=True), admitted(floor, stream=True, batched=True)
+    alone = admitted(floor, stream=True)  # its client reads no batches
+    await job.relay_partials(
+        "e1",
+        [
+            reply(first, b"1a", seq=0),
+            reply(alone, b"3a", seq=0),
+            reply(second, b"2a", seq=0),
+            reply(first, b"1b", seq=1),
+        ],
+    )
+    [batch] = floor.bus.on("_INBOX.client.b")
+    token = first.return_path.reply_to.rpartition(".")[2].encode()
+    other = second.return_path.reply_to.rpartition(".")[2].encode()
+    assert batch_decoder.decode(batch.body) == [(token, b"1a"), (other, b"2a"), (token, b"1b")]
+    assert [message.body for message in floor.bus.on(alone.return_path.reply_to)] == [b"3a"]
+    await job.relay_finals("e1", [reply(first, b"1f", seq=2)])  # the final and the end of the stream
+    assert batch_decoder.decode(floor.bus.on("_INBOX.client.b")[1].body) == [(token, b"1f"), (token, b"")]
+    lone = admitted(floor, batched=True)
+    await job.relay_finals("e1", [reply(lone, b"4f")])  # a lone reply goes to its own subject
+    assert [message.body for message in floor.bus.on(lone.return_path.reply_to)] == [b"4f"]
+    assert len(floor.bus.on("_INBOX.client.b")) == 2
+
+
+async def test_reply_batches_stay_under_max_payload() -> None:
+    floor = build(max_payload=2048)
+    floor.engine("e1", capacity=8)
+    job = relay(floor)
+    entries = [admitted(floor, stream=True, batched=True) for _ in range(6)]
+    await job.relay_partials("e1", [reply(entry, bytes(500), seq=0) for entry in entries])
+    batches = floor.bus.on("_INBOX.client.b")
+    assert len(batches) == 2 and all(len(batch.body) <= 2048 - BATCH_OVERHEAD for batch in batches)
+    pairs = [pair for batch in batches for pair in batch_decoder.decode(batch.body)]
+    assert [token for token, _ in pairs] == [
+        entry.return_path.reply_to.rpartition(".")[2].encode() for entry in entries
+    ]

@@ -73,6 +73,7 @@ class Floor:
         model: str | None = None,
         client: tuple[str, str] | None = None,
         coordinator_id: str = COORDINATOR_ID,
+        batched: bool = False,
     ) -> InflightRequest:
         """A request as admission builds it (not yet in the ledger)."""
         n = next(self._ids)
@@ -81,7 +82,7 @@ class Floor:
         assert owner is not None and problem is None, problem
         client_id, client_request_id = client if client is not None else (None, None)
         path = ReturnPath(
-            f"{coordinator_id}-r{n}", coordinator_id, reply_to, "json", stream, client_request_id, client_id
+            f"{coordinator_id}-r{n}", coordinator_id, reply_to, "json", stream, client_request_id, client_id, batched
         )
         return InflightRequest(path, Encoding.JSON, body, client, model=model, owner=owner)
 

@@ -8,6 +8,7 @@ import pytest
 from service.protocol.codec import Encoding, PayloadDecoder, detect_encoding
 from service.protocol.errors import WireError
 from service.protocol.messages import SubmitRequest
+from service.protocol.reply_batches import batch_subject
 
 
 @pytest.mark.parametrize(
@@ -67,3 +68,10 @@ def test_undecodable_bodies_are_400() -> None:
         with pytest.raises(WireError) as caught:
             decoder.decode(body, encoding)
         assert caught.value.code == 400
+
+
+def test_a_reply_subjects_batch_subject_replaces_its_last_token() -> None:
+    assert batch_subject("_INBOX.abc.17") == "_INBOX.abc.b"
+    assert batch_subject("_INBOX.17") == "_INBOX.b"
+    assert batch_subject("_INBOX") is None and batch_subject(".17") is None
+    assert batch_subject("_INBOX.abc.b") is None  # the batch token: its replies go alone
