@@ -14,6 +14,10 @@ on the same coordinator and engines. Three workloads, each both ways:
 - the pipelined load against a bare ASGI "hello" app under the same server
   (benchmarks/hello_asgi.py): the gateway's CPU per request as a multiple of the bare app's,
   and the gateway's CPU per SSE event (a stream's CPU less a request's, over its tokens);
+- the pipelined load against the "relay" app (benchmarks/hello_asgi.py): "hello" with one request
+  through the client library in between, the least a gateway on this server and this client
+  library can spend (``relay_vs_hello_cpu_per_request`` is the floor under the ratio above, and
+  ``gateway_vs_relay_cpu_per_request`` what the gateway's OpenAI work adds to it);
 - the same "hello" app paced at the gateway's last measured request rate
   (``pipelined_hello_paced``): an event-loop server's CPU per request depends on its request
   rate (at a low rate each request pays its own wake-ups and system calls; at a high one they
@@ -71,13 +75,20 @@ class Measure:
     """Runs one workload for one round and returns its figures."""
 
     def __init__(
-        self, args: argparse.Namespace, stack: BenchStack, client: DpcoordClient, port: int, hello_port: int
+        self,
+        args: argparse.Namespace,
+        stack: BenchStack,
+        client: DpcoordClient,
+        port: int,
+        hello_port: int,
+        relay_port: int,
     ) -> None:
         self.args = args
         self.stack = stack
         self.client = client
         self.port = port
         self.hello_port = hello_port
+        self.relay_port = relay_port
         self.completion = post(
             "127.0.0.1",
             "/v1/completions",
@@ -92,7 +103,7 @@ class Measure:
         self.watch = {
             name: pid
             for name, pid in stack.pids.items()
-            if name in ("client", "gateway", "hello", "coordinator", "engine0", "nats_server")
+            if name in ("client", "gateway", "hello", "relay", "coordinator", "engine0", "nats_server")
         }
 
     def steps(self) -> list[tuple[str, Callable[[], Awaitable[dict[str, Any]]]]]:
@@ -103,6 +114,7 @@ class Measure:
             ("pipelined_gateway", lambda: self._pipelined_gateway()),
             ("pipelined_hello", lambda: self._window(self._http_load(stream=False, port=self.hello_port))),
             ("pipelined_hello_paced", lambda: self._paced_hello()),
+            ("pipelined_relay", lambda: self._window(self._http_load(stream=False, port=self.relay_port))),
             ("streaming_client", lambda: self._window(self._client_load(stream=True))),
             ("streaming_gateway", lambda: self._window(self._http_load(stream=True))),
         ]
@@ -230,6 +242,12 @@ def figures(measured: dict[str, dict[str, Any]], tokens: int) -> dict[str, float
         hello = measured["pipelined_hello"]["cpu_us_per"]["hello"]
         out["hello_cpu_us_per_request"] = hello
         out["gateway_vs_hello_cpu_per_request"] = measured["pipelined_gateway"]["cpu_us_per"]["gateway"] / hello
+    if "pipelined_relay" in measured and "pipelined_hello" in measured:
+        relay = measured["pipelined_relay"]["cpu_us_per"]["relay"]
+        out["relay_cpu_us_per_request"] = relay
+        out["relay_vs_hello_cpu_per_request"] = relay / measured["pipelined_hello"]["cpu_us_per"]["hello"]
+        if "pipelined_gateway" in measured:
+            out["gateway_vs_relay_cpu_per_request"] = measured["pipelined_gateway"]["cpu_us_per"]["gateway"] / relay
     if "pipelined_gateway" in measured and "pipelined_hello_paced" in measured:
         paced = measured["pipelined_hello_paced"]["cpu_us_per"]["hello"]
         out["hello_cpu_us_per_request_at_gateway_rate"] = paced
@@ -305,11 +323,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await stack.start_dpcoord(probe)
         port = free_port()
         await stack.start_gateway(port)
-        hello_port = free_port()
+        hello_port, relay_port = free_port(), free_port()
         await stack.start_hello(hello_port)
+        await stack.start_hello(relay_port, relay=True)
         settings = Settings.model_validate({"nats_url": stack.nats_url, "subject_prefix": config.prefix})
         async with await DpcoordClient.connect(settings) as client:
-            measure = Measure(args, stack, client, port, hello_port)
+            measure = Measure(args, stack, client, port, hello_port, relay_port)
             steps = [step for step in measure.steps() if not args.only or step[0].split("_")[0] in args.only]
             progress = Progress(len(steps) * args.rounds)
             rounds: list[dict[str, Any]] = []

@@ -16,8 +16,8 @@ client is this checkout's in both; the wire contract is the same. Needs valgrind
 callgrind_control (``apt install valgrind``).
 
 Three workloads: ``plain``, msgpack bodies of 10 tokens as `nats pub` sends them; ``envelope``,
-the client library's envelope of a named client (its idempotency bookkeeping included);
-``long``, the envelope around a 10,000-token prompt.
+the client library's envelope of a named client (its idempotency bookkeeping and reply batches
+included); ``long``, the envelope around a 10,000-token prompt.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from nats.aio.msg import Msg
+
 from benchmarks.coordinator import long_prompt
 from benchmarks.stack import BenchStack, StackConfig
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
+from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
 from service.protocol.subjects import Header
 
 BURST = 256
@@ -60,7 +63,10 @@ def bodies(kind: str, count: int) -> list[bytes]:
         return [body] * count
     prompt = long_prompt(10_000) if kind == "long" else list(range(1, 11))
     inner = encode_msgpack(SubmitRequest(prompt, SamplingParams(max_tokens=8)))
-    return [encode_msgpack(SubmitEnvelope(1, inner, False, index, "bench")) for index in range(count)]
+    # As the client library sends them: reading reply batches (coordinators before them ignore it).
+    return [
+        encode_msgpack(SubmitEnvelope(1, inner, False, index, "bench", batched_replies=True)) for index in range(count)
+    ]
 
 
 def read_summary(dump: str) -> int:
@@ -120,8 +126,10 @@ async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Pa
         inbox = nc.new_inbox()
         answered = asyncio.Semaphore(0)
 
-        async def on_reply(_msg: object) -> None:
-            answered.release()
+        async def on_reply(msg: Msg) -> None:
+            batched = msg.subject.endswith(f".{BATCH_TOKEN}")  # a reply batch (the envelope workloads)
+            for _ in batch_decoder.decode(msg.data) if batched else (msg,):
+                answered.release()
 
         await nc.subscribe(f"{inbox}.*", cb=on_reply)
         payloads = bodies(kind, requests + WARMUP_BURSTS * BURST)

@@ -134,10 +134,12 @@ class BenchStack:
             await asyncio.sleep(0.05)  # waiting for a process to come up: nothing to await on
         raise RuntimeError("the gateway was not ready in 30 s")
 
-    async def start_hello(self, port: int) -> None:
-        """The bare ASGI baseline (benchmarks/hello_asgi.py) on 127.0.0.1:``port``, once it answers."""
-        await self._spawn("hello", "-m", "benchmarks.hello_asgi", str(port), env=self._dpcoord_env())
-        await wait_listening(port, self._check_children, 30.0, "the hello app")
+    async def start_hello(self, port: int, relay: bool = False) -> None:
+        """A bare ASGI baseline (benchmarks/hello_asgi.py) on 127.0.0.1:``port``, once it answers:
+        ``hello``, or (``relay``) ``relay`` under the name "relay"."""
+        name, flags = ("relay", ["--relay"]) if relay else ("hello", [])
+        await self._spawn(name, "-m", "benchmarks.hello_asgi", str(port), *flags, env=self._dpcoord_env())
+        await wait_listening(port, self._check_children, 30.0, f"the {name} app")
 
     def _check_children(self) -> None:
         children = [name for name in self.pids if name not in ("client", "nats_server")]

@@ -62,12 +62,13 @@ class Mailbox:
     """What one submission hears, in arrival order, read by that submission alone; after
     ``timeout_s`` it hears :data:`EXPIRED` (after what came before)."""
 
-    __slots__ = ("_items", "_timer", "_waiter")
+    __slots__ = ("_items", "_loop", "_timer", "_waiter")
 
     def __init__(self, timeout_s: float) -> None:
         self._items: deque[object] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(timeout_s, self.put_nowait, EXPIRED)
+        self._loop = asyncio.get_running_loop()  # kept: on Python 3.11 each lookup costs a getpid()
+        self._timer = self._loop.call_later(timeout_s, self.put_nowait, EXPIRED)
 
     def put_nowait(self, item: object) -> None:
         self._items.append(item)
@@ -78,7 +79,7 @@ class Mailbox:
     async def get(self) -> object:
         items = self._items
         while not items:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._loop.create_future()
             try:
                 await waiter
             finally:

@@ -15,10 +15,9 @@ Contract:
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractAsyncContextManager
 
 from service.coordinator.core import Core
-from service.coordinator.deliveries import ClientDeliveries
+from service.coordinator.deliveries import Batching, ClientDeliveries
 from service.coordinator.requests import ClientKey, InflightRequest
 from service.coordinator.results import CachedResult, ResultCache
 from service.ops.log_limit import RateLimitedLog
@@ -78,7 +77,7 @@ class Answers:
         final = Final(return_path.request_id, return_path.client_request_id, None, [], "", "abort")
         await self.final(entry, encode(final, entry.encoding))
 
-    def batching(self) -> AbstractAsyncContextManager[None]:
+    def batching(self) -> Batching:
         """Replies sent inside the block to clients that read reply batches leave batched at its end."""
         return self._deliveries.batching()
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -82,22 +80,21 @@ class ClientDeliveries:
         while self._held_bytes > self._max_bytes and self._held:
             self._drop_oldest()
 
-    @asynccontextmanager
-    async def batching(self) -> AsyncIterator[None]:
+    def batching(self) -> Batching:
         """Batched replies published inside the block leave as reply batches when it ends (a block
         inside another one joins it)."""
-        if self._batches is not None:
-            yield
-            return
-        batches: dict[str, ReplyBatch] = {}
-        self._batches = batches
-        try:
-            yield
-        finally:
-            self._batches = None
-            await self._send_batches(batches)
+        return Batching(self)
 
-    async def _send_batches(self, batches: dict[str, ReplyBatch]) -> None:
+    def open_batches(self) -> bool:
+        """Start collecting batched replies; False when a block already collects them."""
+        if self._batches is not None:
+            return False
+        self._batches = {}
+        return True
+
+    async def send_batches(self) -> None:
+        """Send what was collected since :meth:`open_batches`, and publish directly again."""
+        batches, self._batches = self._batches or {}, None
         max_payload = self._nc.max_payload
         for prefix, pairs in batches.items():
             for group in split_batches(pairs, pair_size, max_payload):
@@ -151,3 +148,21 @@ class ClientDeliveries:
         finally:
             self._held_by_client.clear()
             self._open = True
+
+
+class Batching:
+    """The block of :meth:`ClientDeliveries.batching` (a class: the relay opens one per engine
+    message, and a generator-based context manager costs several times as much)."""
+
+    __slots__ = ("_deliveries", "_outer")
+
+    def __init__(self, deliveries: ClientDeliveries) -> None:
+        self._deliveries = deliveries
+        self._outer = False
+
+    async def __aenter__(self) -> None:
+        self._outer = self._deliveries.open_batches()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._outer:
+            await self._deliveries.send_batches()

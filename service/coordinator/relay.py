@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from service.bus.batches import TOKEN_BYTES
 from service.coordinator.answers import Answers
@@ -70,9 +71,24 @@ class ReplyRelay:
         self._refusal_log = RateLimitedLog(log)
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        await self._relay_all(engine_id, replies, self._relay_final)
+
+    async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
+        await self._relay_all(engine_id, replies, self._relay_partial)
+
+    async def _relay_all(
+        self,
+        engine_id: str,
+        replies: list[RoutedReply],
+        relay: Callable[[str, RoutedReply], Awaitable[None]],
+    ) -> None:
+        """Relay one engine message's replies, batched per client (a lone one has nothing to share a batch with)."""
+        if len(replies) == 1:
+            await relay(engine_id, replies[0])
+            return
         async with self._answers.batching():
             for reply in replies:
-                await self._relay_final(engine_id, reply)
+                await relay(engine_id, reply)
 
     async def _relay_final(self, engine_id: str, reply: RoutedReply) -> None:
         request_id = reply.return_path.request_id
@@ -92,11 +108,6 @@ class ReplyRelay:
             return
         self._ledger.finish(request_id)
         await self._answers.final(entry, reply.body)
-
-    async def relay_partials(self, engine_id: str, replies: list[RoutedReply]) -> None:
-        async with self._answers.batching():
-            for reply in replies:
-                await self._relay_partial(engine_id, reply)
 
     async def _relay_partial(self, engine_id: str, reply: RoutedReply) -> None:
         entry = self._ledger.get(reply.return_path.request_id)

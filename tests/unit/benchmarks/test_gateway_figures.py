@@ -25,3 +25,15 @@ def test_the_gateway_is_compared_with_the_bare_app_unpaced_and_at_its_own_rate()
     assert out["hello_cpu_us_per_request_at_gateway_rate"] == pytest.approx(100.0)
     assert out["gateway_vs_hello_at_gateway_rate"] == pytest.approx(2.0)
     assert out["gateway_cpu_us_per_sse_event"] == pytest.approx(15.0)
+
+
+def test_the_relay_app_is_the_floor_under_the_ratio_and_the_gateway_is_compared_with_it() -> None:
+    measured = {
+        "pipelined_gateway": _step(1000.0, gateway=150.0),
+        "pipelined_hello": _step(20000.0, hello=30.0),
+        "pipelined_relay": _step(5000.0, relay=100.0),
+    }
+    out = figures(measured, tokens=64)
+    assert out["relay_cpu_us_per_request"] == pytest.approx(100.0)
+    assert out["relay_vs_hello_cpu_per_request"] == pytest.approx(100.0 / 30.0)
+    assert out["gateway_vs_relay_cpu_per_request"] == pytest.approx(1.5)

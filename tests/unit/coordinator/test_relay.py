@@ -134,8 +134,13 @@ async def test_one_engine_message_reaches_a_client_that_reads_batches_as_one_bat
     other = second.return_path.reply_to.rpartition(".")[2].encode()
     assert batch_decoder.decode(batch.body) == [(token, b"1a"), (other, b"2a"), (token, b"1b")]
     assert [message.body for message in floor.bus.on(alone.return_path.reply_to)] == [b"3a"]
-    await job.relay_finals("e1", [reply(first, b"1f", seq=2)])  # the final and the end of the stream
-    assert batch_decoder.decode(floor.bus.on("_INBOX.client.b")[1].body) == [(token, b"1f"), (token, b"")]
+    await job.relay_finals("e1", [reply(first, b"1f", seq=2), reply(second, b"2f", seq=1)])
+    assert batch_decoder.decode(floor.bus.on("_INBOX.client.b")[1].body) == [
+        (token, b"1f"),
+        (token, b""),
+        (other, b"2f"),
+        (other, b""),
+    ]
     lone = admitted(floor, batched=True)
     await job.relay_finals("e1", [reply(lone, b"4f")])  # a lone reply goes to its own subject
     assert [message.body for message in floor.bus.on(lone.return_path.reply_to)] == [b"4f"]
