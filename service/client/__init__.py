@@ -26,8 +26,8 @@ callback, so the call would otherwise wait out its timeout.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import Any
@@ -189,7 +189,8 @@ class DpcoordClient:
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
-        request_id = client_request_id if client_request_id is not None else uuid.uuid4().hex
+        # 128 random bits in hex (uuid4 gives 122, for five times the CPU)
+        request_id = client_request_id if client_request_id is not None else os.urandom(16).hex()
         chat = list(messages) if messages is not None else None
         try:
             body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
