@@ -147,6 +147,12 @@ class ChunkWriter:
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt group -> its length, once known
     templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # choice -> _template
 
+    def events(self, batch: list[Reply]) -> bytes:
+        """The events of the replies ready together, as one piece (empty when there are none)."""
+        if len(batch) == 1:
+            return b"".join(self.chunks(*batch[0]))  # joins one chunk without copying it
+        return b"".join([chunk for job, reply in batch for chunk in self.chunks(job, reply)])
+
     def chunks(self, job: Job, reply: Partial | Final) -> list[bytes]:
         choice = self.choices.get(job.index)
         if choice is None:
@@ -276,8 +282,21 @@ class Replies:
         """The replies ready now (waiting for one if none is); empty once every stream ended."""
         if self._failure is not None:
             raise self._failure
-        if self._only is not None:
-            return await self._next_of_one(*self._only)
+        only = self._only
+        if only is None:
+            return await self._batch_of_many()
+        if not self._running:  # one stream, read here: a coroutine less per reply
+            return []
+        try:
+            return [(only[0], await anext(only[1]))]
+        except StopAsyncIteration:
+            self._running = 0
+            return []
+        except Exception as exc:
+            self._failure = exc
+            raise
+
+    async def _batch_of_many(self) -> list[Reply]:
         queue = self._queue
         ready: list[Reply] = []
         while self._running and not ready:
@@ -297,18 +316,6 @@ class Replies:
                 item = queue.get_nowait()
         return ready
 
-    async def _next_of_one(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> list[Reply]:
-        if not self._running:
-            return []
-        try:
-            return [(job, await anext(stream))]
-        except StopAsyncIteration:
-            self._running = 0
-            return []
-        except Exception as exc:
-            self._failure = exc
-            raise
-
     async def aclose(self) -> None:
         if self._only is not None:
             await self._only[1].aclose()
@@ -323,9 +330,9 @@ async def sse_events(writer: ChunkWriter, first: list[Reply], rest: Replies) -> 
     try:
         batch = first
         while batch:
-            chunks = [chunk for job, reply in batch for chunk in writer.chunks(job, reply)]
-            if chunks:
-                yield b"".join(chunks) if len(chunks) > 1 else chunks[0]
+            piece = writer.events(batch)
+            if piece:
+                yield piece
             batch = await rest.batch()
     except ClientError as exc:
         yield event(from_wire(exc.code, exc.message).body())
