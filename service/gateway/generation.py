@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,7 @@ from service.gateway.streaming import (
 from service.gateway.translate import (
     Job,
     Plan,
+    answered_usage,
     chat_plan,
     chat_response,
     completion_plan,
@@ -52,7 +53,7 @@ from service.gateway.translate import (
 )
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import Final
+from service.protocol.messages import Final, Partial
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Endpoint:
     name: str
     decode: Callable[[bytes], Any]
     plan: Callable[[Any], Plan]
-    respond: Callable[[Plan, list[Final]], msgspec.Struct]
+    respond: Callable[[Plan, list[Final], Usage], msgspec.Struct]
     chat: bool
 
 
@@ -93,44 +94,52 @@ class Generation:
         self._authorize = authorize
         self._requests = requests
         self._draining = draining
+        self._timeout = settings.request_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        requests = self._requests
+        task = requests.enter()
+        try:
+            await self._serve(task, scope, receive, send)
+        finally:
+            requests.leave(task)
+
+    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         metrics = self.metrics
         metrics.in_flight += 1
         status = 200
-        with self._requests.serving() as task:
-            try:
-                if self._draining():
-                    raise shutting_down("it takes no new requests")
-                stream = await self._answer(scope, receive, send)
-            except GatewayError as err:
-                stream, status = None, err.status
-                await respond_error(send, err)
-            except ClientError as exc:
-                refusal = from_wire(exc.code, exc.message)
-                stream, status = None, refusal.status
-                await respond_error(send, refusal)
-            except TimeoutError as exc:
-                stream, status = None, ErrorCode.TIMED_OUT
-                await respond_error(send, GatewayError(ErrorCode.TIMED_OUT, str(exc)))
-            except asyncio.CancelledError:
-                if not self._requests.cutting:
-                    raise
-                task.uncancel()
-                stream, status = None, 503
-                await respond_error(send, shutting_down("the request was cut"))
-            if stream is None:
-                metrics.in_flight -= 1
-                metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
-                return
-            try:
-                await self._requests.write(task, stream, send)
-            finally:
-                metrics.disconnects += stream.watch.disconnected
-                metrics.in_flight -= 1
-                metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
-                metrics.used(stream.usage())
+        try:
+            if self._draining():
+                raise shutting_down("it takes no new requests")
+            stream = await self._answer(scope, receive, send)
+        except GatewayError as err:
+            stream, status = None, err.status
+            await respond_error(send, err)
+        except ClientError as exc:
+            refusal = from_wire(exc.code, exc.message)
+            stream, status = None, refusal.status
+            await respond_error(send, refusal)
+        except TimeoutError as exc:
+            stream, status = None, ErrorCode.TIMED_OUT
+            await respond_error(send, GatewayError(ErrorCode.TIMED_OUT, str(exc)))
+        except asyncio.CancelledError:
+            if not self._requests.cutting:
+                raise
+            task.uncancel()
+            stream, status = None, 503
+            await respond_error(send, shutting_down("the request was cut"))
+        if stream is None:
+            metrics.in_flight -= 1
+            metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
+            return
+        try:
+            await self._requests.write(task, stream, send)
+        finally:
+            metrics.disconnects += stream.watch.disconnected
+            metrics.in_flight -= 1
+            metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
+            metrics.used(stream.usage())
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> EventStream | None:
         """Answers a non-streamed request itself; returns a stream whose first reply arrived."""
@@ -159,8 +168,9 @@ class Generation:
         finally:
             watch.stop()
             self.metrics.disconnects += watch.disconnected
-        self.metrics.used(usage_of(plan, ((job.index, final) for job, final in zip(plan.jobs, finals, strict=True))))
-        await respond(send, 200, json_encoder.encode(endpoint.respond(plan, finals)))
+        usage = answered_usage(plan, finals)
+        self.metrics.used(usage)
+        await respond(send, 200, json_encoder.encode(endpoint.respond(plan, finals, usage)))
         return None
 
     async def _abort_if_cut(self, client: DpcoordClient, ids: list[str]) -> None:
@@ -168,21 +178,33 @@ class Generation:
         if self._requests.cutting:
             await asyncio.shield(aborted(client, ids))
 
-    def _submission(self, plan: Plan, job: Job, client_request_id: str) -> dict[str, Any]:
-        return dict(
-            prompt=job.prompt,
+    def _submit(self, client: DpcoordClient, plan: Plan, job: Job, client_request_id: str) -> Awaitable[Final]:
+        return client.submit(
+            job.prompt,
             messages=job.messages,
             model=plan.model,
             client_request_id=client_request_id,
-            timeout=self.settings.request_timeout_s,
+            timeout=self._timeout,
+            **plan.sampling,
+        )
+
+    def _stream_of(
+        self, client: DpcoordClient, plan: Plan, job: Job, client_request_id: str
+    ) -> AsyncGenerator[Partial | Final, None]:
+        return client.stream(
+            job.prompt,
+            messages=job.messages,
+            model=plan.model,
+            client_request_id=client_request_id,
+            timeout=self._timeout,
             **plan.sampling,
         )
 
     async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> list[Final]:
-        if len(plan.jobs) == 1:
-            return [await client.submit(**self._submission(plan, plan.jobs[0], ids[0]))]
+        if len(ids) == 1:
+            return [await self._submit(client, plan, plan.jobs[0], ids[0])]
         outcomes = await asyncio.gather(
-            *(client.submit(**self._submission(plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)),
+            *(self._submit(client, plan, job, rid) for job, rid in zip(plan.jobs, ids, strict=True)),
             return_exceptions=True,
         )
         finals = [outcome for outcome in outcomes if isinstance(outcome, Final)]
@@ -194,7 +216,7 @@ class Generation:
     async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
         replies = Replies(
-            (job, client.stream(**self._submission(plan, job, rid))) for job, rid in zip(plan.jobs, ids, strict=True)
+            (job, self._stream_of(client, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:
             first = await replies.batch()
@@ -246,20 +268,20 @@ class Requests:
     def __len__(self) -> int:
         return len(self._running)
 
-    @contextmanager
-    def serving(self) -> Iterator[asyncio.Task[Any]]:
-        """Count the current task's request as in progress while the block runs."""
+    def enter(self) -> asyncio.Task[Any]:
+        """Count the current task's request as in progress until :meth:`leave` (a try/finally at
+        the caller: a context manager's generator would cost more than the rest of this)."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a request is served from a task")
         self._running.add(task)
         self._idle.clear()
-        try:
-            yield task
-        finally:
-            self._running.discard(task)
-            if not self._running:
-                self._idle.set()
+        return task
+
+    def leave(self, task: asyncio.Task[Any]) -> None:
+        self._running.discard(task)
+        if not self._running:
+            self._idle.set()
 
     async def idle(self) -> None:
         """Returns once no request is in progress."""

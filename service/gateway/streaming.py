@@ -145,6 +145,13 @@ class ChunkWriter:
     chat: bool
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # prompt group -> its length, once known
+    templates: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # choice -> _template
+
+    def events(self, batch: list[Reply]) -> bytes:
+        """The events of the replies ready together, as one piece (empty when there are none)."""
+        if len(batch) == 1:
+            return b"".join(self.chunks(*batch[0]))  # joins one chunk without copying it
+        return b"".join([chunk for job, reply in batch for chunk in self.chunks(job, reply)])
 
     def chunks(self, job: Job, reply: Partial | Final) -> list[bytes]:
         choice = self.choices.get(job.index)
@@ -211,6 +218,25 @@ class ChunkWriter:
         return event(json_encoder.encode(Completion(self.plan.id, self.plan.created, self.plan.model, [], usage)))
 
     def _piece(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        if finish_reason is None and not self.plan.continuous_usage:  # a partial's text: the hot case
+            template = self.templates.get(index)
+            if template is None:
+                template = self.templates[index] = self._template(index)
+            return template[0] + json_encoder.encode(text) + template[1]
+        return self._encoded(index, text, finish_reason)
+
+    def _template(self, index: int) -> tuple[bytes, bytes]:
+        """Choice ``index``'s text event split around its text, so that ``head + JSON string +
+        tail`` is exactly what :meth:`_encoded` gives, without building and encoding the chunk's
+        structs per event. The split is at the key ``"text":`` (``"content":`` in a chat), which
+        only the structure can hold: a quote inside a JSON string is escaped."""
+        key = b'"content":' if self.chat else b'"text":'
+        head, found, tail = self._encoded(index, "", None).partition(key + b'""')
+        if not found:
+            raise AssertionError(f"no {key!r} in a text chunk")
+        return head + key, tail
+
+    def _encoded(self, index: int, text: str, finish_reason: str | None) -> bytes:
         if self.chat:
             delta = ChatMessageOut(content=text) if text or finish_reason is None else ChatMessageOut()
             return self._chat(index, delta, finish_reason)
@@ -256,8 +282,21 @@ class Replies:
         """The replies ready now (waiting for one if none is); empty once every stream ended."""
         if self._failure is not None:
             raise self._failure
-        if self._only is not None:
-            return await self._next_of_one(*self._only)
+        only = self._only
+        if only is None:
+            return await self._batch_of_many()
+        if not self._running:  # one stream, read here: a coroutine less per reply
+            return []
+        try:
+            return [(only[0], await anext(only[1]))]
+        except StopAsyncIteration:
+            self._running = 0
+            return []
+        except Exception as exc:
+            self._failure = exc
+            raise
+
+    async def _batch_of_many(self) -> list[Reply]:
         queue = self._queue
         ready: list[Reply] = []
         while self._running and not ready:
@@ -277,18 +316,6 @@ class Replies:
                 item = queue.get_nowait()
         return ready
 
-    async def _next_of_one(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> list[Reply]:
-        if not self._running:
-            return []
-        try:
-            return [(job, await anext(stream))]
-        except StopAsyncIteration:
-            self._running = 0
-            return []
-        except Exception as exc:
-            self._failure = exc
-            raise
-
     async def aclose(self) -> None:
         if self._only is not None:
             await self._only[1].aclose()
@@ -303,9 +330,9 @@ async def sse_events(writer: ChunkWriter, first: list[Reply], rest: Replies) -> 
     try:
         batch = first
         while batch:
-            chunks = [chunk for job, reply in batch for chunk in writer.chunks(job, reply)]
-            if chunks:
-                yield b"".join(chunks) if len(chunks) > 1 else chunks[0]
+            piece = writer.events(batch)
+            if piece:
+                yield piece
             batch = await rest.batch()
     except ClientError as exc:
         yield event(from_wire(exc.code, exc.message).body())
