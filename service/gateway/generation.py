@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.types import Receive, Scope, Send
@@ -53,9 +53,10 @@ from service.gateway.translate import (
 )
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import Final, Partial
+from service.protocol.messages import Final
 
 log = logging.getLogger(__name__)
+Sent = TypeVar("Sent")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,20 +179,9 @@ class Generation:
         if self._requests.cutting:
             await asyncio.shield(aborted(client, ids))
 
-    def _submit(self, client: DpcoordClient, plan: Plan, job: Job, client_request_id: str) -> Awaitable[Final]:
-        return client.submit(
-            job.prompt,
-            messages=job.messages,
-            model=plan.model,
-            client_request_id=client_request_id,
-            timeout=self._timeout,
-            **plan.sampling,
-        )
-
-    def _stream_of(
-        self, client: DpcoordClient, plan: Plan, job: Job, client_request_id: str
-    ) -> AsyncGenerator[Partial | Final, None]:
-        return client.stream(
+    def _send(self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str) -> Sent:
+        """``job`` through ``call``: the client's ``submit`` or ``stream``, which take the same arguments."""
+        return call(
             job.prompt,
             messages=job.messages,
             model=plan.model,
@@ -202,9 +192,9 @@ class Generation:
 
     async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> list[Final]:
         if len(ids) == 1:
-            return [await self._submit(client, plan, plan.jobs[0], ids[0])]
+            return [await self._send(client.submit, plan, plan.jobs[0], ids[0])]
         outcomes = await asyncio.gather(
-            *(self._submit(client, plan, job, rid) for job, rid in zip(plan.jobs, ids, strict=True)),
+            *(self._send(client.submit, plan, job, rid) for job, rid in zip(plan.jobs, ids, strict=True)),
             return_exceptions=True,
         )
         finals = [outcome for outcome in outcomes if isinstance(outcome, Final)]
@@ -216,7 +206,7 @@ class Generation:
     async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
         replies = Replies(
-            (job, self._stream_of(client, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
+            (job, self._send(client.stream, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:
             first = await replies.batch()
