@@ -25,9 +25,7 @@ callback, so the call would otherwise wait out its timeout.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import Any
@@ -40,16 +38,9 @@ from nats.errors import MaxPayloadError
 from service.bus.connection import close_nats, connect_nats
 from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
-from service.client.calls import ClientError, call, check, reply_decoder
-from service.client.exchanges import (
-    EXPIRED,
-    NO_RESPONDERS,
-    RECONNECTED,
-    CoordinatorLost,
-    CoordinatorWatch,
-    Exchanges,
-    Refused,
-)
+from service.client.calls import ClientError, call
+from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.submission import Submission
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
@@ -75,12 +66,6 @@ from service.protocol.messages import (
 from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
-
-_envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
-MAX_RESUBMIT_BACKOFF_S = 1.0
-# The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
-# instead of a bare timeout.
-DEADLINE_MARGIN_S = 2.0
 
 
 class DpcoordClient:
@@ -219,10 +204,14 @@ class DpcoordClient:
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
         bounds the wait and is also the request's deadline at the coordinator."""
         body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
-        async with aclosing(self._exchange(body, timeout)) as replies:
-            async for reply in replies:
-                if isinstance(reply, Final):
-                    return reply
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        try:
+            await submission.start()
+            while replies := await submission.replies():
+                if isinstance(replies[-1], Final):
+                    return replies[-1]
+        finally:
+            submission.close()
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
 
     async def stream(
@@ -241,63 +230,56 @@ class DpcoordClient:
         older run's partials are dropped; after a gap, or two runs that do not join, no further
         partial is yielded and the final (every token) fills the rest in; a final that does not
         extend the partials yielded raises ClientError 502."""
+        batches = self.stream_batches(
+            prompt, messages=messages, model=model, client_request_id=client_request_id, timeout=timeout, **sampling
+        )
+        async with aclosing(batches):
+            async for replies in batches:
+                for reply in replies:
+                    yield reply
+
+    async def stream_batches(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: Sequence[ChatMessage] | None = None,
+        model: str | None = None,
+        client_request_id: ClientRequestId | None = None,
+        timeout: float = 60.0,
+        **sampling: Any,
+    ) -> AsyncGenerator[list[Partial | Final], None]:
+        """The replies of :meth:`stream`, checked the same way, as the lists that arrived
+        together: for a reader that writes the replies ready together at once (the gateway), a
+        wake-up per list rather than per reply."""
         body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         check = StreamCheck()
-        async with aclosing(self._exchange(body, timeout)) as replies:
-            async for reply in replies:
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        try:
+            await submission.start()
+            while replies := await submission.replies():
+                passed: list[Partial | Final] = []
+                broken: StreamBroken | None = None
                 try:
-                    if isinstance(reply, Final):
-                        check.finish(reply)
-                    elif not check.accept(reply):
-                        continue
-                except StreamBroken as exc:
-                    raise ClientError(exc.code, exc.message) from None
-                yield reply
-                if isinstance(reply, Final):
-                    return
-
-    async def _exchange(self, body: bytes, timeout: float) -> AsyncGenerator[Partial | Final, None]:
-        """Submit and yield replies up to the terminal one, resubmitting when a reply may be lost."""
-        wait_s = timeout + DEADLINE_MARGIN_S
-        deadline = time.monotonic() + wait_s
-        subject = self._submit_subject
-        inbox, queue = self._exchanges.open(wait_s)
-        backoff = 0.02
-        holder: str | None = None  # the replica holding the request, once a reply named it
-        again: bytes | None = None  # the body marked as a resubmission, made at the first one
-        try:
-            await self._publish(subject, body, inbox)
-            while True:
-                item = await queue.get()
-                if isinstance(item, bytes):
-                    if not item:
-                        return
-                    reply = check(reply_decoder.decode(item))
-                    if isinstance(reply, (Partial, Final)):
-                        holder = reply.request_id.rpartition("-")[0]
-                        self._watch.heard_of(holder)
-                        yield reply
+                    for reply in replies:
                         if isinstance(reply, Final):
-                            return
-                elif item is NO_RESPONDERS:
-                    await asyncio.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
-                    backoff = min(backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-                    await self._publish(subject, body, inbox)
-                elif item is EXPIRED:
-                    raise TimeoutError(f"no reply within {timeout} s")
-                elif isinstance(item, CoordinatorLost) and holder not in (None, item.coordinator_id):
-                    continue
-                elif item is RECONNECTED or isinstance(item, CoordinatorLost):
-                    again = again or _as_resubmission(body)
-                    await self._publish(subject, again, inbox)
-                elif isinstance(item, Refused):
-                    raise ClientError(ErrorCode.FORBIDDEN, item.message)
+                            check.finish(reply)
+                            passed.append(reply)
+                        elif check.accept(reply):
+                            passed.append(reply)
+                except StreamBroken as exc:
+                    broken = exc  # raised after the partials before it
+                if passed:
+                    yield passed
+                if broken is not None:
+                    raise ClientError(broken.code, broken.message)
+                if isinstance(replies[-1], Final):
+                    return
         finally:
-            self._exchanges.close(inbox)
+            submission.close()
 
-    async def _publish(self, subject: str, body: bytes, inbox: str) -> None:
+    async def _publish(self, body: bytes, inbox: str) -> None:
         try:
-            await self.nc.publish(subject, body, reply=inbox)
+            await self.nc.publish(self._submit_subject, body, reply=inbox)
         except MaxPayloadError:
             raise ClientError(
                 ErrorCode.TOO_LARGE,
@@ -373,10 +355,6 @@ class DpcoordClient:
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {header}: {reply!r}")
         return reply
-
-
-def _as_resubmission(body: bytes) -> bytes:
-    return encode_msgpack(msgspec.structs.replace(_envelope_decoder.decode(body), resubmission=True))
 
 
 __all__ = ["ClientError", "DpcoordClient"]

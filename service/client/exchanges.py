@@ -14,10 +14,11 @@ connection the inbox is an inline subscription (:meth:`Exchanges.on_inline`), so
 no nats-py ``Msg``, queue or task; on another connection, a callback subscription
 (:meth:`Exchanges.on_reply`).
 
-A submission's queue is a :class:`Mailbox`: one reader, no bound, and one timer for the whole
-submission's deadline (it queues :data:`EXPIRED`), which costs far less per reply than an
-``asyncio.Queue`` read under an ``asyncio.timeout`` (a timer rescheduled for every reply: a
-fifth of the gateway's CPU per streamed event, measured with py-spy in docs/gateway.md).
+A submission's queue is a :class:`Mailbox`: one reader, which takes every item ready at once, no
+bound, and one timer for the whole submission's deadline (it queues :data:`EXPIRED`), which
+costs far less per reply than an ``asyncio.Queue`` read under an ``asyncio.timeout`` (a timer
+rescheduled for every reply: a fifth of the gateway's CPU per streamed event, measured with
+py-spy in docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ class Mailbox:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self) -> object:
+    async def take(self) -> list[object]:
+        """Everything queued, in arrival order, waiting for the first item if there is none: a
+        reader that handles the items ready together wakes once for them."""
         items = self._items
         while not items:
             waiter = self._waiter = self._loop.create_future()
@@ -84,7 +87,11 @@ class Mailbox:
                 await waiter
             finally:
                 self._waiter = None
-        return items.popleft()
+        if len(items) == 1:
+            return [items.popleft()]
+        taken = list(items)
+        items.clear()
+        return taken
 
     def close(self) -> None:
         self._timer.cancel()

@@ -180,7 +180,7 @@ class Generation:
             await asyncio.shield(aborted(client, ids))
 
     def _send(self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str) -> Sent:
-        """``job`` through ``call``: the client's ``submit`` or ``stream``, which take the same arguments."""
+        """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the same arguments."""
         return call(
             job.prompt,
             messages=job.messages,
@@ -206,7 +206,7 @@ class Generation:
     async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
         replies = Replies(
-            (job, self._send(client.stream, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
+            (job, self._send(client.stream_batches, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:
             first = await replies.batch()

@@ -254,12 +254,13 @@ class ChunkWriter:
 class Replies:
     """Every reply of a plan's submissions, interleaved as they arrive, through one queue, so that
     a stream takes all the replies ready at once and writes their events together. A submission's
-    failure is raised after the replies that came before it.
+    failure is raised after the replies that came before it. Each submission is read as the client
+    library's ``stream_batches``: the replies that arrived together.
 
-    A plan of one submission (the common case) reads its stream directly: no pump task and no
-    second queue, so a reply wakes one task rather than two."""
+    A plan of one submission (the common case) reads its batches directly: no pump task and no
+    second queue, so the replies ready together wake one task once."""
 
-    def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[Partial | Final, None]]]) -> None:
+    def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[list[Partial | Final], None]]]) -> None:
         self._queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
         self._failure: BaseException | None = None
         pairs = list(streams)
@@ -267,12 +268,13 @@ class Replies:
         self._pumps = [] if self._only is not None else [asyncio.ensure_future(self._pump(*pair)) for pair in pairs]
         self._running = len(pairs)
 
-    async def _pump(self, job: Job, stream: AsyncGenerator[Partial | Final, None]) -> None:
+    async def _pump(self, job: Job, stream: AsyncGenerator[list[Partial | Final], None]) -> None:
         queue = self._queue
         try:
             async with aclosing(stream):
-                async for reply in stream:
-                    queue.put_nowait((job, reply))
+                async for replies in stream:
+                    for reply in replies:
+                        queue.put_nowait((job, reply))
         except Exception as exc:  # any failure of a choice reaches the stream, never silence
             queue.put_nowait(exc)
         finally:
@@ -287,8 +289,9 @@ class Replies:
             return await self._batch_of_many()
         if not self._running:  # one stream, read here: a coroutine less per reply
             return []
+        job = only[0]
         try:
-            return [(only[0], await anext(only[1]))]
+            return [(job, reply) for reply in await anext(only[1])]
         except StopAsyncIteration:
             self._running = 0
             return []

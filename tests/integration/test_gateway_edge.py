@@ -173,10 +173,10 @@ class ScriptedClient:
     def __init__(self) -> None:
         self.first_out = asyncio.Event()
 
-    async def stream(self, **submission: Any) -> AsyncGenerator[Partial | Final, None]:
+    async def stream_batches(self, **submission: Any) -> AsyncGenerator[list[Partial | Final], None]:
         rid = submission["client_request_id"]
         if rid.endswith("-0"):
-            yield Partial(rid, rid, [104], "h")
+            yield [Partial(rid, rid, [104], "h")]
             self.first_out.set()
             await asyncio.Event().wait()  # never ends by itself
         await self.first_out.wait()
@@ -186,7 +186,7 @@ class ScriptedClient:
 async def test_a_failing_choice_of_a_started_stream_is_an_error_event_then_done() -> None:
     client = ScriptedClient()
     plan = completion_plan(completion_decoder.decode(b'{"model": "m", "prompt": ["a", "b"], "stream": true}'))
-    replies = Replies((job, client.stream(client_request_id=f"{plan.id}-{job.index}")) for job in plan.jobs)
+    replies = Replies((job, client.stream_batches(client_request_id=f"{plan.id}-{job.index}")) for job in plan.jobs)
     first = await replies.batch()
     events = [event async for event in sse_events(ChunkWriter(plan, chat=False), first, replies)]
     await replies.aclose()

@@ -11,31 +11,31 @@ from service.client.exchanges import EXPIRED, NO_RESPONDERS, Exchanges, Mailbox,
 from service.protocol.reply_batches import batch_subject, encode_batch
 
 
-async def test_items_come_out_in_arrival_order_and_a_reader_waits_for_the_next() -> None:
+async def test_a_reader_takes_every_item_ready_in_arrival_order_and_waits_for_the_next() -> None:
     mailbox = Mailbox(60.0)
     mailbox.put_nowait("a")
     mailbox.put_nowait("b")
-    assert [await mailbox.get(), await mailbox.get()] == ["a", "b"]
-    waiting = asyncio.ensure_future(mailbox.get())
+    assert await mailbox.take() == ["a", "b"]
+    waiting = asyncio.ensure_future(mailbox.take())
     await asyncio.sleep(0)
     assert not waiting.done()
     mailbox.put_nowait("c")
-    assert await asyncio.wait_for(waiting, 1.0) == "c"
+    assert await asyncio.wait_for(waiting, 1.0) == ["c"]
     mailbox.close()
 
 
 async def test_the_deadline_arrives_after_what_came_before_it() -> None:
     mailbox = Mailbox(0.01)
     mailbox.put_nowait("reply")
-    assert await mailbox.get() == "reply"
-    assert await asyncio.wait_for(mailbox.get(), 1.0) is EXPIRED
+    assert await mailbox.take() == ["reply"]
+    assert await asyncio.wait_for(mailbox.take(), 1.0) == [EXPIRED]
 
 
 async def test_a_closed_mailbox_never_expires() -> None:
     mailbox = Mailbox(0.01)
     mailbox.close()
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(mailbox.get(), 0.1)
+        await asyncio.wait_for(mailbox.take(), 0.1)
 
 
 async def test_a_refusal_reaches_every_submission_in_progress_and_a_closed_one_no_more() -> None:
@@ -46,7 +46,7 @@ async def test_a_refusal_reaches_every_submission_in_progress_and_a_closed_one_n
     assert first_subject != second_subject and first_subject.startswith("_INBOX.test.")
     exchanges.close(second_subject)
     exchanges.refused("NATS refused the publish to x: permissions violation")
-    told = await first.get()
+    [told] = await first.take()
     assert isinstance(told, Refused) and "permissions violation" in told.message
     assert list(exchanges.queues) == [first_subject.rpartition(".")[2].encode()]
     exchanges.close(first_subject)
@@ -61,7 +61,7 @@ async def test_an_inline_reply_is_queued_as_its_body_and_the_no_responders_statu
     exchanges.on_inline(raw, b"", b"NATS/1.0\r\nK: V\r\n\r\n")  # an empty message: the end marker
     exchanges.on_inline(raw, b"", b"NATS/1.0 503\r\n\r\n")
     exchanges.on_inline(b"_INBOX.test.999", b"late", None)  # a submission that ended: dropped
-    assert [await mailbox.get() for _ in range(3)] == [b"\x81", b"", NO_RESPONDERS]
+    assert await mailbox.take() == [b"\x81", b"", NO_RESPONDERS]
     exchanges.close(subject)
 
 
@@ -74,10 +74,10 @@ async def test_a_reply_batch_is_split_into_its_submissions_mailboxes_in_order(ca
     token, other = first.rpartition(".")[2].encode(), second.rpartition(".")[2].encode()
     batch = encode_batch([(token, b"1a"), (other, b"2a"), (b"999", b"late"), (token, b"")])
     exchanges.on_inline(b"_INBOX.me.b", batch, None)
-    assert [await one.get(), await one.get(), await two.get()] == [b"1a", b"", b"2a"]
+    assert [await one.take(), await two.take()] == [[b"1a", b""], [b"2a"]]
     exchanges.on_inline(b"_INBOX.me.b", b"\xc1not msgpack", None)  # dropped, and said
     assert "reply batch of 12 bytes dropped" in caplog.text
     exchanges.on_inline(second.encode(), b"2b", None)  # replies alone still arrive as ever
-    assert await two.get() == b"2b"
+    assert await two.take() == [b"2b"]
     exchanges.close(first)
     exchanges.close(second)

@@ -1,0 +1,126 @@
+"""One submission of the client library, from its first publish to its terminal reply.
+
+:meth:`Submission.replies` hands over the replies that arrived together (one wake-up of the
+reader for all of them, so a reader that writes them out together, as the gateway's streams do,
+pays its own per-reply costs once per batch), in arrival order, ending with the terminal one. On
+the way it resubmits when a reply may have been lost (the rules are the client library's,
+service/client/__init__.py): after NATS's no-responders status, with backoff until the deadline;
+after a reconnect; when the replica holding the request stops heartbeating. Every publish after
+the first is marked as a resubmission.
+
+An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
+raised after the replies that came before it were handed over: a reader never loses a reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from service.client.calls import ClientError, check, reply_decoder
+from service.client.exchanges import (
+    EXPIRED,
+    NO_RESPONDERS,
+    RECONNECTED,
+    CoordinatorLost,
+    CoordinatorWatch,
+    Exchanges,
+    Refused,
+)
+from service.protocol.codec import encode_msgpack
+from service.protocol.errors import ErrorCode
+from service.protocol.messages import Final, Partial, SubmitEnvelope
+
+MAX_RESUBMIT_BACKOFF_S = 1.0
+# The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
+# instead of a bare timeout.
+DEADLINE_MARGIN_S = 2.0
+Publish = Callable[[bytes, str], Awaitable[None]]
+"""``publish(body, reply_subject)``: the submission subject's publish."""
+
+_envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
+
+
+class Submission:
+    """One envelope ``body`` in flight; :meth:`start` publishes it, :meth:`close` (always, in a
+    ``finally``) forgets its reply subject."""
+
+    __slots__ = (
+        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_holder", "_inbox",
+        "_mailbox", "_publish", "_timeout", "_watch",
+    )  # fmt: skip
+
+    def __init__(
+        self, publish: Publish, exchanges: Exchanges, watch: CoordinatorWatch, body: bytes, timeout: float
+    ) -> None:
+        wait_s = timeout + DEADLINE_MARGIN_S
+        self._deadline = time.monotonic() + wait_s
+        self._inbox, self._mailbox = exchanges.open(wait_s)
+        self._exchanges = exchanges
+        self._publish = publish
+        self._watch = watch
+        self._body = body
+        self._timeout = timeout
+        self._backoff = 0.02
+        self._holder: str | None = None  # the replica holding the request, once a reply named it
+        self._again: bytes | None = None  # the body marked as a resubmission, made at the first one
+        self._ended = False
+        self._failure: ClientError | TimeoutError | None = None  # raised at the next call
+
+    async def start(self) -> None:
+        await self._publish(self._body, self._inbox)
+
+    def close(self) -> None:
+        self._exchanges.close(self._inbox)
+
+    async def replies(self) -> list[Partial | Final]:
+        """The replies that arrived since the last call (waiting for one), in order; the last
+        list ends with the terminal reply, and a call after it returns ``[]``."""
+        if self._failure is not None:
+            raise self._failure
+        ready: list[Partial | Final] = []
+        try:
+            while not (ready or self._ended):
+                for item in await self._mailbox.take():
+                    if not isinstance(item, bytes):
+                        await self._control(item)
+                        continue
+                    if not item:  # the end-of-stream marker
+                        self._ended = True
+                        break
+                    reply = check(reply_decoder.decode(item))
+                    if isinstance(reply, (Partial, Final)):
+                        self._holder = holder = reply.request_id.rpartition("-")[0]
+                        self._watch.heard_of(holder)
+                        ready.append(reply)
+                        if isinstance(reply, Final):
+                            self._ended = True
+                            break
+        except (ClientError, TimeoutError) as exc:
+            if not ready:
+                raise
+            self._failure = exc
+        return ready
+
+    async def _control(self, item: object) -> None:
+        """What the mailbox hears besides replies: resubmit, or fail."""
+        if item is NO_RESPONDERS:
+            await asyncio.sleep(min(self._backoff, max(0.0, self._deadline - time.monotonic())))
+            self._backoff = min(self._backoff * 2, MAX_RESUBMIT_BACKOFF_S)
+            await self._publish(self._body, self._inbox)
+        elif item is EXPIRED:
+            raise TimeoutError(f"no reply within {self._timeout} s")
+        elif isinstance(item, CoordinatorLost) and self._holder not in (None, item.coordinator_id):
+            return
+        elif item is RECONNECTED or isinstance(item, CoordinatorLost):
+            self._again = self._again or _as_resubmission(self._body)
+            await self._publish(self._again, self._inbox)
+        elif isinstance(item, Refused):
+            raise ClientError(ErrorCode.FORBIDDEN, item.message)
+
+
+def _as_resubmission(body: bytes) -> bytes:
+    return encode_msgpack(msgspec.structs.replace(_envelope_decoder.decode(body), resubmission=True))

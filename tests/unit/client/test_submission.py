@@ -1,0 +1,118 @@
+"""One submission of the client library: the replies that arrived together come out together,
+in order; an error comes after the replies before it; what may have lost a reply resubmits.
+
+The publishes go to ``Published``, a test double that records them (no NATS here: the real
+round trips are tests/integration/test_client.py and the fault suites)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from service.client.calls import ClientError
+from service.client.exchanges import EXPIRED, NO_RESPONDERS, RECONNECTED, CoordinatorWatch, Exchanges
+from service.client.submission import Submission
+from service.protocol.codec import encode_msgpack
+from service.protocol.errors import ErrorCode
+from service.protocol.messages import ErrorBody, ErrorReply, Final, Partial, SubmitEnvelope
+
+ENVELOPE = encode_msgpack(SubmitEnvelope(1, b"\x80", True, "r1", "c1", None, 10.0, None, None))
+
+
+class Published:
+    """Test double for the submission subject's publish: records (body, reply subject)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.subjects: list[str] = []
+
+    async def __call__(self, body: bytes, reply_subject: str) -> None:
+        self.bodies.append(body)
+        self.subjects.append(reply_subject)
+
+
+def partial(offset: int) -> bytes:
+    return encode_msgpack(Partial("coord1-7", "r1", [offset], "x", offset=offset))
+
+
+def final(tokens: int) -> bytes:
+    return encode_msgpack(Final("coord1-7", "r1", "e1", list(range(tokens)), "x" * tokens, "length"))
+
+
+async def started(published: Published, timeout: float = 10.0) -> tuple[Submission, Exchanges]:
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.me"
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0)
+    submission = Submission(published, exchanges, watch, ENVELOPE, timeout)
+    await submission.start()
+    return submission, exchanges
+
+
+def deliver(exchanges: Exchanges, subject: str, *bodies: bytes) -> None:
+    for body in bodies:
+        exchanges.on_inline(subject.encode(), body, None)
+
+
+async def test_the_replies_that_arrived_together_come_out_together_and_end_with_the_final() -> None:
+    published = Published()
+    submission, exchanges = await started(published)
+    subject = published.subjects[0]
+    deliver(exchanges, subject, partial(0), partial(1))
+    assert [reply.offset for reply in await submission.replies()] == [0, 1]  # type: ignore[union-attr]
+    deliver(exchanges, subject, partial(2), final(3), partial(9))  # nothing after the final counts
+    last = await submission.replies()
+    assert isinstance(last[0], Partial) and isinstance(last[1], Final) and len(last) == 2
+    assert await submission.replies() == []
+    submission.close()
+    assert not exchanges.queues
+
+
+async def test_an_error_reply_is_raised_after_the_replies_before_it() -> None:
+    published = Published()
+    submission, exchanges = await started(published)
+    refusal = encode_msgpack(ErrorReply(ErrorBody(ErrorCode.NO_ENGINE, "none serves it"), "r1"))
+    deliver(exchanges, published.subjects[0], partial(0), refusal)
+    assert len(await submission.replies()) == 1
+    with pytest.raises(ClientError) as raised:
+        await submission.replies()
+    assert raised.value.code == ErrorCode.NO_ENGINE
+    submission.close()
+
+
+async def test_the_deadline_is_a_timeout() -> None:
+    submission, exchanges = await started(Published(), timeout=-1.99)  # the mailbox expires at once
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(submission.replies(), 5.0)
+    submission.close()
+
+
+async def test_no_responders_republishes_as_it_was_and_a_reconnect_as_a_resubmission() -> None:
+    published = Published()
+    submission, exchanges = await started(published)
+    subject = published.subjects[0]
+    mailbox = exchanges.queues[subject.rpartition(".")[2].encode()]
+    mailbox.put_nowait(NO_RESPONDERS)
+    mailbox.put_nowait(RECONNECTED)
+    deliver(exchanges, subject, final(1))
+    assert isinstance((await submission.replies())[0], Final)
+    assert published.subjects == [subject] * 3
+    first, again, marked = (msgspec.msgpack.decode(body, type=SubmitEnvelope) for body in published.bodies)
+    assert not first.resubmission and not again.resubmission and marked.resubmission
+    submission.close()
+
+
+async def test_a_lost_replica_resubmits_only_the_requests_it_held() -> None:
+    published = Published()
+    submission, exchanges = await started(published)
+    deliver(exchanges, published.subjects[0], partial(0))
+    await submission.replies()  # the request is held by coord1 (its id names it) from now on
+    exchanges.coordinator_lost("coord2")
+    exchanges.coordinator_lost("coord1")
+    mailbox = exchanges.queues[published.subjects[0].rpartition(".")[2].encode()]
+    mailbox.put_nowait(EXPIRED)
+    with pytest.raises(TimeoutError):
+        await submission.replies()
+    assert len(published.bodies) == 2  # the first publish, and one for coord1's loss
+    submission.close()
