@@ -49,8 +49,8 @@ class Submission:
     ``finally``) forgets its reply subject."""
 
     __slots__ = (
-        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_holder", "_inbox",
-        "_mailbox", "_publish", "_timeout", "_watch",
+        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_inbox",
+        "_mailbox", "_publish", "_request_id", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
@@ -65,7 +65,8 @@ class Submission:
         self._body = body
         self._timeout = timeout
         self._backoff = 0.02
-        self._holder: str | None = None  # the replica holding the request, once a reply named it
+        # the request's id, once a reply named it: its first part names the replica holding it
+        self._request_id: str | None = None
         self._again: bytes | None = None  # the body marked as a resubmission, made at the first one
         self._ended = False
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
@@ -93,8 +94,9 @@ class Submission:
                         break
                     reply = check(reply_decoder.decode(item))
                     if isinstance(reply, (Partial, Final)):
-                        self._holder = holder = reply.request_id.rpartition("-")[0]
-                        self._watch.heard_of(holder)
+                        if reply.request_id != self._request_id:
+                            self._request_id = reply.request_id
+                            self._watch.heard_of(self._holder())
                         ready.append(reply)
                         if isinstance(reply, Final):
                             self._ended = True
@@ -105,6 +107,10 @@ class Submission:
             self._failure = exc
         return ready
 
+    def _holder(self) -> str:
+        """The replica holding the request, as its id names it."""
+        return (self._request_id or "").rpartition("-")[0]
+
     async def _control(self, item: object) -> None:
         """What the mailbox hears besides replies: resubmit, or fail."""
         if item is NO_RESPONDERS:
@@ -113,7 +119,7 @@ class Submission:
             await self._publish(self._body, self._inbox)
         elif item is EXPIRED:
             raise TimeoutError(f"no reply within {self._timeout} s")
-        elif isinstance(item, CoordinatorLost) and self._holder not in (None, item.coordinator_id):
+        elif isinstance(item, CoordinatorLost) and self._request_id and self._holder() != item.coordinator_id:
             return
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)

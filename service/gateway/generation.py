@@ -254,6 +254,7 @@ class Requests:
         self._idle = asyncio.Event()
         self._idle.set()
         self.cutting = False  # cut() was called: a cancelled request was cut, not abandoned
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return len(self._running)
@@ -261,7 +262,10 @@ class Requests:
     def enter(self) -> asyncio.Task[Any]:
         """Count the current task's request as in progress until :meth:`leave` (a try/finally at
         the caller: a context manager's generator would cost more than the rest of this)."""
-        task = asyncio.current_task()
+        loop = self._loop
+        if loop is None:  # kept from the first request: on Python 3.11 each lookup costs a getpid()
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("a request is served from a task")
         self._running.add(task)

@@ -7,12 +7,12 @@ import asyncio
 
 import pytest
 
-from service.client.exchanges import EXPIRED, NO_RESPONDERS, Exchanges, Mailbox, Refused
+from service.client.exchanges import DEADLINE_RESOLUTION_S, EXPIRED, NO_RESPONDERS, Exchanges, Mailbox, Refused
 from service.protocol.reply_batches import batch_subject, encode_batch
 
 
 async def test_a_reader_takes_every_item_ready_in_arrival_order_and_waits_for_the_next() -> None:
-    mailbox = Mailbox(60.0)
+    mailbox = Mailbox(asyncio.get_running_loop())
     mailbox.put_nowait("a")
     mailbox.put_nowait("b")
     assert await mailbox.take() == ["a", "b"]
@@ -21,21 +21,29 @@ async def test_a_reader_takes_every_item_ready_in_arrival_order_and_waits_for_th
     assert not waiting.done()
     mailbox.put_nowait("c")
     assert await asyncio.wait_for(waiting, 1.0) == ["c"]
-    mailbox.close()
 
 
-async def test_the_deadline_arrives_after_what_came_before_it() -> None:
-    mailbox = Mailbox(0.01)
+async def test_the_deadline_arrives_after_what_came_before_it_and_within_its_bucket() -> None:
+    exchanges = Exchanges()
+    loop = asyncio.get_running_loop()
+    opened = loop.time()
+    subject, mailbox = exchanges.open(0.01)
+    _, later = exchanges.open(10.0)
     mailbox.put_nowait("reply")
     assert await mailbox.take() == ["reply"]
     assert await asyncio.wait_for(mailbox.take(), 1.0) == [EXPIRED]
+    assert loop.time() - opened < 0.01 + DEADLINE_RESOLUTION_S + 0.05
+    exchanges.close(subject)
+    with pytest.raises(TimeoutError):  # a later deadline is another bucket's
+        await asyncio.wait_for(later.take(), 0.1)
 
 
 async def test_a_closed_mailbox_never_expires() -> None:
-    mailbox = Mailbox(0.01)
-    mailbox.close()
+    exchanges = Exchanges()
+    subject, mailbox = exchanges.open(0.01)
+    exchanges.close(subject)
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(mailbox.take(), 0.1)
+        await asyncio.wait_for(mailbox.take(), 0.2)
 
 
 async def test_a_refusal_reaches_every_submission_in_progress_and_a_closed_one_no_more() -> None:
