@@ -129,8 +129,11 @@ def watch_disconnect(
 
 @dataclass(slots=True)
 class _Choice:
-    received: str = ""  # text of the partials so far
-    sent: int = 0  # of it, characters sent
+    """One choice's text so far: what was sent, in pieces, and what is held back (so that
+    neither is copied whole per event: a long stream costs time linear in its length)."""
+
+    held: str = ""  # text of the partials not sent yet
+    sent: list[str] = field(default_factory=list)  # the pieces sent so far
     stopped: bool = False  # a stop string was seen: nothing more is sent before the final
     tokens: int = 0  # tokens of the partials so far
     started: bool = False  # a chat choice's role chunk is out
@@ -164,10 +167,11 @@ class ChunkWriter:
             choice.started = True
             out.append(self._chat(job.index, ChatMessageOut("assistant", ""), None))
         if isinstance(reply, Partial):
-            choice.received += reply.text
+            choice.held += reply.text
             choice.tokens += len(reply.new_tokens)
             text = self._releasable(choice)
             if text:
+                choice.sent.append(text)
                 out.append(self._piece(job.index, text, None))
             return out
         choice.final = reply
@@ -175,31 +179,33 @@ class ChunkWriter:
         if reply.prompt_tokens is not None:
             self.prompt_tokens[job.index // self.plan.n] = reply.prompt_tokens
         text = visible_text(self.plan, reply)
-        sent = choice.received[: choice.sent]
+        sent = "".join(choice.sent)
         rest = text[len(sent) :] if text.startswith(sent) else ""
         out.append(self._piece(job.index, rest, reply.finish_reason))
         return out
 
     def _releasable(self, choice: _Choice) -> str:
-        """The partials' text that can be sent now: all of it without stop strings; else what
-        cannot be the start of a stop string, and nothing from a stop string on."""
-        received, sent, stops = choice.received, choice.sent, self.plan.stops
+        """The held text that can be sent now (it leaves ``held``): all of it without stop
+        strings; else what cannot be the start of a stop string, and nothing from a stop string
+        on. Only held text can hold a stop string's start: sent text was checked when it arrived
+        and, whole stop strings included, when what followed it did."""
+        held, stops = choice.held, self.plan.stops
         if not stops:
-            choice.sent = len(received)
-            return received[sent:]
+            choice.held = ""
+            return held
         if choice.stopped:
             return ""
-        end = len(received) - max(len(stop) for stop in stops) + 1
+        end = len(held) - max(len(stop) for stop in stops) + 1
         if not self.plan.min_tokens:  # the first stop string to occur is the one that ends the choice
             for stop in stops:
-                at = received.find(stop, sent)
+                at = held.find(stop)
                 if at >= 0:
                     choice.stopped = True
                     end = min(end, at)
-        if end <= sent:
+        if end <= 0:
             return ""
-        choice.sent = end
-        return received[sent:end]
+        choice.held = held[end:]
+        return held[:end]
 
     def _usage_so_far(self) -> Usage | None:
         if not self.plan.continuous_usage:
