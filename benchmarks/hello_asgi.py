@@ -1,6 +1,6 @@
 """The bare baselines of ``dpcoord bench --gateway``, ASGI apps under the same server as the
-gateway (uvicorn, httptools behind service/gateway/edge.py's bounds, the same event loop and
-settings):
+gateway (uvicorn, httptools behind service/gateway/edge.py's bounds, the same event loop,
+settings and garbage-collector settings, service/ops/gc_tuning.py):
 
 - ``hello`` reads the body and answers a fixed completion-shaped JSON body. What the gateway
   spends per request beyond this is the gateway's own work: routing, validation, the client
@@ -23,7 +23,7 @@ import uvicorn
 from service.client import DpcoordClient
 from service.gateway.edge import edge_protocol
 from service.gateway.server import edge_limits
-from service.ops import event_loop
+from service.ops import event_loop, gc_tuning
 from service.ops.settings import Settings
 
 BODY = (
@@ -84,7 +84,9 @@ def main(port: int, relay: bool) -> None:
         log_config=None,
         timeout_keep_alive=int(settings.gateway_idle_timeout_s),
     )
-    event_loop.run(uvicorn.Server(config).serve(), settings.event_loop)
+    server = uvicorn.Server(config)
+    gc_tuning.tune_for_throughput()  # as the gateway does (service/gateway/server.py)
+    event_loop.run(server.serve(), settings.event_loop)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import uvicorn
 from service.gateway.app import Gateway
 from service.gateway.auth import ApiKeys
 from service.gateway.edge import EdgeLimits, edge_protocol
-from service.ops import event_loop
+from service.ops import event_loop, gc_tuning
 from service.ops.children import die_with_parent
 from service.ops.settings import Settings
 
@@ -121,6 +121,7 @@ async def serve_on(
     uvicorn started."""
     gateway = Gateway(settings, api_keys)
     server = _Server(uvicorn_config(gateway, settings))
+    gc_tuning.tune_for_throughput()
     draining: list[asyncio.Task[None]] = []  # the one drain, once signalled
 
     def signalled() -> None:
