@@ -1,6 +1,7 @@
-"""Fixtures the gateway's integration tests share: a gateway on the test coordinator, and the
-official ``openai`` SDK pointed at it (a test module that needs other gateway settings defines
-its own ``gateway``)."""
+"""Fixtures the integration tests share: a gateway on the test coordinator, and the official
+``openai`` SDK pointed at it (a test module that needs other gateway settings defines its own
+``gateway``); and, for the security tests, nats-server under docs/nats-server.example.conf with
+a fleet on it (defined in tests/security_helpers.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from tests.gateway_helpers import Served, serve_gateway
+from tests.security_helpers import fleet, secured_nats, server_env  # noqa: F401  (fixtures)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Clients that are careless or hostile, on a plain nats-server: ownership of requests, where
 replies may go, and bounded bytes, capacity and fairness. Each test reproduces one finding of
-the probe (issue 11); the same under the example NATS config is in test_security.py.
+the probe (issue 11); the same under the example NATS config is in test_security_*.py.
 
 On a plain server every connection may pick any inbox prefix, so the tests give each client its
 own (``_INBOX_alice``, ``_INBOX_mallory``), as per-user NATS permissions would force them to.

@@ -1,6 +1,6 @@
 """Engines that lie, flood, hang or pose as others, on a plain nats-server (the dev default,
 where anyone may publish anything): what the coordinator itself must withstand. The same
-attacks under per-engine NATS users are in tests/integration/test_security.py.
+attacks under per-engine NATS users are in tests/integration/test_security_identity.py.
 
 Raw engine messages are built here by hand, subjects included, as an attacker sends them.
 """

@@ -27,7 +27,8 @@ from service.protocol.membership import EngineDisconnect, Heartbeat
 from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
 from tests.conftest import make_settings
 from tests.helpers import REPO_ROOT, decode_reply
-from tests.integration.test_security import (
+from tests.nats_jwt import Operator
+from tests.security_helpers import (
     PASSWORDS,
     SERVER_PASSWORDS,
     Fleet,
@@ -37,7 +38,6 @@ from tests.integration.test_security import (
     secured_nats,  # noqa: F401  (a fixture)
     server_env,  # noqa: F401  (a fixture)
 )
-from tests.nats_jwt import Operator
 
 PER_ENGINE_CONFIG = REPO_ROOT / "docs" / "nats-server.per-engine.example.conf"
 ENGINES = ("engine-0", "engine-1")
