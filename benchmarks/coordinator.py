@@ -18,89 +18,24 @@ Run: ``dpcoord bench`` (or ``python -m benchmarks.coordinator``); ``--help`` lis
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
-import math
-import os
-import platform
-import random
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import RESULTS_DIR, machine, percentile
+from benchmarks.coordinator_bodies import Bodies, Enveloped, constant, long_prompt, submission
+from benchmarks.coordinator_figures import round_ratios, summarise
+from benchmarks.coordinator_report import print_report
 from benchmarks.load import Target, Window, pipelined, sequential, streaming
 from benchmarks.progress import Progress
 from benchmarks.py_spy_profile import fold, record
 from benchmarks.stack import BenchStack, StackConfig
 from service.ops import event_loop
-from service.protocol.codec import encode_msgpack
-from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
 from service.protocol.subjects import Header
-
-RESULTS_DIR = Path("benchmarks") / "results"  # relative to where it runs: the repository root, git-ignored
-
-
-@dataclass(frozen=True, slots=True)
-class Goal:
-    """A target ratio: ``value`` must be >= ``bound`` (or <= for ``at_most``)."""
-
-    name: str
-    bound: float
-    at_most: bool = False
-
-    def met(self, value: float) -> bool:
-        return value <= self.bound if self.at_most else value >= self.bound
-
-
-TARGETS = {
-    "pipelined_vs_raw_2hop": Goal("pipelined throughput / raw 2-hop echo", 0.8),
-    "sequential_p50_vs_raw_4hop": Goal("sequential p50 / raw 4-hop relay", 1.0, at_most=True),
-    "coordinator_cpu_us_per_request": Goal("coordinator CPU per request, pipelined (us)", 10.0, at_most=True),
-    "streaming_vs_raw_relay": Goal("streamed partials/s / raw one-way relay", 0.5),
-    "long_prompt_vs_short": Goal("throughput 10,000-token / 10-token prompts", 0.7),
-}
-
-
-def submission(prompt: list[int], max_tokens: int, stream: bool = False) -> bytes:
-    """A plain contract body, as a program without the client library (or `nats pub`) sends it."""
-    return encode_msgpack(SubmitRequest(prompt, SamplingParams(max_tokens=max_tokens), stream))
-
-
-class Enveloped:
-    """The client library's wire format: each request an envelope with its own client_request_id
-    (named client, so the coordinator does its idempotency bookkeeping) around one encoded body."""
-
-    def __init__(self, body: bytes, stream: bool, client_id: str) -> None:
-        self._body = body
-        self._stream = stream
-        self._client_id = client_id
-        self._ids = itertools.count()
-
-    def __call__(self) -> bytes:
-        return encode_msgpack(SubmitEnvelope(1, self._body, self._stream, next(self._ids), self._client_id))
-
-
-def constant(body: bytes) -> Callable[[], bytes]:
-    return lambda: body
-
-
-def long_prompt(tokens: int, seed: int = 7) -> list[int]:
-    """Token ids drawn from a 32k vocabulary: about 3 bytes each in msgpack."""
-    rng = random.Random(seed)
-    return [rng.randrange(32000) for _ in range(tokens)]
-
-
-@dataclass(slots=True)
-class Bodies:
-    short: bytes
-    long: bytes
-    stream: bytes
 
 
 class Bench:
@@ -211,145 +146,6 @@ def window_result(window: Window) -> dict[str, Any]:
         "errors": window.errors,
         "cpu_us_per": {name: window.cpu_us_per(name) for name in window.cpu},
     }
-
-
-def percentile(sorted_values: list[float], pct: float) -> float:
-    """Nearest-rank percentile of already sorted values (NaN for none)."""
-    if not sorted_values:
-        return float("nan")
-    rank = math.ceil(pct / 100 * len(sorted_values))
-    return sorted_values[min(len(sorted_values), max(1, rank)) - 1]
-
-
-# name: (scenario, numerator measurement, denominator measurement or None, field); a
-# denominator of None reports the numerator's field itself (CPU microseconds per message).
-FIGURES: dict[str, tuple[str, str, str | None, str]] = {
-    "pipelined_vs_raw_2hop": ("pipelined", "dpcoord", "raw_2hop", "per_s"),
-    "pipelined_vs_raw_4hop": ("pipelined", "dpcoord", "raw_4hop", "per_s"),
-    "pipelined_plain_vs_raw_2hop": ("pipelined", "dpcoord_plain", "raw_2hop", "per_s"),
-    "long_prompt_vs_short": ("pipelined", "dpcoord_long_prompt", "dpcoord", "per_s"),
-    "long_prompt_plain_vs_short_plain": ("pipelined", "dpcoord_plain_long_prompt", "dpcoord_plain", "per_s"),
-    "raw_4hop_long_prompt_vs_short": ("pipelined", "raw_4hop_long_prompt", "raw_4hop", "per_s"),
-    "sequential_p50_vs_raw_4hop": ("sequential", "dpcoord", "raw_4hop", "p50_us"),
-    "sequential_p50_vs_raw_2hop": ("sequential", "dpcoord", "raw_2hop", "p50_us"),
-    "sequential_plain_p50_vs_raw_4hop": ("sequential", "dpcoord_plain", "raw_4hop", "p50_us"),
-    "streaming_vs_raw_relay": ("streaming", "dpcoord_stream", "raw_relay", "per_s"),
-    "coordinator_cpu_us_per_request": ("pipelined", "dpcoord", None, "cpu_us_per_coordinator"),
-    "coordinator_cpu_us_per_request_plain": ("pipelined", "dpcoord_plain", None, "cpu_us_per_coordinator"),
-    "coordinator_cpu_us_per_request_long_prompt": ("pipelined", "dpcoord_long_prompt", None, "cpu_us_per_coordinator"),
-    "coordinator_cpu_us_per_partial": ("streaming", "dpcoord_stream", None, "cpu_us_per_coordinator"),
-    "raw_relay_cpu_us_per_request": ("pipelined", "raw_4hop", None, "cpu_us_per_raw_relay"),
-    "raw_relay_cpu_us_per_request_long_prompt": ("pipelined", "raw_4hop_long_prompt", None, "cpu_us_per_raw_relay"),
-    "raw_relay_cpu_us_per_partial": ("streaming", "raw_relay", None, "cpu_us_per_raw_stream_relay"),
-}
-
-
-def _field(measurement: dict[str, Any], name: str) -> float:
-    if name.startswith("cpu_us_per_"):
-        return measurement["cpu_us_per"][name.removeprefix("cpu_us_per_")]
-    return measurement[name]
-
-
-def round_ratios(measured: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
-    """The figures of one round, from whatever that round measured."""
-    figures: dict[str, float] = {}
-    for key, (scenario, numerator, denominator, field_name) in FIGURES.items():
-        results = measured.get(scenario, {})
-        if numerator not in results or (denominator is not None and denominator not in results):
-            continue
-        value = _field(results[numerator], field_name)
-        figures[key] = value if denominator is None else value / _field(results[denominator], field_name)
-    return figures
-
-
-def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over rounds: of each measurement, and of each per-round ratio."""
-    medians: dict[str, dict[str, dict[str, float]]] = {}
-    for scenario in ("sequential", "pipelined", "streaming"):
-        names = {name for r in rounds for name in r["measured"].get(scenario, {})}
-        for name in sorted(names):
-            values = [r["measured"][scenario][name] for r in rounds if name in r["measured"].get(scenario, {})]
-            keys = [key for key in ("p50_us", "p99_us", "per_s") if key in values[0]]
-            entry = {key: statistics.median(v[key] for v in values) for key in keys}
-            for proc in values[0].get("cpu_us_per", {}):
-                entry[f"cpu_us_per_{proc}"] = statistics.median(v["cpu_us_per"][proc] for v in values)
-            entry["errors"] = sum(v["errors"] for v in values)
-            medians.setdefault(scenario, {})[name] = entry
-    ratio_names = {key for r in rounds for key in r["ratios"]}
-    ratios = {
-        key: statistics.median(r["ratios"][key] for r in rounds if key in r["ratios"]) for key in sorted(ratio_names)
-    }
-    spread = {
-        key: [
-            min(r["ratios"][key] for r in rounds if key in r["ratios"]),
-            max(r["ratios"][key] for r in rounds if key in r["ratios"]),
-        ]
-        for key in sorted(ratio_names)
-    }
-    targets = {
-        key: {
-            "name": target.name,
-            "value": ratios[key],
-            "bound": target.bound,
-            "at_most": target.at_most,
-            "met": target.met(ratios[key]),
-        }
-        for key, target in TARGETS.items()
-        if key in ratios
-    }
-    return {"medians": medians, "ratios": ratios, "ratio_range": spread, "targets": targets}
-
-
-def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "nats_py": metadata.version("nats-py"),
-        "msgspec": metadata.version("msgspec"),
-        "load_average_at_start": os.getloadavg(),
-    }
-
-
-def print_report(summary: dict[str, Any], out: Any = sys.stdout) -> None:
-    medians = summary["medians"]
-    out.write("\nmedians over rounds\n")
-    for name, entry in medians.get("sequential", {}).items():
-        cpu = "  ".join(
-            f"{key.removeprefix('cpu_us_per_')} {value:.1f} us"
-            for key, value in entry.items()
-            if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
-        )
-        out.write(
-            f"  sequential {name:<25} p50 {entry['p50_us']:6.0f} us  p99 {entry['p99_us']:6.0f} us   cpu/req: {cpu}\n"
-        )
-    for scenario, unit in (("pipelined", "req/s"), ("streaming", "msg/s")):
-        for name, entry in medians.get(scenario, {}).items():
-            cpu = "  ".join(
-                f"{key.removeprefix('cpu_us_per_')} {value:.1f} us"
-                for key, value in entry.items()
-                if key.startswith("cpu_us_per_") and value >= 0.2  # idle processes left out
-            )
-            errors = f"  ERRORS {entry['errors']}" if entry["errors"] else ""
-            out.write(f"  {scenario:<10} {name:<25} {entry['per_s']:10.0f} {unit}   cpu/msg: {cpu}{errors}\n")
-    out.write("\nratios (median of per-round ratios, [min, max])\n")
-    for key, value in summary["ratios"].items():
-        low, high = summary["ratio_range"][key]
-        out.write(f"  {key:<34} {value:7.3f}  [{low:.3f}, {high:.3f}]\n")
-    out.write("\ntargets\n")
-    for target in summary["targets"].values():
-        sign = "<=" if target["at_most"] else ">="
-        verdict = "met" if target["met"] else "MISSED"
-        out.write(f"  {target['name']:<48} {target['value']:7.3f} (target {sign} {target['bound']:g})  {verdict}\n")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
-from benchmarks.coordinator import long_prompt
+from benchmarks.coordinator_bodies import long_prompt
 from benchmarks.stack import BenchStack, StackConfig
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest

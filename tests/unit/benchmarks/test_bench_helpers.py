@@ -10,10 +10,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from benchmarks.coordinator import TARGETS, build_parser, percentile, round_ratios, summarise
-from benchmarks.fleet import FleetResult, RunningFleet, Workload, judge
+from benchmarks.common import percentile
+from benchmarks.coordinator import build_parser
+from benchmarks.coordinator_figures import TARGETS, round_ratios, summarise
 from benchmarks.fleet import build_parser as fleet_parser
-from benchmarks.fleet import summarise as summarise_fleets
+from benchmarks.fleet_bench import RunningFleet
+from benchmarks.fleet_summary import FleetResult
+from benchmarks.fleet_summary import summarise as summarise_fleets
+from benchmarks.fleet_targets import judge
+from benchmarks.fleet_workload import Workload
 from benchmarks.instructions import KINDS, bodies, read_summary
 from benchmarks.instructions import build_parser as instructions_parser
 from benchmarks.proc_cpu import busy_cpu_seconds, cpu_seconds

@@ -1,10 +1,10 @@
-"""The gateway benchmark's figures (benchmarks/gateway.py) from one round's measurements."""
+"""The gateway benchmark's figures (benchmarks/gateway_figures.py) from one round's measurements."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.gateway import figures
+from benchmarks.gateway_figures import figures
 
 
 def _step(per_s: float, **cpu: float) -> dict[str, object]:
