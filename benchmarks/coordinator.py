@@ -23,6 +23,7 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ class Bench:
         args = self.args
         steps: list[tuple[str, str, Callable[[], Awaitable[dict[str, Any]]]]] = []
         for name in ("raw_2hop", "raw_4hop", "dpcoord", "dpcoord_plain"):
-            steps.append(("sequential", name, lambda name=name: self._sequential(name)))
+            steps.append(("sequential", name, partial(self._sequential, name)))
         for name in (
             "raw_2hop",
             "raw_4hop",
@@ -84,9 +85,9 @@ class Bench:
             "dpcoord_plain_long_prompt",
             "raw_4hop_long_prompt",
         ):
-            steps.append(("pipelined", name, lambda name=name: self._pipelined(name)))
+            steps.append(("pipelined", name, partial(self._pipelined, name)))
         for name in ("raw_relay", "dpcoord_stream"):
-            steps.append(("streaming", name, lambda name=name: self._streaming(name)))
+            steps.append(("streaming", name, partial(self._streaming, name)))
         if args.only:
             steps = [step for step in steps if step[0] in args.only]
         return steps

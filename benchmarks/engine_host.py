@@ -57,7 +57,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 PROMPT_TOKENS = 32
 WARMUP_STEPS = 8
@@ -151,7 +151,7 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
         def _capture(self) -> None:
             for size in self.buckets:
                 self._graphs[size] = NoGraph()  # type: ignore[assignment]
-                self._logits[size] = self._model.logits[:size]
+                self._logits[size] = cast(NoOpModel, self._model).logits[:size]
 
     backend = TorchBackend(
         TorchOptions(
@@ -163,7 +163,7 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
             overlap_steps=True,
         )
     )
-    backend.model = NoOpModel(backend.config.vocab_size, batch)
+    backend.model = NoOpModel(backend.config.vocab_size, batch)  # type: ignore[assignment]  # the test double
     pages = -(-backend.max_context // backend.options.kv_block_size)
     assert backend._kv_cache is not None
     backend._graphs = HostOnlyGraphs(
