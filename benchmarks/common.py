@@ -1,11 +1,13 @@
-"""What the coordinator, gateway and fleet benchmarks share: where their results go, the
-machine they ran on, and the nearest-rank percentile of their latencies."""
+"""What the benchmarks share: where their results go, the machine they ran on, the
+nearest-rank percentile of their latencies, and another revision's code to measure beside this
+checkout's."""
 
 from __future__ import annotations
 
 import math
 import os
 import platform
+import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -39,3 +41,14 @@ def machine() -> dict[str, Any]:
         "msgspec": metadata.version("msgspec"),
         "load_average_at_start": os.getloadavg(),
     }
+
+
+def extract(revision: str, into: Path) -> Path:
+    """The code of ``revision`` of this checkout that the services run (service, handlers, engines)."""
+    repo = Path(__file__).resolve().parents[1]
+    into.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", revision, "service", "handlers", "engines"], check=True, capture_output=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into

@@ -222,7 +222,7 @@ def main(args: argparse.Namespace) -> None:
         trees = {"current": (current, args.emit)}
         if args.baseline:
             # Here, not at the top: the driver processes import only the tree they measure.
-            from benchmarks.instructions import extract
+            from benchmarks.common import extract
 
             trees[args.baseline] = (extract(args.baseline, Path(temp) / "baseline"), "inline")
         print(

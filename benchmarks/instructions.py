@@ -28,7 +28,6 @@ import itertools
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
+from benchmarks.common import extract
 from benchmarks.coordinator_bodies import long_prompt
 from benchmarks.stack import BenchStack, StackConfig
 from service.protocol.codec import encode_msgpack
@@ -90,12 +90,12 @@ class CallgrindStack(BenchStack):
     def _dpcoord_env(self) -> dict[str, str]:
         return super()._dpcoord_env() | {"PYTHONPATH": str(self.tree), "PYTHONHASHSEED": "0"} | SLOW_PEER
 
-    async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
+    async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         command = [sys.executable, *args]
         if name == self.measured:
             command = ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={self.out_file}", *command]
         # The working directory comes first on the path of `python -m`: it must be the tree's.
-        child = await asyncio.create_subprocess_exec(*command, env=env, cwd=self.tree)
+        child = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd or self.tree)
         self._children.append(child)
         self.pids[name] = child.pid
 
@@ -154,17 +154,6 @@ async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Pa
         if f"Trigger: Client Request: {DUMP_TRIGGER}" in text or f"Trigger: dump {DUMP_TRIGGER}" in text:
             return Count(kind, label, read_summary(text) / (requests // BURST * BURST))
     raise RuntimeError(f"no callgrind dump of the measured window in {work_dir}")
-
-
-def extract(revision: str, into: Path) -> Path:
-    """The code of ``revision`` of this checkout that the coordinator and engines import."""
-    repo = Path(__file__).resolve().parents[1]
-    into.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(repo), "archive", revision, "service", "handlers", "engines"], check=True, capture_output=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
 
 
 async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:

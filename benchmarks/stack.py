@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import nats
@@ -74,8 +75,8 @@ class BenchStack:
         if self.server is not None:
             self.server.close()
 
-    async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
-        child = await asyncio.create_subprocess_exec(sys.executable, *args, env=env)
+    async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+        child = await asyncio.create_subprocess_exec(sys.executable, *args, env=env, cwd=cwd)
         self._children.append(child)
         self.pids[name] = child.pid
 
@@ -116,10 +117,13 @@ class BenchStack:
                 raise RuntimeError(f"dpcoord answered the probe with {reply!r}")
         raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in {timeout_s:g} s")
 
-    async def start_gateway(self, port: int) -> None:
-        """The HTTP gateway on 127.0.0.1:``port``, ready once its /readyz answers 200."""
+    async def start_gateway(self, port: int, name: str = "gateway", tree: Path | None = None) -> None:
+        """The HTTP gateway on 127.0.0.1:``port``, ready once its /readyz answers 200; with ``tree``,
+        that tree's code (benchmarks/common.py's ``extract``) instead of this checkout's."""
         env = self._dpcoord_env() | {"DPCOORD_GATEWAY_HOST": "127.0.0.1", "DPCOORD_GATEWAY_PORT": str(port)}
-        await self._spawn("gateway", "-m", "service", "gateway", env=env)
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree)  # and the process runs in it: ``-m service`` finds it first
+        await self._spawn(name, "-m", "service", "gateway", env=env, cwd=tree)
         for _ in range(600):
             self._check_children()
             try:

@@ -1,5 +1,6 @@
 """The benchmark's own arithmetic (no processes): ratios per round, medians, the py-spy fold,
-and reading another process's CPU time. The benchmark itself runs by `dpcoord bench`."""
+reading another process's CPU time, and extracting another revision to measure beside this one.
+The benchmark itself runs by `dpcoord bench`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from benchmarks.common import percentile
+from benchmarks.common import extract, percentile
 from benchmarks.coordinator import build_parser
 from benchmarks.coordinator_figures import TARGETS, round_ratios, summarise
 from benchmarks.fleet import build_parser as fleet_parser
@@ -19,6 +20,7 @@ from benchmarks.fleet_summary import FleetResult
 from benchmarks.fleet_summary import summarise as summarise_fleets
 from benchmarks.fleet_targets import judge
 from benchmarks.fleet_workload import Workload
+from benchmarks.gateway_ab import build_parser as gateway_ab_parser
 from benchmarks.instructions import KINDS, bodies, read_summary
 from benchmarks.instructions import build_parser as instructions_parser
 from benchmarks.proc_cpu import busy_cpu_seconds, cpu_seconds
@@ -238,3 +240,18 @@ def test_instruction_count_workloads_are_named_where_the_client_library_would_be
     first, second = (msgspec.msgpack.decode(body, type=SubmitEnvelope) for body in envelope)
     assert (first.client_id, first.client_request_id, second.client_request_id) == ("bench", 0, 1)
     assert len(long[0]) > 20_000 > len(envelope[0])
+
+
+def test_extract_gives_another_revisions_services(tmp_path: Path) -> None:
+    tree = extract("HEAD", tmp_path / "baseline")
+    assert (tree / "service" / "gateway" / "server.py").is_file()
+    assert (tree / "engines").is_dir() and (tree / "handlers").is_dir()
+    assert not (tree / "benchmarks").exists()  # the benchmark itself runs from this checkout
+
+
+def test_gateway_ab_needs_a_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        gateway_ab_parser().parse_args([])
+    assert "--baseline" in capsys.readouterr().err
+    args = gateway_ab_parser().parse_args(["--baseline", "main", "--rounds", "3"])
+    assert (args.baseline, args.rounds, args.duration, args.connections) == ("main", 3, 2.0, 64)
