@@ -61,7 +61,8 @@ def nats_cluster(client: docker.DockerClient, size: int = 3) -> Iterator[Cluster
     try:
         for name in names:
             nodes.append(
-                client.containers.run(
+                # A None host port is a free one; the stubs allow only an int there.
+                client.containers.run(  # type: ignore[call-overload]
                     NATS_IMAGE,
                     ["-js", "-sd", "/data", "-n", name, "--cluster_name", run, "--cluster", "nats://0.0.0.0:6222"]
                     + ["--routes", routes, "--no_advertise=true"],

@@ -128,8 +128,8 @@ def test_permissions_follow_the_protocols_subjects() -> None:
     assert rules["admin"]["publish"]["allow"] == ["dpcoord.>", "$SRV.>"]
     # Each pod replies on its role's inbox prefix (the chart sets it per pod), which no client may read.
     for role in ("coordinator", "engine"):
-        inboxes = [subject for subject in rules[role]["subscribe"]["allow"] if subject.startswith("_INBOX")]
-        assert inboxes == [f"_INBOX_{role}.>"]
+        role_inboxes = [subject for subject in rules[role]["subscribe"]["allow"] if subject.startswith("_INBOX")]
+        assert role_inboxes == [f"_INBOX_{role}.>"]
     # Clients may watch the replicas' heartbeats, to resubmit the requests of one that died.
     assert rules["client"]["subscribe"]["allow"] == ["_INBOX.>", "dpcoord.coordinator_heartbeat"]
     # The gateway is a client with its own reply inbox, which other clients cannot read.

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -212,7 +213,7 @@ async def wait_busy(stack: ChaosStack, at_least: int, timeout_s: float = 15.0) -
     await asyncio.wait_for(reached(), timeout_s)
 
 
-def chat_body(content: str, stream: bool) -> dict[str, object]:
+def chat_body(content: str, stream: bool) -> dict[str, Any]:
     messages = [{"role": "user", "content": content}]
     return {"model": MODEL, "messages": messages, "max_tokens": LONG_MAX_TOKENS, "stream": stream}
 

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 import nats
 import pytest
@@ -46,7 +46,7 @@ IN_FLIGHT = 200
 
 
 @pytest.fixture
-def private_nats() -> AsyncIterator[EmbeddedNatsServer]:
+def private_nats() -> Iterator[EmbeddedNatsServer]:
     """A server of this test's own, since it gets restarted."""
     with EmbeddedNatsServer() as server:
         yield server

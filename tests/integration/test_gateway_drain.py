@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,12 +89,12 @@ async def _first_stream(port: int, max_tokens: int) -> tuple[asyncio.StreamReade
 
 async def _readyz(gateway: Gateway) -> int:
     """Call the app's /readyz directly (the listening socket is closed by then)."""
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b""}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     await gateway({"type": "http", "method": "GET", "path": "/readyz", "headers": []}, receive, send)

@@ -106,7 +106,7 @@ async def test_unknown_model_is_404_and_no_engine_is_503(
     await start_engines(1)
     with pytest.raises(openai.NotFoundError) as unknown:
         await client.completions.create(model="gpt-4", prompt="Hi")
-    assert unknown.value.body == {  # type: ignore[comparison-overlap]
+    assert unknown.value.body == {
         "message": "model 'gpt-4' is not served by any engine (served: dpcoord-echo)",
         "type": "not_found_error",
         "param": "model",

@@ -168,9 +168,8 @@ async def test_reply_subjects_outside_inboxes_are_dropped(
 @pytest.mark.parametrize("field", ["client_request_id", "client_id", "reply_to"])
 async def test_oversized_ids_are_refused_naming_the_cap(coordinator: Coordinator, nc: NATS, field: str) -> None:
     value = "_INBOX." + "x" * 300_000 if field == "reply_to" else "x" * 300_000
-    refused = await request(
-        nc, submit(coordinator), body(**{field: value, "client_id": "c"} if field != "client_id" else {field: value})
-    )
+    fields: dict[str, Any] = {field: value, "client_id": "c"} if field != "client_id" else {field: value}
+    refused = await request(nc, submit(coordinator), body(**fields))
     assert refused["error"]["code"] == 400 and "max_id_bytes (256)" in refused["error"]["message"]
     multibyte = "\u00e9" * 200  # 200 characters, 400 bytes
     refused = await request(nc, submit(coordinator), body(client_id="c", client_request_id=multibyte))

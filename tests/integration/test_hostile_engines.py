@@ -50,7 +50,7 @@ async def next_answer(sub: object) -> dict[str, object]:
     """The next answer, past NATS's no-responders notices (empty) for a subject nobody serves."""
     while not (msg := await sub.next_msg(timeout=5)).data:  # type: ignore[attr-defined]
         pass
-    return msgspec.msgpack.decode(msg.data)  # type: ignore[no-any-return]
+    return msgspec.msgpack.decode(msg.data)
 
 
 @asynccontextmanager
@@ -128,7 +128,7 @@ async def test_registration_flood_is_capped_with_429_and_real_engines_stay(nats_
             engine_id = f"flood-{index}"
             subject = sent_by(coordinator, "register", engine_id) if index % 2 else plain(coordinator, "register")
             await nc.publish(subject, encode_msgpack(EngineRegister(engine_id)), reply=inbox)
-        codes = []
+        codes: list[int] = []
         while len(codes) < 300:
             answer = await next_answer(answers)
             codes.append(answer["error"]["code"] if answer.get("type") == "error" else 200)  # type: ignore[index]

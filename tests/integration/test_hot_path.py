@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import msgpack
 import msgspec
@@ -275,9 +276,10 @@ async def test_a_client_that_reads_reply_batches_gets_every_stream_exact_in_fewe
                 replies[pair_token.decode()].append(body)
         else:
             replies[token].append(msg.data)
-    for index, got in replies.items():
-        *partials, final, end = (msgpack.unpackb(body) if body else None for body in got)
-        assert end is None and final["type"] == "final" and final["generated_tokens"] == [int(index) + 1] * tokens
+    for key, got in replies.items():
+        decoded: list[Any] = [msgpack.unpackb(body) if body else None for body in got]
+        *partials, final, end = decoded
+        assert end is None and final["type"] == "final" and final["generated_tokens"] == [int(key) + 1] * tokens
         assert [token for partial in partials for token in partial["new_tokens"]] == final["generated_tokens"]
     total = sum(len(got) for got in replies.values())
     assert batches > 0 and messages < total / 4, f"{total} replies took {messages} messages ({batches} batches)"

@@ -34,7 +34,7 @@ from service.protocol.state import CoordinatorState, decide
 from service.protocol.subjects import Header
 from tests.conftest import make_settings
 from tests.helpers import decode_reply, request_json
-from tests.replicas import ReplicaSet
+from tests.replicas import ReplicaSet, Status
 
 pytestmark = pytest.mark.timeout(90)
 IDS = ("r0", "r1", "r2")
@@ -158,10 +158,11 @@ async def test_submissions_held_by_every_replica_complete_after_unpause(
             await nc.publish(f"{settings.subject_prefix}.submit_request", json.dumps(body).encode(), reply=inbox)
             submitted += 1
         expected = submitted
-        statuses = await replicas.wait_for(
-            lambda statuses, expected=expected: sum(s["requests_in_flight"] for s in statuses.values()) == expected,
-            5,
-        )
+
+        def all_held(statuses: dict[str, Status], expected: int = expected) -> bool:
+            return sum(s["requests_in_flight"] for s in statuses.values()) == expected
+
+        statuses = await replicas.wait_for(all_held, 5)
         if all(s["requests_in_flight"] > 0 for s in statuses.values()) or submitted >= 120:
             break
     assert all(s["requests_in_flight"] > 0 for s in statuses.values()), statuses

@@ -131,7 +131,8 @@ class PodContainer:
         """``docker exec``: a command in the running container, as its user; its output."""
         assert self.container is not None
         code, output = self.container.exec_run(argv)
-        text = bytes(output).decode(errors="replace").strip()
+        assert isinstance(output, bytes)  # not streamed
+        text = output.decode(errors="replace").strip()
         assert code == 0, f"{self.pod.name}: {argv} exited {code}: {text}"
         return text
 

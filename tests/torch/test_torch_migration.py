@@ -7,6 +7,7 @@ leaving mid-stream."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -92,7 +93,7 @@ async def torch_engines(settings: Settings, coordinator: Coordinator) -> AsyncIt
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 99}], ids=["greedy", "seeded"])
 async def test_an_engine_leaving_mid_stream_changes_no_token(
-    torch_engines: list[EngineRuntime], coordinator: Coordinator, settings: Settings, params: dict[str, object]
+    torch_engines: list[EngineRuntime], coordinator: Coordinator, settings: Settings, params: dict[str, Any]
 ) -> None:
     lost, survivor = torch_engines
     await lost.start()

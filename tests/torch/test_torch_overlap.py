@@ -5,6 +5,7 @@ token they leave in flight is never emitted. Outputs equal steps run one at a ti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,9 +39,18 @@ def test_the_next_step_is_launched_before_this_one_is_read_and_feeds_its_tokens(
     model = RecordingModel(backend.model)
     backend.model = model  # type: ignore[assignment]
     order: list[str] = []
-    for name in ("_launch", "_collect"):
+
+    def recorded(name: str) -> Callable[..., Any]:
         method = getattr(backend, name)
-        setattr(backend, name, lambda *args, _m=method, _n=name: order.append(_n) or _m(*args))
+
+        def call(*args: Any) -> Any:
+            order.append(name)
+            return method(*args)
+
+        return call
+
+    for name in ("_launch", "_collect"):
+        setattr(backend, name, recorded(name))
     for index in range(3):
         backend.add(GenerationRequest(f"r{index}", [index + 1, 2, 3], max_tokens=6, temperature=0.0))
     emitted: list[list[int]] = []

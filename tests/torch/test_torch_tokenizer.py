@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -136,15 +137,18 @@ def test_a_long_output_costs_the_same_per_token(
 ) -> None:
     """O(1) per token: no call decodes more than a bounded window, however long the output
     (a test double counts the tokens each decode is given)."""
-    tokenizer = {"bytes": ByteTokenizer(), "byte-level BPE": hf_tokenizer, "byte fallback": sentencepiece_tokenizer}[
-        name
-    ]
+    tokenizers: dict[str, ByteTokenizer | HFTokenizer] = {
+        "bytes": ByteTokenizer(),
+        "byte-level BPE": hf_tokenizer,
+        "byte fallback": sentencepiece_tokenizer,
+    }
+    tokenizer = tokenizers[name]
     text = "the quick brown fox € jumps 😀 over the lazy dog " * 40
     generated = tokenizer.encode(text)[1:] if isinstance(tokenizer, HFTokenizer) else tokenizer.encode(text)
     longest = 0
     decode = tokenizer.decode
 
-    def counting(token_ids: list[int]) -> str:
+    def counting(token_ids: Sequence[int]) -> str:
         nonlocal longest
         longest = max(longest, len(token_ids))
         return decode(token_ids)

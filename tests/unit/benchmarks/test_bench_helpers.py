@@ -4,9 +4,11 @@ The benchmark itself runs by `dpcoord bench`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
@@ -175,12 +177,19 @@ def test_fleet_summary_takes_medians_and_per_round_ratios(tmp_path: Path) -> Non
 
     log = tmp_path / "coordinator.log"
     log.write_text("one\ntwo\n")
+    no_process = cast(asyncio.subprocess.Process, None)  # summarise_fleets reads no process
     small = RunningFleet(
-        "p2c", 2, Subjects("x"), None, None, log, windows=[window(10, 100), window(20, 100), window(30, 100)]
-    )  # type: ignore[arg-type]
+        "p2c",
+        2,
+        Subjects("x"),
+        no_process,
+        no_process,
+        log,
+        windows=[window(10, 100), window(20, 100), window(30, 100)],
+    )
     large = RunningFleet(
-        "p2c", 9, Subjects("y"), None, None, log, windows=[window(11, 90), window(40, 100), window(30, 95)]
-    )  # type: ignore[arg-type]
+        "p2c", 9, Subjects("y"), no_process, no_process, log, windows=[window(11, 90), window(40, 100), window(30, 95)]
+    )
     _, result = summarise_fleets([small, large], 100.0)
     assert (result.cpu_us_per_request, result.achieved_per_s, result.sent, result.log_lines) == (30, 95, 30, 2)
     assert result.cpu_ratio == pytest.approx(1.1)  # median of 1.1, 2.0 and 1.0

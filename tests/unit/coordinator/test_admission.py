@@ -76,7 +76,7 @@ async def test_a_named_clients_repeat_in_flight_follows_the_new_reply_subject() 
     floor = build()
     floor.engine("e1")
     job = admission(floor)
-    named = {"client_id": "alice", "client_request_id": "q1", "stream": True}
+    named: dict[str, Any] = {"client_id": "alice", "client_request_id": "q1", "stream": True}
     await job.admit(*submission(**named))
     await job.admit(*submission("_INBOX.client.2", **named))
     [entry] = list(floor.ledger)

@@ -3,6 +3,8 @@ others wait, and requests answered while they wait neither count nor linger."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from service.coordinator.fair_queue import COMPACT_SLACK, FairQueue
 from service.coordinator.request_ids import ID_HEX_DIGITS, request_ids
 from service.coordinator.requests import InflightRequest, RequestTable
@@ -17,9 +19,9 @@ def entry(table: RequestTable, request_id: str, owner: str, body: bytes = b"{}")
     return request
 
 
-def drain(queue: FairQueue, over_share: object = None) -> list[str]:
+def drain(queue: FairQueue, over_share: Callable[[str], bool] = lambda owner: False) -> list[str]:
     order = []
-    while (head := queue.peek(over_share or (lambda owner: False))) is not None:  # type: ignore[operator]
+    while (head := queue.peek(over_share)) is not None:
         queue.pop(head)
         order.append(head.return_path.request_id)
     return order

@@ -115,7 +115,7 @@ async def test_the_deadline_fails_the_request_with_504() -> None:
     floor = build()
     floor.engine("e1")
     entry = admit(floor, floor.request(), timeout_s=0.05)
-    await until(lambda: floor.spawned.tasks)
+    await until(lambda: bool(floor.spawned.tasks))
     await floor.spawned.settle()
     [answer] = floor.bus.to(entry.return_path.reply_to)
     assert answer.json()["error"]["code"] == 504 and len(floor.ledger) == 0

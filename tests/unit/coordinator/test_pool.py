@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -136,7 +137,7 @@ class Lines(logging.Handler):
 
 
 @pytest.fixture
-def lines() -> Lines:
+def lines() -> Iterator[Lines]:
     handler = Lines()
     logger = logging.getLogger("tests.fleet_log")
     logger.setLevel(logging.INFO)
