@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx2
@@ -168,7 +168,7 @@ def difference(content: str, max_tokens: int, label: str, got: str, expected: st
     )
 
 
-async def faults_once_streaming(faults: list[Fault], tally: Tally) -> None:
+async def faults_once_streaming(faults: Sequence[Fault], tally: Tally) -> None:
     """Inject ``faults`` one after the other once :data:`STREAMING_AT_FAULT` streams have begun.
 
     On this machine the clients, not the engines, are the bottleneck: an engine finishes a
@@ -189,7 +189,7 @@ async def run_load(
     stack: ChaosStack,
     scenario: str,
     streams: int,
-    faults: list[Fault],
+    faults: Sequence[Fault],
     in_flight: int = IN_FLIGHT,
     case: Callable[[str, int], StreamCase] = echo_case,
 ) -> Tally:

@@ -24,7 +24,6 @@ import pytest
 
 from tests.faults.chaos import ChaosStack
 from tests.faults.chaos_load import (
-    Fault,
     StreamCase,
     kill_an_engine,
     kill_and_restart_a_replica,
@@ -101,9 +100,7 @@ async def reference_texts(stack: ChaosStack) -> dict[int, str]:
 async def test_torch_streams_stay_exact_through_faults(stack: ChaosStack, chaos_report: list[str]) -> None:
     await stack.heal(timeout_s=90.0)
     texts = await reference_texts(stack)
-    faults: list[Fault] = [
-        partial(fault, stack) for fault in (kill_and_restart_a_replica, kill_an_engine, restart_nats)
-    ]
+    faults = [partial(fault, stack) for fault in (kill_and_restart_a_replica, kill_an_engine, restart_nats)]
     tally = await run_load(
         stack,
         "torch: replica + engine + nats-server",
