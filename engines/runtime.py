@@ -93,35 +93,35 @@ class EngineRuntime:
         )
         self._core = core
         # Floor 1: the owners of state. The request table owns every request this engine holds.
-        self.control = ControlState()
+        self.control_state = ControlState()
         self.weights = EngineWeights(self.engine_id, backend, core.step_lock)
         publisher = ReplyPublisher(self.engine_id, self.nc, self.subjects, self.counters, settings.recent_replies_bytes)
         self.requests = RequestTable(self.engine_id, backend, publisher, self.counters, settings.stream_interval)
         requests = self.requests
         # Floor 2: the jobs, side by side; none imports another.
-        self._steps = StepLoop(core, requests, self.control, self.weights)
+        self._steps = StepLoop(core, requests, self.control_state, self.weights)
         self._membership = Membership(
-            core, requests, self.control, self.weights, self.served_model_name, steps=lambda: self._steps.steps
+            core, requests, self.control_state, self.weights, self.served_model_name, steps=lambda: self._steps.steps
         )
-        self._intake = RequestIntake(core, requests, self.control)
-        self._control = ControlSignals(
+        self._intake = RequestIntake(core, requests, self.control_state)
+        self._signals = ControlSignals(
             core,
             requests,
-            self.control,
+            self.control_state,
             publish_unsent=self._steps.publish_unsent,
             stop_heartbeats=self._membership.stop_heartbeats,
         )
         self._weight_updates = WeightUpdates(self.weights, requests, rejoin=self._membership.rejoin)
         # The broadcast handlers' context (engines/handlers.py): each job's own method.
-        self.pause = self._control.pause
-        self.unpause = self._control.unpause
-        self.suspend = self._control.suspend
-        self.resume = self._control.resume
-        self.stop_serving = self._control.stop_serving
-        self.set_epoch = self._control.set_epoch
-        self.start_profiler = self._control.start_profiler
-        self.stop_profiler = self._control.stop_profiler
-        self.hand_over = self._control.hand_over
+        self.pause = self._signals.pause
+        self.unpause = self._signals.unpause
+        self.suspend = self._signals.suspend
+        self.resume = self._signals.resume
+        self.stop_serving = self._signals.stop_serving
+        self.set_epoch = self._signals.set_epoch
+        self.start_profiler = self._signals.start_profiler
+        self.stop_profiler = self._signals.stop_profiler
+        self.hand_over = self._signals.hand_over
         self.prepare_weights = self._weight_updates.prepare
         self.discard_weights = self._weight_updates.discard
         self.commit_weights = self._weight_updates.commit
@@ -131,7 +131,7 @@ class EngineRuntime:
             Header.ABORT_REQUEST: Route.to(RoutedAbort, self._intake.abort),
             RESEND_REPLIES: Route.to(ResendReplies, self._intake.resend),
         }
-        self._dispatch = EngineDispatch(core, routed, ENGINE_HANDLERS, self, self._control.superseded)
+        self._dispatch = EngineDispatch(core, routed, ENGINE_HANDLERS, self, self._signals.superseded)
 
     # ------------------------------------------------------------ state others read
 
@@ -142,11 +142,11 @@ class EngineRuntime:
 
     @property
     def paused(self) -> bool:
-        return self.control.paused
+        return self.control_state.paused
 
     @property
     def epoch(self) -> int | None:
-        return self.control.epoch
+        return self.control_state.epoch
 
     @property
     def load(self) -> int:
