@@ -78,7 +78,9 @@ class RequestTable:
             self.scheduler.drop_cache()
 
     def clear(self) -> None:
-        """Close: every request is forgotten, with the cache's contents."""
+        """Close: every request leaves the scheduler and the table, and every prefix is forgotten."""
         with self.lock:
+            for state in self._requests.values():
+                self.scheduler.remove(state.sequence)
             self._requests.clear()
             self.scheduler.drop_cache()
