@@ -119,7 +119,8 @@ class CoordinatorCollector(Collector):
         yield in_flight
 
         queued = GaugeMetricFamily(
-            "dpcoord_requests_queued", "Of the requests in flight, those waiting in this coordinator's queue for an engine"
+            "dpcoord_requests_queued",
+            "Of the requests in flight, those waiting in this coordinator's queue for an engine",
         )
         queued.add_metric([], coordinator.requests.queued)
         yield queued

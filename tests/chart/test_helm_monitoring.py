@@ -103,7 +103,9 @@ def test_the_dashboard_is_a_configmap_for_grafanas_sidecar(chart: Chart, tmp_pat
         assert len(set(refs)) == len(refs), panel["title"]
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        area = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
 
@@ -151,7 +153,9 @@ def test_alert_thresholds_are_values(chart: Chart) -> None:
     defaults = alerts_of(render(chart, MONITORING_VALUES))
     assert defaults["DpcoordHighErrorRate"]["expr"].endswith("> 0.05")
     assert defaults["DpcoordQueueFilling"]["expr"].endswith("> 2048")  # half of max_queued_requests, 4096
-    tuned = with_values(prometheusRule={"errorRatio": 0.1, "queueFullRatio": 0.25}, settings={"max_queued_requests": 1000})
+    tuned = with_values(
+        prometheusRule={"errorRatio": 0.1, "queueFullRatio": 0.25}, settings={"max_queued_requests": 1000}
+    )
     alerts = alerts_of(render(chart, tuned))
     assert alerts["DpcoordHighErrorRate"]["expr"].endswith("> 0.1")
     assert alerts["DpcoordQueueFilling"]["expr"].endswith("> 250")
@@ -165,7 +169,11 @@ def test_keda_scales_the_engines_on_the_coordinators_work(chart: Chart, tmp_path
     engines = only(objects, "StatefulSet")
     assert "replicas" not in engines["spec"]  # KEDA owns the count; an upgrade must not reset it
     spec = scaler["spec"]
-    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": engines["metadata"]["name"]}
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": engines["metadata"]["name"],
+    }
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 8)
     [trigger] = spec["triggers"]
     assert trigger["type"] == "prometheus"
@@ -193,7 +201,10 @@ def test_keda_refuses_what_cannot_scale(chart: Chart, autoscaling: dict[str, Any
     ("values", "complaint"),
     [
         ({"engines": {"autoscaling": {"minReplicas": 0}}}, "/engines/autoscaling/minReplicas"),
-        ({"engines": {"autoscaling": {"targetRequestsPerEngine": "many"}}}, "/engines/autoscaling/targetRequestsPerEngine"),
+        (
+            {"engines": {"autoscaling": {"targetRequestsPerEngine": "many"}}},
+            "/engines/autoscaling/targetRequestsPerEngine",
+        ),
         ({"engines": {"autoscaling": {"prometheusServerAddress": "prometheus:9090"}}}, "prometheusServerAddress"),
         ({"prometheusRule": {"errorRatio": 1.5}}, "/prometheusRule/errorRatio"),
         ({"prometheusRule": {"queueFullRatio": 0}}, "/prometheusRule/queueFullRatio"),
