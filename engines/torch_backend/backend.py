@@ -196,6 +196,9 @@ class TorchBackend(Backend):
     def has_work(self) -> bool:
         return self.runner.kv_cache is not None and self.steps.has_work()
 
+    def waiting_requests(self) -> int:
+        return len(self.scheduler.waiting)
+
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.requests.scheduler.blocks.stats()
 
