@@ -36,9 +36,10 @@ the GIL), so they are the steadier figures here.
 After each step the replies are built as the engine runtime builds them: each output recorded
 in its ``ActiveRequest`` (``engines/replies.py``), a partial per token and a final per finished
 request encoded, and the batch encoded as one ``EngineReplyBatch`` (publishing on NATS is not
-included). A tree with the request table does it with its own ``RequestTable.record_step``
-(``engines/requests.py``); an older tree with a copy of its runtime's loop (``Replies``). The driver places that work as each tree's runtime does with steps launched ahead:
-the baseline runtime encodes between steps, on the critical path (``inline``); this checkout's
+included); a tree with the engine's request table runs its own ``RequestTable.record_step``
+(``engines/requests.py``), an older tree a copy of its runtime's loop (``Replies``). The driver
+places that work as each tree's runtime does with steps launched ahead: the baseline runtime
+encodes between steps, on the critical path (``inline``); this checkout's
 runtime encodes right after the step too, but the next step is then already launched on the
 device (``Backend.launches_ahead``), so it is off the critical path. ``--emit thread`` encodes
 this checkout's replies on a second thread while the next step runs instead, as its runtime
@@ -81,7 +82,9 @@ def drive(batch: int, steps: int, emit: str) -> dict[str, float]:
     thread.start()
     for _ in range(WARMUP_STEPS):
         replies.encode(backend._step())
-    window = Stopwatch(backend, ("_collect", "_launch"))
+    # The phases object of the tree: its step phases, or the backend itself in trees from before
+    # the backend composed them (it inherited them then).
+    window = Stopwatch(getattr(backend, "steps", backend), ("_collect", "_launch"))
     wall_started, thread_started, cpu_started = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(steps):
         outputs = backend._step()
@@ -167,12 +170,21 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
             overlap_steps=True,
         )
     )
-    backend.model = NoOpModel(backend.config.vocab_size, batch)  # type: ignore[assignment]  # the test double
+    model: Any = NoOpModel(backend.config.vocab_size, batch)  # the test double, typed as the model it stands for
     pages = -(-backend.max_context // backend.options.kv_block_size)
-    assert backend._kv_cache is not None
-    backend._graphs = HostOnlyGraphs(
-        backend.model, backend._rotary, backend._kv_cache, batch, pages, backend.options.kv_block_size
-    )
+    runner = getattr(backend, "runner", None)
+    if runner is not None:  # the model runner owns the model, the cache and the graphs
+        runner.model = model
+        assert runner.kv_cache is not None
+        runner._graphs = HostOnlyGraphs(
+            model, runner.rotary, runner.kv_cache, batch, pages, backend.options.kv_block_size
+        )
+    else:  # a tree from before the model runner, whose backend held them
+        before: Any = backend
+        before.model = model
+        before._graphs = HostOnlyGraphs(
+            model, before._rotary, before._kv_cache, batch, pages, before.options.kv_block_size
+        )
     return backend
 
 

@@ -4,7 +4,8 @@ It holds every request routed here and not yet answered, each an
 :class:`~engines.replies.ActiveRequest` (its tokens, text, spans and the replies sent so far),
 and the right to send each one's terminal reply. Nothing else writes that state: the jobs of
 the runtime (intake, step loop, control, weight updates, membership) read it through
-:meth:`ids`, ``len`` and ``in``, and change it only through these transitions:
+:meth:`ids`, ``len``, ``in`` and the read-only :attr:`records`, and change it only through
+these transitions:
 
 - :meth:`supersede`: whether a routed request may start; a newer run of one held here
   (a migration back to this engine) replaces the older run silently, one routed twice is ignored.
@@ -35,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from engines.replies import ActiveRequest, ReplyPublisher
@@ -61,6 +64,9 @@ class RequestTable:
         self._counters = counters
         self._stream_interval = stream_interval
         self._active: dict[str, ActiveRequest] = {}
+        # A live, read-only view of the records, for what measures the requests (the step loop's
+        # pace, engines/token_pace.py); nothing but this table changes a record.
+        self.records: Mapping[str, ActiveRequest] = MappingProxyType(self._active)
         self._left = asyncio.Event()  # set whenever a request leaves; cleared by whoever waits
 
     # ------------------------------------------------------------ reading

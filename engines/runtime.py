@@ -47,6 +47,7 @@ from engines.runtime_intake import RequestIntake
 from engines.runtime_membership import Membership
 from engines.runtime_steps import StepLoop
 from engines.runtime_weights import WeightUpdates
+from engines.token_pace import TokenPace
 from engines.weight_updates import EngineWeights
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient
@@ -151,6 +152,11 @@ class EngineRuntime:
     @property
     def load(self) -> int:
         return len(self.requests)
+
+    @property
+    def pace(self) -> TokenPace:
+        """Tokens generated and the time between a request's tokens (the step loop's)."""
+        return self._steps.pace
 
     # ------------------------------------------------------------ lifecycle
 

@@ -19,6 +19,7 @@ from engines.backend import TokenOutput
 from engines.control_state import ControlState
 from engines.requests import RequestTable
 from engines.runtime_core import EngineCore
+from engines.token_pace import TokenPace
 from engines.weight_updates import EngineWeights
 from service.protocol.errors import ErrorCode, WireError
 
@@ -42,6 +43,7 @@ class StepLoop:
         self._control = control
         self._weights = weights
         self.steps = 0  # steps taken, in heartbeats: an engine that holds requests and never steps is suspected
+        self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
         self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
 
     async def step_once(self) -> None:
@@ -83,6 +85,7 @@ class StepLoop:
             await self._requests.fail_all(WireError(ErrorCode.INTERNAL, f"engine {self._engine_id} step failed: {exc}"))
             return []
         self.steps += 1
+        self.pace.stepped(outputs, self._requests.records)  # the last step's outputs are recorded by now
         return outputs
 
     async def publish_unsent(self) -> None:
