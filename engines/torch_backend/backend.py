@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 class TorchBackend(Backend):
     name = "torch"
+    computes_logprobs = True
     max_context: int  # set from the model and the KV cache; the runtime holds max_tokens to it
 
     def __init__(self, options: TorchOptions, model_path: str | None = None) -> None:
@@ -183,12 +184,16 @@ class TorchBackend(Backend):
             key,
             IncrementalDetokenizer(self.tokenizer, prompt),
         )
+        state.sequence.prompt_logits = request.prompt_logprobs is not None
         state.resume(resume)
         self.requests.add(state)
         return len(prompt)
 
     def resumed_text(self, request_id: str) -> str:
         return self.requests.resumed_text(request_id)
+
+    def token_bytes(self, token_ids: collections.abc.Iterable[int]) -> dict[int, bytes]:
+        return {token: self.tokenizer.token_bytes(token) for token in token_ids}
 
     def abort(self, request_id: str) -> bool:
         return self.requests.abort(request_id)

@@ -4,7 +4,10 @@ Host-side bookkeeping (which token goes to which cache slot, which pages a seque
 is gathered into Python lists and sent to the device in one small transfer per tensor;
 masks are built on the device. Decode groups for the paged kernel carry lengths instead
 of a mask. With a step in flight (``previous``), the decode rows' input ids are its sampled
-ids, copied on the device (:mod:`engines.torch_backend.placeholders`).
+ids, copied on the device (:mod:`engines.torch_backend.placeholders`). A prefill whose prompt
+logprobs are due (``Sequence.prompt_rows_due``) also has the rows of its positions 0 .. P-2 in
+``last_token_index``, after every sequence's sampling row, in the order of the sequences: the
+model returns their logits too.
 """
 
 from __future__ import annotations
@@ -49,12 +52,16 @@ def build_batch(
     positions: list[int] = []
     slots: list[int] = []
     last: list[int] = []
+    prompt_rows: list[int] = []
     for sequence in scheduled.sequences:
+        first = len(input_ids)
         for position in range(sequence.num_cached, len(sequence.token_ids)):
             input_ids.append(sequence.token_ids[position])
             positions.append(position)
             slots.append(sequence.slot(position, block_size))
         last.append(len(input_ids) - 1)
+        if sequence.prompt_rows_due:
+            prompt_rows.extend(range(first, first + sequence.num_prompt_tokens - 1))
     ids = _long(input_ids, device)
     if previous is not None and scheduled.decode:  # decode rows first, one input id each
         resolve_on_device(ids[: len(scheduled.decode)], previous, decode_sources(scheduled.decode))
@@ -62,7 +69,7 @@ def build_batch(
         input_ids=ids,
         positions=_long(positions, device),
         slot_mapping=_long(slots, device),
-        last_token_index=_long(last, device),
+        last_token_index=_long(last + prompt_rows if prompt_rows else last, device),
         decode=None
         if not scheduled.decode
         else (
