@@ -181,9 +181,12 @@ def test_token_bytes_add_up_to_the_text(
 ) -> None:
     """Each token's own bytes (the logprob fields' ``token_bytes``), a byte-level piece part of
     a character, concatenate to the text the tokens add after a prompt; special tokens add none."""
-    tokenizer = {"bytes": ByteTokenizer(), "byte-level BPE": hf_tokenizer, "byte fallback": sentencepiece_tokenizer}[
-        name
-    ]
+    tokenizers: dict[str, ByteTokenizer | HFTokenizer] = {
+        "bytes": ByteTokenizer(),
+        "byte-level BPE": hf_tokenizer,
+        "byte fallback": sentencepiece_tokenizer,
+    }
+    tokenizer = tokenizers[name]
     prompt = tokenizer.encode("the lazy")
     generated = tokenizer.encode(" the quick € fox 😀 jumps ü")
     if name == "byte-level BPE":
