@@ -25,7 +25,7 @@ from engines.runtime_core import EngineCore
 from engines.weight_updates import EngineWeights
 from service.ops.loops import keep_running
 from service.protocol.codec import encode_msgpack, msgpack_decoder
-from service.protocol.membership import EngineRegister, Heartbeat, RegisterAck
+from service.protocol.membership import LOGPROBS, EngineRegister, Heartbeat, RegisterAck
 from service.protocol.messages import ErrorReply
 from service.protocol.subjects import Header
 
@@ -52,6 +52,7 @@ class Membership:
         self._control = control
         self._weights = weights
         self._served_model_name = served_model_name
+        self._features = [LOGPROBS] if core.backend.computes_logprobs else None
         self._steps = steps
         self.registered = asyncio.Event()  # set once a coordinator added this engine
         self._beating = True
@@ -71,6 +72,7 @@ class Membership:
                     self._control.paused,
                     self._served_model_name,
                     self._weights.version,
+                    self._features,
                 )
             )
             try:
@@ -130,6 +132,7 @@ class Membership:
                 self._served_model_name,
                 self._steps(),
                 self._weights.version,
+                self._features,
             )
             await core.nc.publish(core.subjects.sent_by(Header.HEARTBEAT, self._engine_id), encode_msgpack(beat))
         await asyncio.sleep(self._settings.heartbeat_interval_s)

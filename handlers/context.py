@@ -105,10 +105,12 @@ class EngineContext(Replier, Protocol):
         capacity: int,
         model: str | None,
         weight_version: WeightVersion | None,
+        logprobs: bool,
     ) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
-        restarted), and answer with the control state and epoch it must start in. One that
-        serves other weights than the fleet's is not added: the answer names the fleet's."""
+        restarted; ``logprobs``: it computes log-probabilities), and answer with the control
+        state and epoch it must start in. One that serves other weights than the fleet's is not
+        added: the answer names the fleet's."""
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
         """Refresh an engine's liveness; adopt an unknown one (``own_subjects``: it sends on its

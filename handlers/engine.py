@@ -16,23 +16,36 @@ from __future__ import annotations
 from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
-from service.protocol.membership import CoordinatorHeartbeat, EngineDisconnect, EngineRegister, Heartbeat
+from service.protocol.membership import (
+    CoordinatorHeartbeat,
+    EngineDisconnect,
+    EngineRegister,
+    Heartbeat,
+    computes_logprobs,
+)
 from service.protocol.messages import EngineReplyBatch
 from service.protocol.subjects import Header
 
 
 @message_handler(Header.REGISTER, fanout=True, direct=True, per_sender=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
-    """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
+    """Sent by an engine when it starts: its ``engine_id``, ``capacity``, ``served_model_name`` and
+    ``features`` (msgpack).
 
-    The engine joins with zero load, serving that model; one registering again had restarted,
+    The engine joins with zero load, serving that model (requests asking for log-probabilities
+    only when it announces them); one registering again had restarted,
     so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start
     in, and the fleet's weights: an engine that serves other ``weight_version`` is not added,
     it loads those and registers again; 400 for an id that cannot be a subject token, 403 for another engine's id (see above),
     429 when the pool holds ``max_engines``."""
     engine_id = coordinator.engine_sender(incoming, payload.engine_id)
     await coordinator.register_engine(
-        incoming, engine_id, payload.capacity, payload.served_model_name, payload.weight_version
+        incoming,
+        engine_id,
+        payload.capacity,
+        payload.served_model_name,
+        payload.weight_version,
+        computes_logprobs(payload.features),
     )
 
 

@@ -226,7 +226,7 @@ class DpcoordClient:
             await submission.start()
             while replies := await submission.replies():
                 if isinstance(replies[-1], Final):
-                    return replies[-1]
+                    return _with_logprobs(replies[-1], sampling)
         finally:
             submission.close()
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
@@ -280,7 +280,7 @@ class DpcoordClient:
                     for reply in replies:
                         if isinstance(reply, Final):
                             check.finish(reply)
-                            passed.append(reply)
+                            passed.append(_with_logprobs(reply, sampling))
                         elif check.accept(reply):
                             passed.append(reply)
                 except StreamBroken as exc:
@@ -372,6 +372,27 @@ class DpcoordClient:
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {header}: {reply!r}")
         return reply
+
+
+def _with_logprobs(final: Final, sampling: dict[str, Any]) -> Final:
+    """``final``, unless it lacks the log-probabilities ``sampling`` asked for: an engine of an
+    earlier release (behind a coordinator of one, which routes by no feature) ignores the
+    fields, and a final without them is no answer to the request. An ``abort`` final carries
+    those of the tokens generated so far (none when no engine ran it)."""
+    if not sampling or final.finish_reason == "abort":
+        return final
+    missing = [
+        name
+        for name, present in (("logprobs", final.token_logprobs), ("prompt_logprobs", final.prompt_logprobs))
+        if sampling.get(name) is not None and present is None
+    ]
+    if missing:
+        raise ClientError(
+            ErrorCode.NO_ENGINE,
+            f"engine {final.engine_id} answered without the {' and '.join(missing)} asked for "
+            "(an engine of an earlier release ignores them)",
+        )
+    return final
 
 
 __all__ = ["ClientError", "DpcoordClient"]

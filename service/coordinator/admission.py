@@ -12,7 +12,8 @@ Contract:
   when it comes from the same owner with the same body: a request in flight answers the new
   reply subject, a cached result is sent again.
 - A submission naming a ``model`` goes only to engines serving it (the pool's group for it);
-  one that names a model no engine serves is refused with 404.
+  one that names a model no engine serves is refused with 404. One asking for
+  log-probabilities goes only to engines that announce them; 503 when none of its group does.
 - Accepted requests enter the ledger (:mod:`.ledger`), routed at once while the coordinator
   runs, an engine (serving their model) has room and none of their model waits; otherwise they
   wait in the queue of their model (owners in turn, :mod:`.fair_queue`) until the ledger
@@ -31,7 +32,7 @@ import logging
 from service.bus.registry import Incoming
 from service.coordinator.answers import Answers
 from service.coordinator.core import Core
-from service.coordinator.ledger import RequestLedger, unknown_model
+from service.coordinator.ledger import RequestLedger, no_logprobs_engine, unknown_model
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.request_ids import request_ids
@@ -84,8 +85,10 @@ class Admission:
             return
         if isinstance(submit, SubmitEnvelope):
             body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
+            logprobs = submit.logprobs
         else:
             body, encoding, timeout_s = incoming.body, incoming.encoding, submit.sampling_params.timeout_s
+            logprobs = submit.sampling_params.asks_logprobs
         client_request_id, client_id = submit.client_request_id, submit.client_id
         short = self._short_id  # ids at most this many characters fit max_id_bytes whatever they hold: no check
         if (isinstance(client_request_id, str) and len(client_request_id) > short) or (
@@ -107,7 +110,9 @@ class Admission:
         model = submit.model
         group = self._pool.everyone if model is None else self._engines_serving(model)
         key = ledger.routing_key(submit)
-        engine = ledger.engine_for(group, model, key)
+        if logprobs and group is not None and not group.computing_logprobs and self._peers.warmed_up:
+            raise no_logprobs_engine(model)
+        engine = ledger.engine_for(group, model, key, logprobs)
         if engine is None:
             settings = self._settings
             if ledger.queued >= settings.max_queued_requests:
@@ -129,7 +134,9 @@ class Admission:
             submit.client_id,
             batched,
         )
-        entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
+        entry = InflightRequest(
+            return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key, logprobs=logprobs
+        )
         ledger.admit(entry, timeout_s, engine)
 
     def holds(self, client_key: ClientKey) -> bool:

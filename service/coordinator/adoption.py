@@ -150,6 +150,8 @@ class Adoption:
             streamed=item.partials_sent > 0,
             partials_delivered=item.partials_sent,
             streamed_tokens=list(item.tokens) if item.tokens else None,
+            logprobs=item.logprobs is not None,
+            streamed_logprobs=item.logprobs if item.logprobs is not None and item.logprobs.token_logprobs else None,
         )
         self._ledger.hold_adopted(entry, engine_id, item.attempt)
 

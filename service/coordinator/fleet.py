@@ -45,7 +45,7 @@ from service.coordinator.requests import InflightRequest
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.membership import Heartbeat, ResendAnswer, ResendReplies
+from service.protocol.membership import Heartbeat, ResendAnswer, ResendReplies, computes_logprobs
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import RESEND_REPLIES, id_problem
 
@@ -74,8 +74,10 @@ class Fleet:
         self._refusals = RateLimitedLog(log)
         self._log = FleetLog(log)
 
-    def add(self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True) -> EngineRecord:
-        record = self.pool.add(engine_id, capacity, model, own_subjects)
+    def add(
+        self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True, logprobs: bool = False
+    ) -> EngineRecord:
+        record = self.pool.add(engine_id, capacity, model, own_subjects, logprobs)
         self.changed.set()
         self._log.joined(engine_id, model, record.capacity, len(self.pool))
         return record
@@ -100,7 +102,9 @@ class Fleet:
             )
         raise WireError(ErrorCode.FORBIDDEN, f"engine {sender[:64]!r} sent a message for engine {claimed[:64]!r}")
 
-    async def register(self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True) -> None:
+    async def register(
+        self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True, logprobs: bool = False
+    ) -> None:
         """An engine that registers again had restarted: its old work is lost. Raises WireError
         400 for an id that cannot be a subject token, 429 when the pool is full."""
         if (problem := id_problem(engine_id, self._settings.max_id_bytes)) is not None:
@@ -110,7 +114,7 @@ class Fleet:
         elif len(self.pool) >= self._settings.max_engines:
             raise WireError(ErrorCode.OVERLOADED, f"engine pool full ({self._settings.max_engines} engines)")
         self._suspects.pop(engine_id, None)
-        self.add(engine_id, capacity, model, own_subjects)
+        self.add(engine_id, capacity, model, own_subjects, logprobs)
 
     async def remove(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are queued again, the rest fail."""
@@ -173,7 +177,8 @@ class Fleet:
             if engine_id in self._suspects:
                 self._suspects[engine_id] = now
             elif not self.pool.recently_departed(engine_id) and self._adoptable(engine_id):
-                self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name, own_subjects)
+                logprobs = computes_logprobs(heartbeat.features)
+                self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name, own_subjects, logprobs)
                 self._ledger.release()
             return
         self.pool.heard(record)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from service.coordinator.timers import CoarseTimer
 from service.protocol.codec import Encoding
-from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply
+from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply, StreamedLogprobs
 
 ClientKey = tuple[str | None, ClientRequestId]
 
@@ -46,6 +46,10 @@ class InflightRequest:
     # resumes after them. None until the first; dropped when the stream cannot resume.
     streamed_tokens: list[int] | None = None
     resumable: bool = True  # False once a partial came without tokens or after a lost one
+    logprobs: bool = False  # it asks for log-probabilities: routed only to engines that compute them
+    # Their log-probabilities, aligned with streamed_tokens, for a request that asked for its
+    # generated tokens' (a migration hands them to the next run).
+    streamed_logprobs: StreamedLogprobs | None = None
     migrations: int = 0
     earlier_engines: list[str] | None = None  # engines that ran an earlier attempt of it
 

@@ -14,6 +14,17 @@ from msgspec import Meta, Struct
 
 from service.protocol.messages import Int64, ModelName, WeightVersion
 
+# Features an engine announces (``features`` of its register and heartbeats), so the coordinator
+# routes a request that needs one only to engines that have it: "logprobs", the engine computes
+# the log-probabilities ``sampling_params.logprobs`` and ``prompt_logprobs`` ask for. An engine
+# of an earlier release announces none.
+LOGPROBS = "logprobs"
+Features = Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=64)]
+
+
+def computes_logprobs(features: list[str] | None) -> bool:
+    return features is not None and LOGPROBS in features
+
 
 class EngineRegister(Struct):
     engine_id: str
@@ -22,6 +33,7 @@ class EngineRegister(Struct):
     paused: bool = False
     served_model_name: ModelName | None = None
     weight_version: WeightVersion | None = None  # an extension: the weights it serves (None: its own)
+    features: Features | None = None  # an extension: what it offers beyond earlier releases (LOGPROBS)
 
 
 class RegisterAck(Struct):
@@ -50,6 +62,7 @@ class Heartbeat(Struct):
     served_model_name: ModelName | None = None  # so a coordinator that adopts the engine routes by model
     steps: Int64 | None = None  # steps taken since the engine started: progress while no reply is due
     weight_version: WeightVersion | None = None  # an extension: the weights it serves
+    features: Features | None = None  # an extension, as the register's: a coordinator that adopts it routes by them
 
 
 class ResendReplies(Struct):

@@ -319,6 +319,16 @@ class ReturnPath(Struct, array_like=True, gc=False):
     batched: bool = False  # replies may go in reply batches (service/protocol/reply_batches.py)
 
 
+class StreamedLogprobs(Struct, array_like=True, gc=False):
+    """Log-probabilities of tokens a stream delivered, aligned with their ids, carried beside a
+    partial's ``tokens`` (:class:`RoutedReply`) so the coordinator keeps them for a migration
+    without decoding the client's body, and handed to the engine that resumes the stream
+    (:class:`RoutedRequest`), whose final carries every token's."""
+
+    token_logprobs: list[float]
+    top_logprobs: list[list[TopLogprob]] | None = None
+
+
 class RoutedRequest(Struct, array_like=True, gc=False):
     """A client's submission as routed to one engine: its return path plus the untouched body.
 
@@ -326,12 +336,14 @@ class RoutedRequest(Struct, array_like=True, gc=False):
     per migration or retry), stamped on its partials and replies. ``resume_tokens`` are tokens
     an earlier run already generated and streamed: the engine continues after them, as if it had
     generated them itself (its partials start at offset ``len(resume_tokens)``, its final
-    includes them, ``max_tokens`` and stop strings count them)."""
+    includes them, ``max_tokens`` and stop strings count them). ``resume_logprobs`` (an
+    extension, log-probabilities): theirs, as delivered, when the request asked for them."""
 
     return_path: ReturnPath
     body: bytes
     attempt: int = 0
     resume_tokens: list[TokenId] | None = None
+    resume_logprobs: StreamedLogprobs | None = None
 
 
 class FirstRun(Struct, array_like=True, gc=False):
@@ -371,6 +383,8 @@ class RoutedReply(Struct, array_like=True, gc=False):
     coordinator keeps what was streamed without decoding the client's body (None for other
     replies, and from engines of earlier releases: that stream cannot migrate); ``attempt`` is
     the run of the :class:`RoutedRequest` it answers, so replies of an older run are dropped.
+    ``logprobs`` (an extension): a streamed partial's log-probabilities, when its request asked
+    for them, kept with its tokens.
     """
 
     return_path: ReturnPath
@@ -378,6 +392,7 @@ class RoutedReply(Struct, array_like=True, gc=False):
     seq: int = 0
     tokens: list[TokenId] | None = None
     attempt: int = 0
+    logprobs: StreamedLogprobs | None = None
 
 
 class EngineReplyBatch(Struct):
@@ -432,10 +447,13 @@ class AdoptedRequest(Struct, array_like=True, gc=False):
     """One request of a dead coordinator replica, as its engine hands it to the adopter: the
     return path (already naming the adopter), the client's body (so it can be routed again),
     how many partials the engine has sent (the ``seq`` its next reply carries), the tokens it
-    generated so far (a migration resumes after them) and the run (``attempt``) it is."""
+    generated so far (a migration resumes after them) and the run (``attempt``) it is; for a
+    request that asked for log-probabilities, ``logprobs``: those of its tokens (none for one
+    that asked for its prompt's only)."""
 
     return_path: ReturnPath
     body: bytes
     partials_sent: int
     tokens: list[TokenId] = msgspec.field(default_factory=list)
     attempt: int = 0
+    logprobs: StreamedLogprobs | None = None
