@@ -132,7 +132,7 @@ async def control(settings: Settings, args: argparse.Namespace) -> int:
     wait_s = args.timeout if args.timeout is not None else control_wait_s(header, args.mode, settings)
     deadline = _Deadline(wait_s)
     what = f"{args.signal}{f' --mode {args.mode}' if args.mode else ''}"
-    waiting = f"dpcoord control {what}: waiting for every engine to confirm (up to {wait_s:.0f} s)"
+    waiting = f"dpcoord control {what}: waiting for the engines to confirm (up to {wait_s:.0f} s)"
     async with await DpcoordClient.connect(settings, timeout=deadline.left()) as client:
         try:
             async with terminal.Waiting(sys.stderr, waiting):

@@ -363,4 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpcoord {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command == "control":
+            print(
+                f"dpcoord control: interrupted; a {args.signal} already sent may still be taking effect",
+                file=sys.stderr,
+            )
         return 130

@@ -102,7 +102,7 @@ async def test_a_drain_pause_is_waited_for_with_a_line_saying_so(
         line = await asyncio.wait_for(pause.stderr.readline(), 30)
         assert (
             line.decode()
-            == f"dpcoord control pause --mode drain: waiting for every engine to confirm (up to {wait_s:.0f} s)\n"
+            == f"dpcoord control pause --mode drain: waiting for the engines to confirm (up to {wait_s:.0f} s)\n"
         )
         assert not running.done()  # the drain waits for it
         await client.abort("long")  # ends it, and with it the drain
