@@ -124,7 +124,9 @@ class Parts:
 
     async def stop(self) -> None:
         """SIGTERM every part still running, SIGKILL those not gone within STOP_TIMEOUT_S, and
-        name any that did not stop cleanly (exit 0); safe twice."""
+        name any that failed on its way out (an exit code above 0; a part that was already
+        leaving by itself, past its signal handlers, ends by the SIGTERM, which is no failure);
+        safe twice."""
         running = [part for part in self._parts if part.process.returncode is None]
         for part in running:
             part.process.send_signal(signal.SIGTERM)
@@ -135,7 +137,7 @@ class Parts:
                 if part.process.returncode is None:
                     log.warning("dpcoord up: the %s did not stop within %.0f s; killed", part.name, STOP_TIMEOUT_S)
                     part.process.kill()
-                elif part.process.returncode != 0:
+                elif part.process.returncode > 0:  # < 0: ended by the SIGTERM itself, once past its own handlers
                     log.warning(
                         "dpcoord up: the %s exited with code %d while stopping; its log above says why",
                         part.name,
