@@ -70,7 +70,10 @@ Engines: the torch backend runs the model in --model, a local Hugging Face-forma
 model whose output is noise. --backend echo runs the protocol test double instead.
 
 Logs: every process logs to this command's stderr (dpcoord up 2> up.log keeps them in a file);
-the banner goes to stdout.
+the banner goes to stdout, once every part serves (the gateway included).
+
+Exit: 0 after Ctrl-C or SIGTERM, or when a part was asked to stop (dpcoord control stop after a
+pause, dpcoord control shutdown); 1 when a part fails, named with its last log lines.
 """
 
 
@@ -149,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for the answer; default: as long as the coordinator may take, by its limits "
         "in this environment (DPCOORD_CONTROL_TIMEOUT_S; DPCOORD_LONG_CONTROL_TIMEOUT_S for a drain pause "
-        "and update-weights) plus 10 s, at least 30 s",
+        "and update-weights) plus 10 s, at least 30 s; reaching NATS has --nats-connect-timeout-s",
     )
     bench = commands.add_parser(
         "bench",
