@@ -22,10 +22,11 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from service.cli import terminal
+from service.cli.logprobs import logprob_lines
 from service.client import DpcoordClient
 from service.ops.services_api import CoordinatorStatus
 from service.ops.settings import Settings
-from service.protocol.messages import Ack, Partial
+from service.protocol.messages import Ack, Final, Partial
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,14 @@ def _print_json(message: msgspec.Struct, shown: Callable[[str], str] = str) -> N
     print(shown(msgspec.json.encode(message).decode()))
 
 
+def _print_final(final: Final, shown: Callable[[str], str]) -> None:
+    """The final's JSON (its logprob fields included); on a terminal, a line per token's logprobs after it."""
+    _print_json(final, shown)
+    if sys.stdout.isatty():
+        for line in logprob_lines(final, shown):
+            print(line)
+
+
 class _Deadline:
     """What is left of one timeout shared by the steps of a command."""
 
@@ -88,6 +97,9 @@ async def submit(settings: Settings, args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop,
+        "logprobs": args.logprobs,
+        "prompt_logprobs": args.prompt_logprobs,
+        "logprobs_mode": args.logprobs_mode,
     }
     shown = terminal.shown_on(sys.stdout, raw=args.raw)
     deadline = _Deadline(args.timeout)
@@ -96,14 +108,14 @@ async def submit(settings: Settings, args: argparse.Namespace) -> int:
             if not args.stream:
                 async with terminal.Spinner(sys.stderr, "waiting for the reply"):
                     final = await client.submit(args.prompt, timeout=deadline.left(), **sampling)
-                _print_json(final, shown)
+                _print_final(final, shown)
                 return 0
             async for reply in client.stream(args.prompt, timeout=deadline.left(), **sampling):
                 if isinstance(reply, Partial):
                     print(shown(reply.text), end="", flush=True)
                 else:
                     print()
-                    _print_json(reply, shown)
+                    _print_final(reply, shown)
     except TimeoutError:
         raise CommandFailed(f"no reply within {args.timeout:g} s (--timeout)") from None
     return 0

@@ -21,7 +21,8 @@ def logprob_lines(final: Final, shown: Callable[[str], str]) -> list[str]:
     def line(label: str, token_id: int, logprob: float | None, top: Sequence[TopLogprob] | None) -> str:
         value = "" if logprob is None else f"{logprob:10.4f} {math.exp(logprob):7.2%}"
         alternatives = "  ".join(f"{token(other)} {other_logprob:.4f}" for other, other_logprob in top or ())
-        return f"{label:>6} {value:>19}  {token(token_id):<12}" + (f" | {alternatives}" if alternatives else "")
+        text = f"{label:>6} {value:>19}  {token(token_id):<12}"
+        return f"{text} | {alternatives}" if alternatives else text.rstrip()
 
     lines: list[str] = []
     if final.prompt_token_ids is not None and final.prompt_logprobs is not None:
@@ -33,9 +34,8 @@ def logprob_lines(final: Final, shown: Callable[[str], str]) -> list[str]:
             lines.append(line(str(position), token_id, logprob, top))
     if final.token_logprobs is not None:
         lines.append("generated:")
-        tops_generated = final.top_logprobs or [None] * len(final.generated_tokens)
-        for position, (token_id, logprob, top) in enumerate(
-            zip(final.generated_tokens, final.token_logprobs, tops_generated, strict=True)
-        ):
-            lines.append(line(str(position), token_id, logprob, top))
+        for position, (token_id, logprob) in enumerate(zip(final.generated_tokens, final.token_logprobs, strict=True)):
+            lines.append(
+                line(str(position), token_id, logprob, final.top_logprobs[position] if final.top_logprobs else None)
+            )
     return lines

@@ -7,13 +7,17 @@ what it asked for."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
 from benchmarks.doc_engines import DocEngineFleet
 from engines.echo import echo_logprob, echo_top_logprobs
+from service.cli import fleet_commands
+from service.cli.main import build_parser
 from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
@@ -174,3 +178,30 @@ async def test_a_migrated_streams_final_carries_every_tokens_logprob(
     assert [value for partial in partials for value in partial.token_logprobs or ()] == final.token_logprobs
     assert final.prompt_token_ids == list(data) and final.token_bytes is not None
     assert set(tokens) | {token + 1 for token in tokens} | set(data) <= set(final.token_bytes)
+
+
+async def test_dpcoord_submit_prints_the_logprobs(
+    settings: Settings,
+    start_engines: EngineFactory,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In the final's JSON always; on a terminal also a line per token, the prompt's first."""
+    await start_engines(1)
+    args = build_parser().parse_args(
+        ["submit", "hey", "--max-tokens", "2", "--logprobs", "2", "--prompt-logprobs", "1"]
+    )
+    assert await fleet_commands.submit(settings, args) == 0
+    final = msgspec.json.decode(capsys.readouterr().out.strip(), type=Final)
+    assert final.token_logprobs == [echo_logprob(ord("h"), 3), echo_logprob(ord("e"), 4)]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert await fleet_commands.submit(settings, args) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "prompt:",
+        "     0                      'h'",
+        "     1     -0.8750  41.69%  'e'          | 'e' -0.8750",
+        "     2     -1.5000  22.31%  'y'          | 'y' -1.5000",
+        "generated:",
+        "     0     -1.5000  22.31%  'h'          | 'h' -1.5000  'i' -1.6250",
+        "     1     -1.2500  28.65%  'e'          | 'e' -1.2500  'f' -1.3750",
+    ]
