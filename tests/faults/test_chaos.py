@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.echo import echo_logprob
 from service.client import ClientError, DpcoordClient
 from service.protocol.messages import Final
 from tests.faults.chaos import MODEL, ChaosStack, echo_text
@@ -88,8 +89,13 @@ async def test_streams_stay_exact_through_faults(scenario: str, stack: ChaosStac
 
 # ---------------------------------------------------------------- a dead coordinator's requests
 
-OWNED_REQUESTS = 150  # about 50 on each replica
+OWNED_REQUESTS = 150  # about 50 on each replica (asking for logprobs: an adopted request's final carries them all)
 OWNED_MAX_TOKENS = 300  # 1.5 s at 5 ms a token: what is left after the kill fits in the bound
+
+
+def echo_logprobs(prompt: str, text: str) -> list[float]:
+    """The echo engine's logprob of each token of ``text``, generated after ``prompt`` (ASCII)."""
+    return [echo_logprob(ord(char), len(prompt) + n) for n, char in enumerate(text)]
 
 
 async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
@@ -98,7 +104,8 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
     """Streams through the client library; once each has its first partial, the replica owning
     most of them (the request id names it) is SIGKILLed. Each of its requests must end, with
     its final or a clear error, within ``heartbeat_timeout_s`` + 5 s of the kill, and a final
-    must be the echo engine's text with the partials before it adding up to a prefix of it."""
+    must be the echo engine's text with the partials before it adding up to a prefix of it, and
+    carry each token's logprob, the echo engine's."""
     await stack.heal()
     bound_s = stack.settings.heartbeat_timeout_s + 5.0
     owners: dict[int, asyncio.Future[str]] = {}
@@ -110,7 +117,7 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
         streamed = ""
         outcome = "no final"
         try:
-            async for reply in client.stream(prompt, max_tokens=OWNED_MAX_TOKENS, timeout=60):
+            async for reply in client.stream(prompt, max_tokens=OWNED_MAX_TOKENS, logprobs=1, timeout=60):
                 if not owners[index].done():
                     owners[index].set_result(reply.request_id.rpartition("-")[0])
                 if isinstance(reply, Final):
@@ -120,6 +127,8 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
                         outcome, got = "final differs", reply.generated_text
                     elif not want.startswith(streamed):
                         outcome, got = "partials differ", streamed  # the final is right, the stream before it not
+                    elif reply.token_logprobs != echo_logprobs(prompt, want):
+                        outcome, got = "logprobs differ", want
                     if outcome != "exact" and len(examples) < 2:
                         examples.append(difference(prompt, OWNED_MAX_TOKENS, outcome, got, want))
                 else:
@@ -158,7 +167,7 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
         print(f"[chaos]   not exact: {example}")
     assert len(in_flight) >= 5, "the test needs requests in flight on the killed replica"
     assert sum(within.values()) == len(in_flight), line
-    assert set(within) <= {"exact", "error"}, (line, examples)  # not "no final", "final differs", "partials differ"
+    assert set(within) <= {"exact", "error"}, (line, examples)  # not "no final", "... differ(s)"
 
 
 # ---------------------------------------------------------------- clients that leave
