@@ -44,6 +44,7 @@ from service.protocol.messages import FinishReason, TopLogprob
 # The echo backend's context when ``max_context`` is not set: it bounds ``max_tokens`` as a
 # model's context would.
 ECHO_CONTEXT = 1 << 20
+_BYTES = [bytes((byte,)) for byte in range(256)]
 
 
 def echo_logprob(token: int, position: int) -> float:
@@ -106,7 +107,7 @@ class EchoBackend(Backend):
         return self._running.pop(request_id, None) is not None
 
     def token_bytes(self, token_ids: Iterable[int]) -> dict[int, bytes]:
-        return {token: bytes((token,)) if token < 256 else b"" for token in token_ids}
+        return {token: _BYTES[token] if token < 256 else b"" for token in token_ids}
 
     def has_work(self) -> bool:
         return bool(self._running)

@@ -98,7 +98,7 @@ class LogprobRecord:
 
 
 def _named(tokens: list[int], top: list[list[TopLogprob]] | None) -> set[int]:
-    named = set(tokens)
-    for alternatives in top or ():
-        named.update(token for token, _ in alternatives)
-    return named
+    """The token ids ``tokens`` and their alternatives name."""
+    if not top:
+        return set(tokens)
+    return {token for alternatives in top for token, _ in alternatives}.union(tokens)

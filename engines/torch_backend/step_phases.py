@@ -107,7 +107,11 @@ class StepPhases:
                 sequences = scheduled.sequences
                 states, greedy = requests.states(sequences)
                 asking = requests.asking
-                prompts = [state for state in states[len(scheduled.decode) :] if state.sequence.prompt_rows_due]
+                prompts = (
+                    [state for state in states[len(scheduled.decode) :] if state.sequence.prompt_rows_due]
+                    if scheduled.prefill
+                    else []
+                )
                 params = None if greedy else sampling_params(states, runner.device)
                 inputs = runner.prepare(scheduled, scheduler.grown, earlier)
                 positions = feed(sequences)
