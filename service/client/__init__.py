@@ -21,10 +21,12 @@ its peers before running it (docs/reliability.md, ownership).
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
 callback, so the call would otherwise wait out its timeout.
+A stream's unread replies are bounded: :meth:`DpcoordClient.stream`, :mod:`service.client.flow`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
@@ -40,6 +42,7 @@ from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.flow import STREAM_BUFFER_BYTES, STREAM_STALL_S, FlowControl, StreamStalled
 from service.client.submission import Submission
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
@@ -54,6 +57,7 @@ from service.protocol.messages import (
     ControlSignal,
     Empty,
     Final,
+    HoldRequest,
     ModelList,
     Partial,
     PauseMode,
@@ -66,6 +70,10 @@ from service.protocol.messages import (
 from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
+
+log = logging.getLogger(__name__)
+# The last token of the reply subject holds are sent with: their acks are dropped on arrival.
+FLOW_TOKEN = "f"
 
 
 class DpcoordClient:
@@ -91,6 +99,8 @@ class DpcoordClient:
         self._replies = replies
         self._watch = watch
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._hold_subject = subjects.coordinator(Header.HOLD_REQUEST)
+        self._hold_inbox = f"{exchanges.inbox}.{FLOW_TOKEN}"
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -223,16 +233,28 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        buffer_bytes: int = STREAM_BUFFER_BYTES,
+        stall_timeout: float = STREAM_STALL_S,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        A caller that stops iterating holds the request once ``buffer_bytes`` of replies wait;
+        held ``stall_timeout`` s, it is aborted and the next iteration raises ``StreamStalled``.
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
         partial is yielded and the final (every token) fills the rest in; a final that does not
         extend the partials yielded raises ClientError 502."""
         batches = self.stream_batches(
-            prompt, messages=messages, model=model, client_request_id=client_request_id, timeout=timeout, **sampling
+            prompt,
+            messages=messages,
+            model=model,
+            client_request_id=client_request_id,
+            timeout=timeout,
+            buffer_bytes=buffer_bytes,
+            stall_timeout=stall_timeout,
+            **sampling,
         )
         async with aclosing(batches):
             async for replies in batches:
@@ -247,6 +269,8 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        buffer_bytes: int = STREAM_BUFFER_BYTES,
+        stall_timeout: float = STREAM_STALL_S,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
@@ -254,7 +278,8 @@ class DpcoordClient:
         wake-up per list rather than per reply."""
         body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         check = StreamCheck()
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        flow = FlowControl(buffer_bytes, stall_timeout, self._send_hold, self._abort_stalled)
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, flow)
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -286,6 +311,20 @@ class DpcoordClient:
                 ErrorCode.TOO_LARGE,
                 f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
             ) from None
+
+    async def _send_hold(self, request_id: str, held: bool, seq: int) -> None:
+        """Flow control: hold or release a stream's request (its ack is dropped on arrival)."""
+        body = encode_msgpack(HoldRequest(request_id, held, seq))
+        await self.nc.publish(self._hold_subject, body, reply=self._hold_inbox)
+
+    async def _abort_stalled(self, request_id: str) -> None:
+        try:
+            await self.abort(request_id=request_id, timeout=5.0)
+        except ClientError as exc:
+            if exc.code != ErrorCode.NOT_FOUND:  # else it ended meanwhile
+                log.warning("abort of stalled request_id=%s failed: %s", request_id, exc)
+        except TimeoutError as exc:
+            log.warning("abort of stalled request_id=%s not answered: %s", request_id, exc)
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0
@@ -358,4 +397,4 @@ class DpcoordClient:
         return reply
 
 
-__all__ = ["ClientError", "DpcoordClient"]
+__all__ = ["ClientError", "DpcoordClient", "StreamStalled"]

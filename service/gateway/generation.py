@@ -179,14 +179,16 @@ class Generation:
         if self._requests.cutting:
             await asyncio.shield(aborted(client, ids))
 
-    def _send(self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str) -> Sent:
-        """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the same arguments."""
+    def _send(self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str, **flow: Any) -> Sent:
+        """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the
+        same arguments (``stream_batches`` also the bounds of its ``flow``)."""
         return call(
             job.prompt,
             messages=job.messages,
             model=plan.model,
             client_request_id=client_request_id,
             timeout=self._timeout,
+            **flow,
             **plan.sampling,
         )
 
@@ -205,8 +207,10 @@ class Generation:
 
     async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
+        buffer_bytes, stall_s = self.settings.gateway_stream_buffer_bytes, self.settings.gateway_stream_stall_s
         replies = Replies(
-            (job, self._send(client.stream_batches, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
+            (job, self._send(client.stream_batches, plan, job, rid, buffer_bytes=buffer_bytes, stall_timeout=stall_s))
+            for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:
             first = await replies.batch()

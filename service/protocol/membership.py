@@ -50,6 +50,9 @@ class Heartbeat(Struct):
     served_model_name: ModelName | None = None  # so a coordinator that adopts the engine routes by model
     steps: Int64 | None = None  # steps taken since the engine started: progress while no reply is due
     weight_version: WeightVersion | None = None  # an extension: the weights it serves
+    # An extension: the requests of ``active`` held by backpressure (hold_request), which the
+    # engine rightly does not step; None from engines that predate it.
+    held: list[str] | None = None
 
 
 class ResendReplies(Struct):
