@@ -85,7 +85,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "DPCOORD_REQUEST_TIMEOUT_S": "3600",
     }
     config = StackConfig(args.nats_url, args.engines, args.event_loop, args.normal_tokens)
-    async with StalledStack(config, gateway_env) as stack:
+    stack = StalledStack(config, gateway_env)
+    async with stack:
         await stack.start_fleet(encode_msgpack(SubmitRequest("probe", SamplingParams(max_tokens=1))))
         port = free_port()
         await stack.start_gateway(port)

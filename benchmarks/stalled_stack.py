@@ -55,7 +55,7 @@ def stream_text(raw: bytes) -> tuple[str, bool]:
             break
         body += rest[:size]
         rest = rest[size + 2 :]
-    pieces = []
+    pieces: list[str] = []
     for event in bytes(body).split(b"\n\n"):
         if event.startswith(b"data: {"):
             chunk = json.loads(event[6:])
