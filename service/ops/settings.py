@@ -303,7 +303,7 @@ class Settings(BaseSettings):
     )
     gateway_stream_buffer_bytes: GatewaySetting[int] = Field(
         1 << 20,
-        ge=4096,
+        ge=65536,
         description="Bytes of a stream's replies the gateway keeps for an HTTP client that reads slower than its engine generates; past them the request is held in its engine until the client catches up (docs/gateway.md, Backpressure)",
     )
     gateway_stream_stall_s: GatewaySetting[float] = Field(

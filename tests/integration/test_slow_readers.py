@@ -14,9 +14,18 @@ from nats.aio.client import Client as NATS
 from benchmarks.doc_engines import DocEngineFleet
 from service.client import DpcoordClient, StreamStalled
 from service.coordinator.coordinator import Coordinator
+from service.protocol.messages import Final, Partial
+from tests.conftest import EngineFactory
 from tests.gateway_helpers import wait_until
 
 BUFFER_BYTES = 8192  # some 45 one-token partials
+MAX_TOKENS = 1000
+TOKEN_DELAY_MS = 1.0  # a hold reaches the engine within a few of its tokens
+
+
+def echo(prompt: str, max_tokens: int) -> str:
+    """What the echo engine generates for an ASCII prompt (engines/echo.py)."""
+    return "".join(prompt[n % len(prompt)] for n in range(max_tokens))
 
 
 async def test_a_stalled_stream_beside_an_engine_that_predates_holds_ends_with_408_at_twice_its_bound(
@@ -40,3 +49,39 @@ async def test_a_stalled_stream_beside_an_engine_that_predates_holds_ends_with_4
         final = await client.submit("abc", max_tokens=5, timeout=10)  # the client goes on
         assert final.generated_text == "abcab"
     await fleet.leave()
+
+
+async def test_a_library_stream_whose_reader_stops_is_held_beside_a_normal_one_and_exact_when_read(
+    coordinator: Coordinator, start_engines: EngineFactory
+) -> None:
+    [engine] = await start_engines(1, token_delay_ms=TOKEN_DELAY_MS)
+    async with await DpcoordClient.connect(coordinator.settings) as client:
+        stream = client.stream("abc", max_tokens=MAX_TOKENS, buffer_bytes=BUFFER_BYTES, stall_timeout=60, timeout=60)
+        replies: list[Partial | Final] = [await anext(stream)]  # the reader stops here
+        request_id = replies[0].request_id
+        await wait_until(lambda: engine.requests.held_back() == [request_id])
+        held_at = len(engine.requests.records[request_id].tokens)
+        assert held_at < MAX_TOKENS // 4  # held some 45 tokens in, long before its end
+        beside = await client.submit("xyz", max_tokens=200, timeout=30)  # 200 steps of the engine meanwhile
+        assert beside.generated_text == echo("xyz", 200)
+        assert len(engine.requests.records[request_id].tokens) == held_at  # not a token more while held
+        replies += [reply async for reply in stream]  # read again: released, to its end
+        assert engine.counters["releases"] >= 1 and not engine.requests.held_back()
+    final = replies[-1]
+    assert isinstance(final, Final) and final.generated_text == echo("abc", MAX_TOKENS)
+    assert "".join(reply.text for reply in replies if isinstance(reply, Partial)) == final.generated_text
+
+
+async def test_a_library_stream_held_past_the_stall_limit_is_aborted_and_raises_408_when_read(
+    coordinator: Coordinator, start_engines: EngineFactory
+) -> None:
+    [engine] = await start_engines(1, token_delay_ms=TOKEN_DELAY_MS)
+    async with await DpcoordClient.connect(coordinator.settings) as client:
+        stream = client.stream("abc", max_tokens=MAX_TOKENS, buffer_bytes=BUFFER_BYTES, stall_timeout=0.3, timeout=60)
+        request_id = (await anext(stream)).request_id
+        await wait_until(lambda: engine.requests.held_back() == [request_id])
+        await wait_until(lambda: request_id not in engine.requests)  # aborted: the engine freed it
+        with pytest.raises(StreamStalled, match="took nothing for 0.3 s") as raised:
+            async for _ in stream:
+                pass
+        assert raised.value.code == 408
