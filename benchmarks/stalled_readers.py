@@ -13,9 +13,11 @@ speed, each its own process (benchmarks/stalled_stack.py). Steps:
    ratio of the baseline, exactness, and whether the engines generated anything for the
    stalled streams meanwhile;
 4. ``--verify`` of the stalled streams read to their end now (released: exact), the others
-   closed.
+   closed; then the baseline again, so the ratio is against the baseline on either side.
 
-Throughout: the gateway's RSS, sampled every 0.1 s, its rise over the figure before step 2.
+Throughout: the gateway's RSS, sampled every 0.1 s, its rise over the figure before step 2; and
+per normal round the gateway's CPU per token (from /proc), steadier than throughput on a shared
+machine.
 Targets (issue 34): a rise of at most 64 MiB, normal streams exact and unslowed, and the
 stalled streams not generated to their end while they stall. ``--stall-s`` (600 by default)
 keeps the stall limit out of the measurement.
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS_DIR, machine
+from benchmarks.proc_cpu import cpu_seconds
 from benchmarks.stack import StackConfig
 from benchmarks.stalled_stack import StalledStack, drain_whole, open_stalled, read_stream, rss_mib, trickle
 from service.bus.server import free_port
@@ -61,19 +64,22 @@ class RssWatch:
         self._task.cancel()
 
 
-async def normal_round(port: int, streams: int, tokens: int) -> tuple[float, int]:
-    """Tokens a second over ``streams`` streams read as they come, and how many were exact."""
-    started = time.perf_counter()
+async def normal_round(port: int, streams: int, tokens: int, pid: int) -> tuple[float, float, int]:
+    """Over ``streams`` streams read as they come: tokens a second, the gateway's CPU
+    microseconds per token, and how many streams were exact."""
+    started, cpu = time.perf_counter(), cpu_seconds(pid)
     exact = await asyncio.gather(*(read_stream(port, tokens) for _ in range(streams)))
-    return streams * tokens / (time.perf_counter() - started), sum(exact)
+    total = streams * tokens
+    return total / (time.perf_counter() - started), (cpu_seconds(pid) - cpu) * 1e6 / total, sum(exact)
 
 
-async def normal_rounds(port: int, args: argparse.Namespace) -> dict[str, Any]:
-    rounds = [await normal_round(port, args.normal, args.normal_tokens) for _ in range(args.rounds)]
+async def normal_rounds(port: int, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    rounds = [await normal_round(port, args.normal, args.normal_tokens, pid) for _ in range(args.rounds)]
     return {
-        "tokens_per_s": statistics.median(rate for rate, _ in rounds),
-        "rounds_tokens_per_s": [round(rate) for rate, _ in rounds],
-        "exact": sum(exact for _, exact in rounds),
+        "tokens_per_s": statistics.median(rate for rate, _, _ in rounds),
+        "rounds_tokens_per_s": [round(rate) for rate, _, _ in rounds],
+        "gateway_cpu_us_per_token": statistics.median(cpu for _, cpu, _ in rounds),
+        "exact": sum(exact for _, _, exact in rounds),
         "streams": args.normal * args.rounds,
     }
 
@@ -91,8 +97,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         port = free_port()
         await stack.start_gateway(port)
         pid = stack.pids["gateway"]
-        await normal_round(port, args.normal, 64)  # warm up the gateway's connections and allocator
-        baseline = await normal_rounds(port, args)
+        await normal_round(port, args.normal, 64, pid)  # warm up the gateway's connections and allocator
+        baseline = await normal_rounds(port, pid, args)
         rss_before = rss_mib(pid)
         before_stall = await stack.settled_tokens()
         watch = RssWatch(pid)
@@ -101,7 +107,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         stop = asyncio.Event()
         tricklers = [asyncio.ensure_future(trickle(sock, stop)) for sock in trickling]
         held = await stack.settled_tokens(quiet_s=2.0)
-        beside = await normal_rounds(port, args)
+        beside = await normal_rounds(port, pid, args)
         after = await stack.settled_tokens()
         rss_stalled = watch.highest
         stop.set()
@@ -110,6 +116,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for sock in stalled[args.verify :] + trickling:
             sock.close()
         watch.stop()
+        await stack.settled_tokens()
+        again = await normal_rounds(port, pid, args)
         stalled_count = args.stalled + args.trickling
         generated_while_stalled = held - before_stall
         return {
@@ -118,8 +126,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "gateway_rss_mib": {"before": round(rss_before, 1), "highest_while_stalled": round(rss_stalled, 1)},
             "gateway_rss_rise_mib": round(rss_stalled - rss_before, 1),
             "baseline": baseline,
+            "baseline_after": again,
             "beside_stalled": beside,
-            "throughput_ratio": round(beside["tokens_per_s"] / baseline["tokens_per_s"], 3),
+            "throughput_ratio": round(
+                beside["tokens_per_s"] / statistics.mean([baseline["tokens_per_s"], again["tokens_per_s"]]), 3
+            ),
+            "gateway_cpu_per_token_ratio": round(
+                beside["gateway_cpu_us_per_token"]
+                / statistics.mean([baseline["gateway_cpu_us_per_token"], again["gateway_cpu_us_per_token"]]),
+                3,
+            ),
             "stalled_streams": stalled_count,
             "generated_for_stalled_tokens": generated_while_stalled,
             "generated_per_stalled_stream": round(generated_while_stalled / stalled_count),
@@ -135,11 +151,17 @@ def print_report(results: dict[str, Any]) -> None:
         f"gateway RSS: {rss['before']} MiB before, {rss['highest_while_stalled']} MiB at most while "
         f"{results['stalled_streams']} streams stalled: a rise of {results['gateway_rss_rise_mib']} MiB (target <= 64)"
     )
-    base, beside = results["baseline"], results["beside_stalled"]
+    base, again, beside = results["baseline"], results["baseline_after"], results["beside_stalled"]
     print(
         f"normal streams: {beside['tokens_per_s']:.0f} tokens/s beside the stalled ones, {base['tokens_per_s']:.0f} "
-        f"without: {results['throughput_ratio']:.2f}x; exact {beside['exact']} of {beside['streams']} "
-        f"(baseline {base['exact']} of {base['streams']})"
+        f"before and {again['tokens_per_s']:.0f} after without them: {results['throughput_ratio']:.2f}x; exact "
+        f"{beside['exact']} of {beside['streams']} (without: {base['exact'] + again['exact']} of "
+        f"{base['streams'] + again['streams']})"
+    )
+    print(
+        f"gateway CPU per normal token: {beside['gateway_cpu_us_per_token']:.1f} us beside the stalled ones, "
+        f"{base['gateway_cpu_us_per_token']:.1f} and {again['gateway_cpu_us_per_token']:.1f} without: "
+        f"{results['gateway_cpu_per_token_ratio']:.2f}x"
     )
     print(
         f"engines generated {results['generated_per_stalled_stream']} tokens per stalled stream of "
@@ -153,7 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=2, help="echo engine processes (default 2)")
     parser.add_argument("--normal", type=int, default=50, help="normal streams at a time (default 50)")
     parser.add_argument("--normal-tokens", type=int, default=2000, help="tokens per normal stream (default 2000)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the normal streams per step (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the normal streams per step (default 3)")
     parser.add_argument("--stalled", type=int, default=20, help="streams whose clients read nothing (default 20)")
     parser.add_argument("--trickling", type=int, default=5, help="streams read a byte a second (default 5)")
     parser.add_argument("--stalled-tokens", type=int, default=40000, help="tokens per stalled stream (default 40000)")
