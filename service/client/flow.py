@@ -9,7 +9,10 @@ bytes of replies not taken (:mod:`service.client.mailbox` counts them):
   is sent again each time another quarter of ``limit`` arrives.
 - Once the reader has taken the mailbox down to half of ``limit``, the client releases it
   (``held: false``) and the engine steps it again. Each hold and release carries the next
-  ``seq``, so an engine that gets two out of order keeps the newer.
+  ``seq``, so an engine that gets two out of order keeps the newer. A release may be lost
+  (a NATS reconnect, a replica dying on the way): while its reader waits with nothing to
+  read, it is sent again after 1, 2 and 4 s, and the state is sent again after a reconnect or
+  the loss of the replica holding the request.
 - Held for ``stall_s`` without the reader draining it: the stream stalled. Unless its end has
   arrived already, the request is aborted upstream, the replies not taken are dropped (nothing
   more is delivered to it), and the reader's next read raises :class:`StreamStalled` (408).
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 # gateway_stream_stall_s, of the same values).
 STREAM_BUFFER_BYTES = 1 << 20
 STREAM_STALL_S = 60.0
+RELEASE_CHECKS_S = (1.0, 2.0, 4.0)  # a release is sent again after these, while the reader starves
 
 SendHold = Callable[[str, bool, int], Awaitable[None]]
 """``send(request_id, held, seq)``: publish a ``hold_request``."""
@@ -99,7 +103,10 @@ class StreamFlow:
         self._stop_delivery = stop_delivery
         self._loop = asyncio.get_running_loop()
         self._seq = 0
+        self._named: str | None = None  # the request id a waiting reply named, before the reader read one
         self._stall: asyncio.TimerHandle | None = None
+        self._check: asyncio.TimerHandle | None = None
+        self._checks = 0  # releases sent again since the last release
         self._tasks: set[asyncio.Future[None]] = set()
         self.held = False
         self.stalled: StreamStalled | None = None
@@ -126,6 +133,29 @@ class StreamFlow:
         self._mailbox.alarm = self._limit
         self._mailbox.release_at = NOT_HELD
         self._signal(False)
+        self._checks = 0
+        self._check_later()
+
+    # what may have lost a hold or a release
+
+    def again(self) -> None:
+        """A reconnect, or the replica holding the request lost: send the state again."""
+        if self._seq and self.stalled is None:
+            self._signal(self.held)
+
+    def _check_later(self) -> None:
+        self._cancel_check()
+        if self._checks < len(RELEASE_CHECKS_S):
+            self._check = self._loop.call_later(RELEASE_CHECKS_S[self._checks], self._released_yet)
+
+    def _released_yet(self) -> None:
+        """After a release: a reader still waiting with nothing to read may wait on a lost
+        release (or on a slow engine: then the release is one message too many)."""
+        self._check = None
+        if not self.held and self.stalled is None and self._mailbox.starving():
+            self._checks += 1
+            self._signal(False)
+            self._check_later()
 
     # the stream's end
 
@@ -133,6 +163,7 @@ class StreamFlow:
         """The reader is done with the stream: a request still held is released (it runs to its
         end, as a stream closed early always did)."""
         self._cancel_stall()
+        self._cancel_check()
         mailbox = self._mailbox
         mailbox.watcher = None
         mailbox.alarm, mailbox.release_at = NEVER, NOT_HELD
@@ -158,17 +189,19 @@ class StreamFlow:
         return kind is not None and kind.type in TERMINAL_KINDS
 
     def _request(self) -> str | None:
-        """The request's id: as the reader learnt it, else as the newest reply names it."""
-        request_id = self._request_id()
+        """The request's id: as the reader learnt it, else as a reply waiting named it (kept:
+        the reader may take them all before it reads one)."""
+        request_id = self._request_id() or self._named
         if request_id is None:
             newest = self._mailbox.newest()
             kind = _kind_of(newest) if isinstance(newest, bytes) and newest else None
-            request_id = kind.request_id if kind is not None else None
+            request_id = self._named = kind.request_id if kind is not None else None
         return request_id
 
     def _give_up(self, why: str) -> None:
         """Abort the request, drop what waits, and fail the reader's next read."""
         self._cancel_stall()
+        self._cancel_check()
         request_id = self._request()
         self.stalled = StreamStalled(f"stream of request {request_id} stopped: {why}; the request was aborted")
         self._stop_delivery()
@@ -197,6 +230,11 @@ class StreamFlow:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("flow control of a stream failed: %s", task.exception())
+
+    def _cancel_check(self) -> None:
+        if self._check is not None:
+            self._check.cancel()
+            self._check = None
 
     def _cancel_stall(self) -> None:
         if self._stall is not None:

@@ -68,6 +68,10 @@ class Mailbox:
         """The item that arrived last, if any is waiting."""
         return self._items[-1] if self._items else None
 
+    def starving(self) -> bool:
+        """Whether the reader waits and nothing is there for it."""
+        return not self._items and self._waiter is not None
+
     def discard(self) -> None:
         """Forget every item waiting (a stream given up: its replies will never be read)."""
         self._items.clear()

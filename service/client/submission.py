@@ -147,6 +147,8 @@ class Submission:
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
             await self._publish(self._again, self._inbox)
+            if self._flow is not None:
+                self._flow.again()
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
         elif isinstance(item, StreamStalled):

@@ -11,7 +11,8 @@ import asyncio
 
 import pytest
 
-from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client import flow
+from service.client.exchanges import RECONNECTED, CoordinatorWatch, Exchanges
 from service.client.flow import FlowControl, StreamStalled
 from service.client.mailbox import ITEM_BYTES, NEVER, TAKE_BYTES, Mailbox
 from service.client.submission import Submission
@@ -170,3 +171,28 @@ async def test_closing_a_held_stream_releases_its_request() -> None:
     submission.close()
     await settle()
     assert recorder.holds[1:] == [(REQUEST_ID, False, 2)]
+
+
+async def test_a_release_is_sent_again_while_its_reader_starves_and_the_state_after_a_reconnect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(flow, "RELEASE_CHECKS_S", (0.01, 0.02, 0.04))
+    submission, exchanges, subject, recorder = await flowing(4 * PARTIAL_BYTES)
+    deliver(exchanges, subject, *(partial(n) for n in range(6)))
+    assert len(await submission.replies()) == 6  # held on arrival, released as it read
+    waiting = asyncio.ensure_future(submission.replies())  # the reader waits; nothing comes (a lost release?)
+    await asyncio.sleep(0.3)
+    assert [(held, seq) for _, held, seq in recorder.holds] == [
+        (True, 1),
+        (False, 2),
+        (False, 3),
+        (False, 4),
+        (False, 5),
+    ]
+    [mailbox] = exchanges.queues.values()
+    mailbox.put_nowait(RECONNECTED)
+    deliver(exchanges, subject, partial(6))
+    assert len(await asyncio.wait_for(waiting, 5.0)) == 1
+    await settle()
+    assert recorder.holds[-1] == (REQUEST_ID, False, 6)  # the state again after the reconnect
+    submission.close()
