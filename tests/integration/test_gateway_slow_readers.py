@@ -96,9 +96,11 @@ async def test_a_client_that_reads_nothing_is_held_beside_normal_streams_and_get
         sock = stalled(served.port, MAX_TOKENS)
         await wait_until(lambda: len(engine.requests.held_back()) == 1, timeout_s=30)
         [request_id] = engine.requests.held_back()
+        first = await http(served.port, "POST", "/v1/chat/completions", chat(50))  # the step in flight is recorded
         held_at = len(engine.requests.records[request_id].tokens)
         assert held_at < MAX_TOKENS // 2  # held long before its end
         beside = await asyncio.gather(*(http(served.port, "POST", "/v1/chat/completions", chat(300)) for _ in range(3)))
+        assert content(sse_data(first.body)) == expected(50)
         assert all(content(sse_data(response.body)) == expected(300) for response in beside)
         assert len(engine.requests.records[request_id].tokens) == held_at  # 300 steps, not a token more
         events = sse_data(dechunk(await read_to_end(sock)))

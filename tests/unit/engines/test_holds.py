@@ -5,12 +5,15 @@ whatever way a request leaves, its hold goes with it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from engines.echo import EchoBackend
 from engines.runtime_intake import RequestIntake
 from engines.runtime_membership import Membership
+from engines.runtime_steps import StepLoop
 from service.bus.registry import Incoming
 from service.protocol.codec import Encoding
 from service.protocol.membership import Heartbeat
@@ -93,3 +96,27 @@ async def test_the_intakes_hold_request_releases_with_a_wake_and_the_heartbeat_l
     assert heartbeat.active == [request_id] and heartbeat.held == [request_id]
     await intake.hold(HOLD, RoutedHold(request_id, False, 2))
     assert floor.core.wake.is_set() and floor.requests.held_back() == []
+
+
+async def test_a_release_that_arrives_while_the_step_loop_publishes_is_not_lost() -> None:
+    """Every request held: the step loop publishes the last step's replies and sleeps until
+    woken; a release arriving while it publishes keeps the loop awake."""
+    floor = build()
+    request_id = start(floor)
+    floor.core.wake.set()
+    steps = StepLoop(floor.core, floor.requests, floor.control, floor.weights)
+    await steps.step_once()  # one token, its replies not sent yet
+    floor.requests.hold(request_id, True, 1)
+    publish = floor.requests.record_step
+
+    async def released_meanwhile(*args: Any) -> None:
+        await publish(*args)
+        floor.requests.hold(request_id, False, 2)
+        floor.core.wake.set()  # as the intake does on a release
+
+    floor.requests.record_step = released_meanwhile  # type: ignore[method-assign,assignment]
+    await steps.step_once()  # nothing to step: publishes, then would sleep
+    assert floor.core.wake.is_set()
+    floor.requests.record_step = publish  # type: ignore[method-assign]
+    await steps.step_once()
+    assert steps.steps == 2
