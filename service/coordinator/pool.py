@@ -45,6 +45,9 @@ class EngineRecord:
     # It registered (or was adopted) on its own subjects, <prefix>.<header>.<engine_id>: then no
     # message on the plain <prefix>.<header> of earlier releases may speak for it (fleet.py).
     own_subjects: bool = True
+    # Prompt tokens waiting for their prefill, as its last KV event said plus those routed since
+    # (cache_aware routing); 0 for an engine that publishes no KV events.
+    queued_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -63,6 +66,8 @@ class EngineGroup:
         self._position: dict[EngineRecord, int] = {}
         self._by_load: list[OrderedDict[EngineRecord, None]] = [OrderedDict()]  # engines with room, by load
         self.lowest_load = 0  # no engine with room has less load; exact after least_loaded() found one
+        self.requests = 0  # the members' requests in flight, summed (their mean load)
+        self.queued_tokens = 0  # the members' queued tokens, summed
         self._in_turn: OrderedDict[EngineRecord, None] = OrderedDict()  # engines with room, next in turn first
 
     def add(self, record: EngineRecord) -> None:
@@ -72,8 +77,11 @@ class EngineGroup:
         self._by_load[0][record] = None
         self.lowest_load = 0
         self._in_turn[record] = None
+        self.queued_tokens += record.queued_tokens
 
     def remove(self, record: EngineRecord) -> None:
+        self.requests -= len(record.requests)
+        self.queued_tokens -= record.queued_tokens
         index = self._position.pop(record)
         last = self._members.pop()
         if last is not record:
@@ -86,6 +94,7 @@ class EngineGroup:
     def raised(self, record: EngineRecord, load: int) -> None:
         """``record``'s load went from ``load`` to ``load + 1``; beyond its capacity (requests
         adopted from a dead replica) it stays full."""
+        self.requests += 1
         if load >= record.capacity:
             return
         by_load = self._by_load
@@ -100,6 +109,7 @@ class EngineGroup:
 
     def lowered(self, record: EngineRecord, load: int) -> None:
         """``record``'s load went from ``load`` to ``load - 1``."""
+        self.requests -= 1
         if load > record.capacity:
             return
         by_load = self._by_load
@@ -278,6 +288,15 @@ class EnginePool:
         if record.model is not None:
             self._models[record.model].lowered(record, load)
         return True
+
+    def queue_tokens(self, record: EngineRecord, tokens: int) -> None:
+        """``record``'s queued tokens are ``tokens`` from now on."""
+        change = tokens - record.queued_tokens
+        record.queued_tokens = tokens
+        if record.in_pool:
+            self.everyone.queued_tokens += change
+            if record.model is not None:
+                self._models[record.model].queued_tokens += change
 
     # ------------------------------------------------------------ liveness
 

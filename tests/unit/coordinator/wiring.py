@@ -99,7 +99,7 @@ def build(max_payload: int = 1024 * 1024, **values: Any) -> Floor:
     control = ControlState()
     results = ResultCache(settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes)
     answers = Answers(core, ClientDeliveries(bus, counters), results)
-    ledger = RequestLedger(core, pool, make_policy(settings), control, peers, answers)
+    ledger = RequestLedger(core, pool, make_policy(settings, pool), control, peers, answers)
     replies = ReplySubjects(core.subjects, InboxPrefixes(settings.reply_inbox_prefixes.split(",")), 256)
     kept = PeerReplies(peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, counters)
     return Floor(settings, bus, core, spawned, pool, peers, control, results, answers, ledger, replies, kept)
