@@ -30,7 +30,7 @@ def microseconds_per_request(
     pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=6.0)
     for index in range(engines):
         pool.add(f"e{index}", 256)
-    policy = make_policy(Settings(routing_policy=policy_name), pool)
+    policy = make_policy(Settings(routing_policy=policy_name))
     rng = random.Random(7)
     systems = [[rng.randrange(32000) for _ in range(1024)] for _ in range(8)]
     submissions = [

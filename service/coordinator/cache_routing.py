@@ -6,14 +6,18 @@ submissions (the samples of one prompt) goes to one engine, on the same terms.
 Contract (docs/protocol.md, *Routing*):
 - An engine's load is its requests in flight plus its queued tokens (prompt tokens waiting for
   their prefill) over ``cache_aware_request_tokens``, the tokens that weigh as one request.
-- Its score is its load less the prefix of the prompt it holds, in the same unit; the lowest
-  score wins, equal scores are broken at random. The candidates are the engines holding the
-  prompt's longest prefixes (at most ``CANDIDATES``, from the index), the least loaded engine
-  and two drawn at random: O(prompt hashes + a few) whatever the fleet's size.
-- Affinity yields: an engine whose load passes ``cache_aware_load_factor`` times the mean load
-  of the engines that may take the request, and that mean plus ``cache_aware_load_slack``, gets
-  no credit for what it holds, is no session's or group's home for this request, and is
-  scored on load alone.
+- Its score is its load less ``cache_aware_prefix_weight`` times the prefix of the prompt it
+  holds (or is computing: predicted), in the same unit: once for the prefill the request skips,
+  more for the compute the fleet saves (a sibling waits for the first's prefill on its engine
+  about as long as it would compute the prefix elsewhere). The lowest score wins, equal scores
+  are broken at random. The candidates are the engines holding the prompt's longest prefixes (at
+  most ``CANDIDATES``, from the index), the least loaded engine and two drawn at random:
+  O(prompt hashes + a few) whatever the fleet's size.
+- Affinity yields: an engine whose requests in flight pass ``cache_aware_load_factor`` times the
+  mean of the engines that may take the request, and that mean plus ``cache_aware_load_slack``,
+  gets no credit for what it holds, is no session's or group's home for this request, and is
+  scored on load alone. (Requests, not queued tokens: a long prompt's own prefill must not make
+  its engine overloaded for the siblings that share it.)
 - A session (``session_id``) goes to its home, the engine its last request went to, while that
   engine is in the pool, has room and does not pass the bound; otherwise it is routed as any
   request and the new engine becomes its home. A group (``group_id``) likewise, after the
@@ -36,7 +40,7 @@ from typing import Protocol
 
 from service.coordinator.affinity import Homes
 from service.coordinator.block_index import BlockIndex
-from service.coordinator.pool import EngineGroup, EnginePool, EngineRecord
+from service.coordinator.pool import EngineGroup, EngineRecord
 from service.coordinator.route_key import RouteKey, hashes_of
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
@@ -53,11 +57,11 @@ class Fallback(Protocol):
 
 
 class CacheAware:
-    def __init__(self, fallback: Fallback, pool: EnginePool, index: BlockIndex, settings: Settings) -> None:
+    def __init__(self, fallback: Fallback, index: BlockIndex, settings: Settings) -> None:
         self._fallback = fallback
-        self._pool = pool
         self.index = index
         self._per_request = settings.cache_aware_request_tokens
+        self._per_block = settings.cache_aware_prefix_weight * TOKENS_PER_BLOCK / settings.cache_aware_request_tokens
         self._factor = settings.cache_aware_load_factor
         self._slack = settings.cache_aware_load_slack
         self.sessions = Homes(settings.session_table_size, settings.session_ttl_s)
@@ -74,8 +78,8 @@ class CacheAware:
         return len(record.requests) + record.queued_tokens / self._per_request
 
     def bound(self, group: EngineGroup) -> float:
-        """The load past which an engine's affinity yields."""
-        mean = (group.requests + group.queued_tokens / self._per_request) / len(group)
+        """The requests in flight past which an engine's affinity yields."""
+        mean = group.requests / len(group)
         return max(mean * self._factor, mean + self._slack)
 
     def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
@@ -104,7 +108,7 @@ class CacheAware:
         return chosen
 
     def _home(self, home: EngineRecord | None, group: EngineGroup, bound: float) -> EngineRecord | None:
-        if home is None or not home.in_pool or home not in group or not home.has_room or self.load(home) > bound:
+        if home is None or not home.in_pool or home not in group or len(home.requests) > bound:
             return None
         return home
 
@@ -115,13 +119,12 @@ class CacheAware:
         load = self.load
         scores: dict[EngineRecord, tuple[float, int]] = {}
         if hashes and self.index.engines:
-            per_block = TOKENS_PER_BLOCK / self._per_request
+            per_block = self._per_block
             for engine, blocks in self.index.matches(hashes, now, CANDIDATES).items():
                 record = engine.record
-                if record.in_pool and record.has_room and record in group:
-                    record_load = load(record)
-                    if record_load <= bound:
-                        scores[record] = (record_load - blocks * per_block, blocks)
+                requests = len(record.requests)
+                if requests <= bound and requests < record.capacity and record.in_pool and record in group:
+                    scores[record] = (load(record) - blocks * per_block, blocks)
         if least not in scores:
             scores[least] = (load(least), 0)
         if len(group) > 1:
@@ -144,7 +147,7 @@ class CacheAware:
             held = self.index.held_blocks(engine, hashes, now)
         prefill = key.prompt_tokens - held * TOKENS_PER_BLOCK
         if prefill > 0:
-            self._pool.queue_tokens(chosen, chosen.queued_tokens + prefill)
+            chosen.queued_tokens += prefill
         self.index.predict(engine, hashes, now)
 
     def turn_ended(self) -> None:

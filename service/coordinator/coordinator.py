@@ -110,7 +110,7 @@ class Coordinator:
         self.requests = RequestLedger(
             core,
             self.engines,
-            make_policy(settings, self.engines, self.blocks),
+            make_policy(settings, self.blocks),
             self.control_state,
             self.peers,
             answers,

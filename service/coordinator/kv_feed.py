@@ -125,8 +125,7 @@ class KvFeed:
         if events.stored:
             index.store(engine, events.stored)
         engine.sequence = events.sequence
-        if events.queued_tokens != engine.record.queued_tokens:
-            self._pool.queue_tokens(engine.record, events.queued_tokens)
+        engine.record.queued_tokens = events.queued_tokens
 
     def _ask(self, engine: EngineBlocks) -> None:
         if not engine.pending:
@@ -153,8 +152,7 @@ class KvFeed:
         if self._index.engines.get(engine_id) is not engine:
             return  # forgotten, or tracked anew, meanwhile
         self._index.replace(engine, snapshot.held)
-        if snapshot.queued_tokens != engine.record.queued_tokens:
-            self._pool.queue_tokens(engine.record, snapshot.queued_tokens)
+        engine.record.queued_tokens = snapshot.queued_tokens
         engine.sequence = snapshot.sequence
         engine.pending = False
         waiting, engine.buffered = engine.buffered, []

@@ -67,7 +67,6 @@ class EngineGroup:
         self._by_load: list[OrderedDict[EngineRecord, None]] = [OrderedDict()]  # engines with room, by load
         self.lowest_load = 0  # no engine with room has less load; exact after least_loaded() found one
         self.requests = 0  # the members' requests in flight, summed (their mean load)
-        self.queued_tokens = 0  # the members' queued tokens, summed
         self._in_turn: OrderedDict[EngineRecord, None] = OrderedDict()  # engines with room, next in turn first
 
     def add(self, record: EngineRecord) -> None:
@@ -77,11 +76,9 @@ class EngineGroup:
         self._by_load[0][record] = None
         self.lowest_load = 0
         self._in_turn[record] = None
-        self.queued_tokens += record.queued_tokens
 
     def remove(self, record: EngineRecord) -> None:
         self.requests -= len(record.requests)
-        self.queued_tokens -= record.queued_tokens
         index = self._position.pop(record)
         last = self._members.pop()
         if last is not record:
@@ -288,15 +285,6 @@ class EnginePool:
         if record.model is not None:
             self._models[record.model].lowered(record, load)
         return True
-
-    def queue_tokens(self, record: EngineRecord, tokens: int) -> None:
-        """``record``'s queued tokens are ``tokens`` from now on."""
-        change = tokens - record.queued_tokens
-        record.queued_tokens = tokens
-        if record.in_pool:
-            self.everyone.queued_tokens += change
-            if record.model is not None:
-                self._models[record.model].queued_tokens += change
 
     # ------------------------------------------------------------ liveness
 

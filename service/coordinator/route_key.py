@@ -40,8 +40,10 @@ def hashes_of(submit: SubmitRequest | SubmitEnvelope) -> Sequence[int]:
 def prefix_blocks(index: int, count: int) -> int:
     """The length in blocks of the prefix named by hash ``index`` of ``count``: hashes are taken
     at 1, 2, 4, ... blocks and at the prompt's last whole block (docs/protocol.md). The last one's
-    length is unknown from the hashes alone; it lies past the one before and at most twice it,
-    so three quarters of that double is the estimate (an engine's KV events give the exact one)."""
+    length is unknown from the hashes alone: it lies past the one before, so one block more than
+    that is taken, a lower bound (an engine's KV events give the exact length of what it holds,
+    and how many tokens wait for their prefill, so an estimate too low lasts one engine step;
+    one too high would make a session's turn look like a long prefill)."""
     if index < count - 1 or count <= 2:
         return 1 << index
-    return 3 << (index - 2)
+    return (1 << (index - 1)) + 1

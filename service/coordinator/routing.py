@@ -25,7 +25,7 @@ from typing import Protocol
 
 from service.coordinator.block_index import BlockIndex
 from service.coordinator.cache_routing import CacheAware
-from service.coordinator.pool import EngineGroup, EnginePool, EngineRecord
+from service.coordinator.pool import EngineGroup, EngineRecord
 from service.coordinator.prefix_routing import PrefixAware, PrefixTable
 from service.coordinator.route_key import RouteKey
 from service.ops.settings import Settings
@@ -103,9 +103,9 @@ class RoundRobin:
         pass
 
 
-def make_policy(settings: Settings, pool: EnginePool, index: BlockIndex | None = None) -> RoutingPolicy:
-    """The policy ``settings`` names, over ``pool``; ``cache_aware`` reads ``index`` (which the
-    engines' KV events fill, :mod:`service.coordinator.kv_feed`), an empty one when None."""
+def make_policy(settings: Settings, index: BlockIndex | None = None) -> RoutingPolicy:
+    """The policy ``settings`` names; ``cache_aware`` reads ``index`` (which the engines' KV
+    events fill, :mod:`service.coordinator.kv_feed`), an empty one when None."""
     name = settings.routing_policy
     if name == "least_loaded":
         return LeastLoaded(settings.routing_load_slack)
@@ -119,5 +119,5 @@ def make_policy(settings: Settings, pool: EnginePool, index: BlockIndex | None =
     if name == "cache_aware":
         if index is None:
             index = BlockIndex(settings.kv_index_size, settings.cache_aware_prediction_ttl_s)
-        return CacheAware(LeastLoaded(settings.routing_load_slack), pool, index, settings)
+        return CacheAware(LeastLoaded(settings.routing_load_slack), index, settings)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -117,16 +117,22 @@ class Settings(BaseSettings):
         description="cache_aware: prompt tokens that weigh as one request in flight, in an engine's load (its queued "
         "tokens) and in its score (the prefix it holds)",
     )
+    cache_aware_prefix_weight: CoordinatorSetting[float] = Field(
+        2.0,
+        ge=0,
+        description="cache_aware: how many times over the prompt prefix an engine holds (or is computing) counts "
+        "against its load in its score: once for the prefill skipped, more for the compute the fleet saves",
+    )
     cache_aware_load_factor: CoordinatorSetting[float] = Field(
         1.25,
         ge=1,
-        description="cache_aware: an engine's affinity (held prefix, session, group) yields once its load passes this "
-        "times the mean load, and the mean plus cache_aware_load_slack",
+        description="cache_aware: an engine's affinity (held prefix, session, group) yields once its requests in "
+        "flight pass this times the mean, and the mean plus cache_aware_load_slack",
     )
     cache_aware_load_slack: CoordinatorSetting[float] = Field(
         8.0,
         ge=0,
-        description="cache_aware: affinity also holds while an engine's load is within the mean plus this many requests",
+        description="cache_aware: affinity also holds while an engine's requests in flight are within the mean plus this",
     )
     cache_aware_prediction_ttl_s: CoordinatorSetting[float] = Field(
         2.0,

@@ -190,7 +190,7 @@ def test_a_choice_reads_a_bounded_number_of_engines(name: str) -> None:
     for index in range(10_000):
         record = pool.add(f"e{index}", 256)
         record.requests = CountingSet()
-    policy = make_policy(Settings(routing_policy=name), pool)
+    policy = make_policy(Settings(routing_policy=name))
     key = RouteKey(prefix_hashes(list(range(40 * TOKENS_PER_BLOCK))), session_id="s")
     CountingSet.reads = 0
     for index in range(2000):
@@ -336,7 +336,7 @@ def test_prefix_hashes_follow_the_documented_recipe() -> None:
 
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="fastest"):
-        make_policy(Settings.model_construct(routing_policy="fastest"), pool_of())  # type: ignore[arg-type]
+        make_policy(Settings.model_construct(routing_policy="fastest"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["least_loaded", "p2c", "round_robin", "prefix", "cache_aware"])
@@ -347,7 +347,7 @@ def test_a_choice_stays_within_the_model_group(name: str) -> None:
     for index in range(4):
         pool.add(f"a{index}", 256, "alpha")
         pool.add(f"b{index}", 256, "beta")
-    policy = make_policy(Settings(routing_policy=name, routing_load_slack=100), pool)
+    policy = make_policy(Settings(routing_policy=name, routing_load_slack=100))
     key = RouteKey(prefix_hashes(list(range(4 * TOKENS_PER_BLOCK))), session_id="s", group_id="g")
     alpha, beta = pool.group("alpha"), pool.group("beta")
     assert alpha is not None and beta is not None
