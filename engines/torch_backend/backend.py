@@ -213,6 +213,9 @@ class TorchBackend(StepPhases, Backend):
     def has_work(self) -> bool:
         return self._kv_cache is not None and (self._launched is not None or self.scheduler.has_work())
 
+    def waiting_requests(self) -> int:
+        return len(self.scheduler.waiting)
+
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.scheduler.blocks.stats()
 
