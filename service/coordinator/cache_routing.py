@@ -28,7 +28,8 @@ Contract (docs/protocol.md, *Routing*):
   engine for ``cache_aware_prediction_ttl_s``, so a burst of siblings follows the first.
 - Engines that publish no KV events (no prefix cache, or an earlier release) are absent from
   the index: scored on load alone, never predicted. A request with no whole block of prompt,
-  no session and no group is routed as ``least_loaded`` (with its batching slack).
+  no session and no group, or one with no session and no group while no engine publishes KV
+  events, is routed as ``least_loaded`` (with its batching slack).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class CacheAware:
         return max(mean * self._factor, mean + self._slack)
 
     def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
-        if key is None:
-            return self._fallback.choose(group)
+        if key is None or (not self.index.engines and key.session_id is None and key.group_id is None):
+            return self._fallback.choose(group)  # nothing to be affine to: load alone
         least = group.least_loaded()
         if least is None:
             return None
@@ -108,7 +109,10 @@ class CacheAware:
         return chosen
 
     def _home(self, home: EngineRecord | None, group: EngineGroup, bound: float) -> EngineRecord | None:
-        if home is None or not home.in_pool or home not in group or len(home.requests) > bound:
+        if home is None or not home.in_pool or home not in group:
+            return None
+        requests = len(home.requests)
+        if requests >= home.capacity or requests > bound:
             return None
         return home
 

@@ -114,8 +114,18 @@ def test_the_yielding_factor_is_a_setting() -> None:
 
 def test_equal_scores_are_broken_at_random() -> None:
     fleet = Fleet(4, tracked=0)  # nothing held, nothing queued: every score is 0
-    picks = Counter(fleet.policy.choose(fleet.pool.everyone, RouteKey([1, 2])).engine_id for _ in range(400))  # type: ignore[union-attr]
+    everyone = fleet.pool.everyone
+    picks = Counter(fleet.policy.choose(everyone, RouteKey((), f"s{n}")).engine_id for n in range(400))  # type: ignore[union-attr]
     assert set(picks) == {"e0", "e1", "e2", "e3"}
+
+
+def test_with_no_engine_publishing_kv_events_a_prompt_is_routed_as_least_loaded() -> None:
+    fleet = Fleet(3, tracked=0)
+    chosen = []
+    for seed in range(6):
+        chosen.append(fleet.route(prompt(64, 1, seed)))
+        fleet.policy.turn_ended()
+    assert chosen == ["e0", "e1", "e2"] * 2  # equals in turn, as least_loaded has them
 
 
 def test_the_chosen_engines_queued_tokens_count_at_once() -> None:
