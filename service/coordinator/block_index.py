@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from service.coordinator.pool import EngineRecord
 from service.coordinator.route_key import prefix_blocks
@@ -130,22 +131,32 @@ class BlockIndex:
     def matches(self, hashes: Sequence[int], now: float, limit: int) -> dict[EngineBlocks, int]:
         """Engines holding a prefix of the prompt whose ``hashes`` these are (shortest first),
         each with the length in blocks of the longest one it holds; at most ``limit`` holders
-        are read per hash, the most recent first, and at most ``limit`` engines are returned."""
+        are read per hash, the most recent first, and at most ``limit`` engines are returned.
+        A shorter prefix with as many holders as a longer one whose holders were all current is
+        skipped: an engine that holds a prefix holds the shorter ones too (its events and
+        routing's predictions store them together), so those are the same engines; and once
+        ``limit`` engines hold a prefix, the shorter ones are not read at all."""
         found: dict[EngineBlocks, int] = {}
         prefixes = self._prefixes
+        same = -1  # holders of the last prefix whose holders were all read and current
         for index in range(len(hashes) - 1, -1, -1):
             prefix = prefixes.get(hashes[index])
             if prefix is None:
                 continue
-            read = 0
-            for engine, expiry in reversed(prefix.holders.items()):
-                if expiry > now and engine not in found:
+            holders = prefix.holders
+            count = len(holders)
+            if count == same:
+                continue
+            same = count
+            for engine, expiry in islice(reversed(holders.items()), limit):
+                if expiry <= now:
+                    same = -1
+                elif engine not in found:
                     found[engine] = prefix.blocks
                     if len(found) >= limit:
                         return found
-                read += 1
-                if read >= limit:
-                    break
+            if count >= limit:
+                return found  # enough engines hold this longer prefix: those of shorter ones hold less
         return found
 
     def held_blocks(self, engine: EngineBlocks, hashes: Sequence[int], now: float) -> int:
@@ -159,21 +170,28 @@ class BlockIndex:
 
     def predict(self, engine: EngineBlocks, hashes: Sequence[int], now: float) -> None:
         """``engine`` was just given a prompt with these prefix ``hashes``: count them as held
-        by it for the TTL, unless it said so already."""
-        self._expire(now)
-        expiry = now + self._ttl_s
-        prefixes = self._prefixes
+        by it for the TTL, unless it said so already. Longest first, down to the first it holds
+        or was predicted to hold within half a TTL (the shorter ones came with that one), so a
+        burst of siblings predicts little but its own ends."""
         predictions = self._predictions
+        if predictions and predictions[0][0] <= now:
+            self._expire(now)
+        expiry = now + self._ttl_s
+        fresh = now + self._ttl_s / 2
+        prefixes = self._prefixes
         count = len(hashes)
-        for index, prefix_hash in enumerate(hashes):
+        for index in range(count - 1, -1, -1):
+            prefix_hash = hashes[index]
             prefix = prefixes.get(prefix_hash)
             if prefix is None:
                 prefix = prefixes[prefix_hash] = _Prefix(prefix_blocks(index, count))
             holders = prefix.holders
-            if holders.pop(engine, 0.0) == HELD:
-                holders[engine] = HELD
-                continue
-            holders[engine] = expiry
+            current = holders.get(engine)
+            if current is not None:
+                if current > fresh:
+                    break  # held, or predicted a moment ago, with every shorter prefix
+                del holders[engine]
+            holders[engine] = expiry  # the most recent holder
             predictions.append((expiry, prefix_hash, engine))
         while len(predictions) > self._max_entries:
             self._unpredict(*predictions.popleft())

@@ -42,13 +42,13 @@ from typing import Protocol
 from service.coordinator.affinity import Homes
 from service.coordinator.block_index import BlockIndex
 from service.coordinator.pool import EngineGroup, EngineRecord
-from service.coordinator.route_key import RouteKey, hashes_of
+from service.coordinator.route_key import RouteKey, hashes_of, prefix_blocks
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
 from service.protocol.prefix import TOKENS_PER_BLOCK
 
 # Holders read per prefix hash, and engines scored from the index, per request.
-CANDIDATES = 8
+CANDIDATES = 4
 
 
 class Fallback(Protocol):
@@ -81,7 +81,8 @@ class CacheAware:
     def bound(self, group: EngineGroup) -> float:
         """The requests in flight past which an engine's affinity yields."""
         mean = group.requests / len(group)
-        return max(mean * self._factor, mean + self._slack)
+        factor, slack = self._factor, self._slack
+        return mean * factor if mean * factor > mean + slack else mean + slack
 
     def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
         if key is None or (not self.index.engines and key.session_id is None and key.group_id is None):
@@ -119,26 +120,44 @@ class CacheAware:
     def _best(
         self, group: EngineGroup, hashes: Sequence[int], least: EngineRecord, bound: float, now: float
     ) -> tuple[EngineRecord, int]:
-        """The lowest score among the candidates, ties at random, and the blocks it holds."""
-        load = self.load
-        scores: dict[EngineRecord, tuple[float, int]] = {}
+        """The lowest score among the candidates, ties at random (one pass, each tie kept with
+        the odds that leave every tied engine equally likely), and the blocks it holds."""
+        per_request = self._per_request
+        chosen, chosen_blocks, ties = least, 0, 1
+        best = len(least.requests) + least.queued_tokens / per_request
         if hashes and self.index.engines:
             per_block = self._per_block
+            model = group.model
             for engine, blocks in self.index.matches(hashes, now, CANDIDATES).items():
                 record = engine.record
                 requests = len(record.requests)
-                if requests <= bound and requests < record.capacity and record.in_pool and record in group:
-                    scores[record] = (load(record) - blocks * per_block, blocks)
-        if least not in scores:
-            scores[least] = (load(least), 0)
-        if len(group) > 1:
+                if (
+                    requests > bound
+                    or requests >= record.capacity
+                    or not record.in_pool
+                    or (model is not None and record.model != model)
+                ):
+                    continue  # affinity yields (or the engine may not take it): scored on load alone, if drawn
+                score = requests + record.queued_tokens / per_request - blocks * per_block
+                if score < best:
+                    chosen, chosen_blocks, best, ties = record, blocks, score, 1
+                elif score == best:
+                    ties += 1
+                    if random.random() * ties < 1:
+                        chosen, chosen_blocks = record, blocks
+        if chosen_blocks == 0 and len(group) > 1:  # no holder won: two drawn at random, for load alone
             for record in group.sample_two():
-                if record not in scores and record.has_room:
-                    scores[record] = (load(record), 0)
-        best_score = min(score for score, _ in scores.values())
-        ties = [record for record, (score, _) in scores.items() if score == best_score]
-        chosen = ties[0] if len(ties) == 1 else ties[int(random.random() * len(ties))]
-        return chosen, scores[chosen][1]
+                requests = len(record.requests)
+                if record is least or requests >= record.capacity:
+                    continue
+                score = requests + record.queued_tokens / per_request
+                if score < best:
+                    chosen, chosen_blocks, best, ties = record, 0, score, 1
+                elif score == best:
+                    ties += 1
+                    if random.random() * ties < 1:
+                        chosen, chosen_blocks = record, 0
+        return chosen, chosen_blocks
 
     def _count(self, chosen: EngineRecord, key: RouteKey, held: int, now: float) -> None:
         """The prompt joins ``chosen``'s queued tokens, less what it holds, and its prefixes
@@ -149,9 +168,9 @@ class CacheAware:
         hashes = key.hashes
         if held < 0:
             held = self.index.held_blocks(engine, hashes, now)
-        prefill = key.prompt_tokens - held * TOKENS_PER_BLOCK
-        if prefill > 0:
-            chosen.queued_tokens += prefill
+        blocks = prefix_blocks(len(hashes) - 1, len(hashes))  # the prompt's, as far as its hashes tell
+        if blocks > held:
+            chosen.queued_tokens += (blocks - held) * TOKENS_PER_BLOCK
         self.index.predict(engine, hashes, now)
 
     def turn_ended(self) -> None:

@@ -61,7 +61,8 @@ class EngineRecord:
 class EngineGroup:
     """Engines that may take the same requests, indexed for routing (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model  # the model its members serve; None: the whole fleet (every engine in the pool)
         self._members: list[EngineRecord] = []
         self._position: dict[EngineRecord, int] = {}
         self._by_load: list[OrderedDict[EngineRecord, None]] = [OrderedDict()]  # engines with room, by load
@@ -191,7 +192,10 @@ class EnginePool:
         self.capacity += record.capacity
         self.everyone.add(record)
         if model is not None:
-            self._models.setdefault(model, EngineGroup()).add(record)
+            serving = self._models.get(model)
+            if serving is None:
+                serving = self._models[model] = EngineGroup(model)
+            serving.add(record)
         return record
 
     def remove(self, engine_id: str, departed: bool) -> EngineRecord | None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from msgspec import Struct
 
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
-from service.protocol.prefix import TOKENS_PER_BLOCK, prefix_hashes
+from service.protocol.prefix import prefix_hashes
 
 
 class RouteKey(Struct, gc=False):
@@ -23,11 +23,6 @@ class RouteKey(Struct, gc=False):
     hashes: Sequence[int]
     session_id: str | None = None
     group_id: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        """About how many tokens the prompt has, from its hashes alone: whole blocks count."""
-        return prefix_blocks(len(self.hashes) - 1, len(self.hashes)) * TOKENS_PER_BLOCK if self.hashes else 0
 
 
 def hashes_of(submit: SubmitRequest | SubmitEnvelope) -> Sequence[int]:

@@ -102,6 +102,5 @@ def test_a_prediction_never_shadows_what_the_engine_said() -> None:
 
 def test_predictions_are_bounded() -> None:
     index, (a,) = index_of("a", max_entries=3, ttl_s=100.0)
-    index.predict(a, [1, 2, 3, 4, 5], NOW)
-    assert index.predictions == 3 and matched(index, [1, 2]) == {}
-    assert matched(index, [5]) == {"a": 9}  # the last of five hashes: past 8 blocks, at least 9
+    index.predict(a, [1, 2, 3, 4, 5], NOW)  # longest first: the two longest are the oldest, and go
+    assert index.predictions == 3 and matched(index, [4, 5]) == {} and matched(index, [3]) == {"a": 4}
