@@ -11,8 +11,8 @@ Contract (docs/protocol.md, *Routing*):
   more for the compute the fleet saves (a sibling waits for the first's prefill on its engine
   about as long as it would compute the prefix elsewhere). The lowest score wins, equal scores
   are broken at random. The candidates are the engines holding the prompt's longest prefixes (at
-  most ``CANDIDATES``, from the index), the least loaded engine and two drawn at random:
-  O(prompt hashes + a few) whatever the fleet's size.
+  most ``CANDIDATES``, from the index), the least loaded engine, and when no holder wins two
+  drawn at random: O(prompt hashes + a few) whatever the fleet's size.
 - Affinity yields: an engine whose requests in flight pass ``cache_aware_load_factor`` times the
   mean of the engines that may take the request, and that mean plus ``cache_aware_load_slack``,
   gets no credit for what it holds, is no session's or group's home for this request, and is
