@@ -20,13 +20,12 @@ its peers before running it (docs/reliability.md, ownership).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
-callback, so the call would otherwise wait out its timeout.
-A stream's unread replies are bounded: :meth:`DpcoordClient.stream`, :mod:`service.client.flow`.
+callback, so the call would otherwise wait out its timeout. A stream's unread replies are
+bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
@@ -42,7 +41,8 @@ from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
-from service.client.flow import STREAM_BUFFER_BYTES, STREAM_STALL_S, FlowControl, StreamStalled
+from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
+from service.client.holds import HoldChannel
 from service.client.submission import Submission
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
@@ -57,7 +57,6 @@ from service.protocol.messages import (
     ControlSignal,
     Empty,
     Final,
-    HoldRequest,
     ModelList,
     Partial,
     PauseMode,
@@ -70,10 +69,6 @@ from service.protocol.messages import (
 from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
-
-log = logging.getLogger(__name__)
-# The last token of the reply subject holds are sent with: their acks are dropped on arrival.
-FLOW_TOKEN = "f"
 
 
 class DpcoordClient:
@@ -99,8 +94,7 @@ class DpcoordClient:
         self._replies = replies
         self._watch = watch
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
-        self._hold_subject = subjects.coordinator(Header.HOLD_REQUEST)
-        self._hold_inbox = f"{exchanges.inbox}.{FLOW_TOKEN}"
+        self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -179,10 +173,12 @@ class DpcoordClient:
         client_request_id: ClientRequestId | None,
         timeout: float,
         sampling: dict[str, Any],
+        session_id: str | None = None,
+        group_id: str | None = None,
     ) -> bytes:
         """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
         carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
-        than one block)."""
+        than one block), and the session and group for cache-aware routing."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
@@ -195,11 +191,10 @@ class DpcoordClient:
         except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
             raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
         hashes = prefix_hashes(prompt, chat) or None
-        return encode_msgpack(
-            SubmitEnvelope(
-                1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
-            )
-        )
+        envelope = SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)
+        envelope.batched_replies, envelope.logprobs = True, params.asks_logprobs
+        envelope.session_id, envelope.group_id = session_id, group_id
+        return encode_msgpack(envelope)
 
     async def submit(
         self,
@@ -209,14 +204,27 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
+        Log-probabilities: ``logprobs=k`` (0 to 20) gives each generated token's logprob with its
+        ``k`` most likely alternatives (``token_logprobs``, ``top_logprobs`` and ``token_bytes``
+        of the replies), ``prompt_logprobs=k`` the prompt's (``prompt_logprobs``,
+        ``prompt_top_logprobs``, ``prompt_token_ids`` of the final), ``logprobs_mode="processed"``
+        those of the distribution sampled from rather than the model's (``"raw"``).
+
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
-        bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
+        bounds the wait and is also the request's deadline at the coordinator. With the
+        ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
+        conversation) stay on one engine while it has room, and so do those of one ``group_id``
+        (the samples of one prompt): its prefix cache serves what they share."""
+        body = self._submission(
+            prompt, messages, model, False, client_request_id, timeout, sampling, session_id, group_id
+        )
         submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
         try:
             await submission.start()
@@ -235,14 +243,14 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
-        buffer_bytes: int = STREAM_BUFFER_BYTES,
-        stall_timeout: float = STREAM_STALL_S,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
 
-        A caller that stops iterating holds the request once ``buffer_bytes`` of replies wait;
-        held ``stall_timeout`` s, it is aborted and the next iteration raises ``StreamStalled``.
+        ``flow`` bounds the replies not read: past it the request is held; stalled, aborted (``StreamStalled``).
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
@@ -254,8 +262,9 @@ class DpcoordClient:
             model=model,
             client_request_id=client_request_id,
             timeout=timeout,
-            buffer_bytes=buffer_bytes,
-            stall_timeout=stall_timeout,
+            session_id=session_id,
+            group_id=group_id,
+            flow=flow,
             **sampling,
         )
         async with aclosing(batches):
@@ -271,17 +280,20 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
-        buffer_bytes: int = STREAM_BUFFER_BYTES,
-        stall_timeout: float = STREAM_STALL_S,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
+        body = self._submission(
+            prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id
+        )
         check = StreamCheck()
-        flow = FlowControl(buffer_bytes, stall_timeout, self._send_hold, self._abort_stalled)
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, flow)
+        control = FlowControl(flow, self._holds)
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, control)
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -313,20 +325,6 @@ class DpcoordClient:
                 ErrorCode.TOO_LARGE,
                 f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
             ) from None
-
-    async def _send_hold(self, request_id: str, held: bool, seq: int) -> None:
-        """Flow control: hold or release a stream's request (its ack is dropped on arrival)."""
-        body = encode_msgpack(HoldRequest(request_id, held, seq))
-        await self.nc.publish(self._hold_subject, body, reply=self._hold_inbox)
-
-    async def _abort_stalled(self, request_id: str) -> None:
-        try:
-            await self.abort(request_id=request_id, timeout=5.0)
-        except ClientError as exc:
-            if exc.code != ErrorCode.NOT_FOUND:  # else it ended meanwhile
-                log.warning("abort of stalled request_id=%s failed: %s", request_id, exc)
-        except TimeoutError as exc:
-            log.warning("abort of stalled request_id=%s not answered: %s", request_id, exc)
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0
@@ -399,4 +397,4 @@ class DpcoordClient:
         return reply
 
 
-__all__ = ["ClientError", "DpcoordClient", "StreamStalled"]
+__all__ = ["ClientError", "DpcoordClient", "FlowLimits", "StreamStalled"]

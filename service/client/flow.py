@@ -31,6 +31,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -46,20 +47,35 @@ STREAM_BUFFER_BYTES = 1 << 20
 STREAM_STALL_S = 60.0
 RELEASE_CHECKS_S = (1.0, 2.0, 4.0)  # a release is sent again after these, while the reader starves
 
-SendHold = Callable[[str, bool, int], Awaitable[None]]
-"""``send(request_id, held, seq)``: publish a ``hold_request``."""
-Abort = Callable[[str], Awaitable[None]]
-"""``abort(request_id)``: abort the request upstream."""
+
+@dataclass(frozen=True, slots=True)
+class FlowLimits:
+    """A stream's bounds: bytes of replies not read before it is held, and seconds held with
+    its reader taking nothing before it is aborted."""
+
+    buffer_bytes: int = STREAM_BUFFER_BYTES
+    stall_s: float = STREAM_STALL_S
+
+
+DEFAULT_FLOW = FlowLimits()
+
+
+class HoldSender(Protocol):
+    """How a stream's flow reaches upstream (service/client/holds.py)."""
+
+    async def send(self, request_id: str, held: bool, seq: int) -> None:
+        """Publish a ``hold_request``."""
+
+    async def abort(self, request_id: str) -> None:
+        """Abort the request upstream."""
 
 
 @dataclass(frozen=True, slots=True)
 class FlowControl:
     """What a stream's flow needs from its client: its bounds and how to hold and abort."""
 
-    limit: int
-    stall_s: float
-    send: SendHold
-    abort: Abort
+    limits: FlowLimits
+    holds: HoldSender
 
 
 class StreamStalled(ClientError):
@@ -86,20 +102,17 @@ class StreamFlow:
     def __init__(
         self,
         mailbox: Mailbox,
-        limit: int,
-        stall_s: float,
+        control: FlowControl,
         request_id: Callable[[], str | None],
-        send: SendHold,
-        abort: Abort,
         stop_delivery: Callable[[], None],
     ) -> None:
         self._mailbox = mailbox
-        self._limit = limit
+        limit = self._limit = control.limits.buffer_bytes
         self._step = max(1, limit // 4)
-        self._stall_s = stall_s
+        self._stall_s = control.limits.stall_s
         self._request_id = request_id
-        self._send = send
-        self._abort = abort
+        self._send = control.holds.send
+        self._abort = control.holds.abort
         self._stop_delivery = stop_delivery
         self._loop = asyncio.get_running_loop()
         self._seq = 0

@@ -82,15 +82,7 @@ class Submission:
         self._flow: StreamFlow | None = None
         if flow is not None:
             inbox = self._inbox
-            self._flow = StreamFlow(
-                self._mailbox,
-                flow.limit,
-                flow.stall_s,
-                lambda: self._request_id,
-                flow.send,
-                flow.abort,
-                lambda: exchanges.close(inbox),
-            )
+            self._flow = StreamFlow(self._mailbox, flow, lambda: self._request_id, lambda: exchanges.close(inbox))
 
     async def start(self) -> None:
         await self._publish(self._body, self._inbox)

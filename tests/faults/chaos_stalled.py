@@ -26,7 +26,7 @@ from types import TracebackType
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
 
-from service.client import ClientError, DpcoordClient
+from service.client import ClientError, DpcoordClient, FlowLimits
 from service.protocol.messages import Final, Partial
 from tests.faults.chaos import MODEL, ChaosStack, echo_text
 from tests.faults.chaos_load import HUNG_AFTER_S
@@ -106,8 +106,7 @@ class StalledReaders:
         stream = client.stream(
             prompt,
             max_tokens=STALLED_TOKENS,
-            buffer_bytes=BUFFER_BYTES,
-            stall_timeout=READ_AGAIN_TIMEOUT_S,
+            flow=FlowLimits(BUFFER_BYTES, READ_AGAIN_TIMEOUT_S),
             timeout=READ_AGAIN_TIMEOUT_S,
         )
         streamed: list[str] = []

@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from benchmarks.doc_engines import DocEngineFleet
-from service.client import DpcoordClient, StreamStalled
+from service.client import DpcoordClient, FlowLimits, StreamStalled
 from service.coordinator.coordinator import Coordinator
 from service.protocol.messages import Final, Partial
 from tests.conftest import EngineFactory
@@ -38,7 +38,7 @@ async def test_a_stalled_stream_beside_an_engine_that_predates_holds_ends_with_4
     await fleet.register()
     engine = fleet.engines["old"]
     async with await DpcoordClient.connect(coordinator.settings) as client:
-        stream = client.stream("abc", max_tokens=1_000_000, buffer_bytes=BUFFER_BYTES, stall_timeout=60, timeout=60)
+        stream = client.stream("abc", max_tokens=1_000_000, flow=FlowLimits(BUFFER_BYTES, 60), timeout=60)
         await anext(stream)  # the reader stops here
         await wait_until(lambda: bool(engine.active))
         await wait_until(lambda: not engine.active)  # the client aborted it: the engine freed it
@@ -56,7 +56,7 @@ async def test_a_library_stream_whose_reader_stops_is_held_beside_a_normal_one_a
 ) -> None:
     [engine] = await start_engines(1, token_delay_ms=TOKEN_DELAY_MS)
     async with await DpcoordClient.connect(coordinator.settings) as client:
-        stream = client.stream("abc", max_tokens=MAX_TOKENS, buffer_bytes=BUFFER_BYTES, stall_timeout=60, timeout=60)
+        stream = client.stream("abc", max_tokens=MAX_TOKENS, flow=FlowLimits(BUFFER_BYTES, 60), timeout=60)
         replies: list[Partial | Final] = [await anext(stream)]  # the reader stops here
         request_id = replies[0].request_id
         await wait_until(lambda: engine.requests.held_back() == [request_id])
@@ -77,7 +77,7 @@ async def test_a_library_stream_held_past_the_stall_limit_is_aborted_and_raises_
 ) -> None:
     [engine] = await start_engines(1, token_delay_ms=TOKEN_DELAY_MS)
     async with await DpcoordClient.connect(coordinator.settings) as client:
-        stream = client.stream("abc", max_tokens=MAX_TOKENS, buffer_bytes=BUFFER_BYTES, stall_timeout=0.3, timeout=60)
+        stream = client.stream("abc", max_tokens=MAX_TOKENS, flow=FlowLimits(BUFFER_BYTES, 0.3), timeout=60)
         request_id = (await anext(stream)).request_id
         await wait_until(lambda: engine.requests.held_back() == [request_id])
         await wait_until(lambda: request_id not in engine.requests)  # aborted: the engine freed it

@@ -13,7 +13,7 @@ import pytest
 
 from service.client import flow
 from service.client.exchanges import RECONNECTED, CoordinatorWatch, Exchanges
-from service.client.flow import FlowControl, StreamStalled
+from service.client.flow import FlowControl, FlowLimits, StreamStalled
 from service.client.mailbox import ITEM_BYTES, NEVER, TAKE_BYTES, Mailbox
 from service.client.submission import Submission
 from service.protocol.codec import encode_msgpack
@@ -53,7 +53,7 @@ async def flowing(limit: int, stall_s: float = 60.0) -> tuple[Submission, Exchan
     published = Published()
     exchanges = Exchanges()
     exchanges.inbox = "_INBOX.me"
-    flow = FlowControl(limit, stall_s, recorder.send, recorder.abort)
+    flow = FlowControl(FlowLimits(limit, stall_s), recorder)
     submission = Submission(published, exchanges, CoordinatorWatch(exchanges, 1.0, 3.0), ENVELOPE, 10.0, flow)
     await submission.start()
     return submission, exchanges, published.subjects[0], recorder

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Callable, MutableMapping
 from typing import Any
 
 from service.client.exchanges import CoordinatorWatch, Exchanges
-from service.client.flow import FlowControl
+from service.client.flow import FlowControl, FlowLimits
 from service.client.submission import Submission
 from service.gateway.schemas import completion_decoder
 from service.gateway.streaming import DONE, ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
@@ -105,7 +105,7 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> No
 async def test_a_client_that_stops_reading_holds_its_stream_within_the_bound_and_gets_it_all_when_it_reads() -> None:
     recorder, published, exchanges = FlowRecorder(), Published(), Exchanges()
     exchanges.inbox = "_INBOX.gw"
-    flow = FlowControl(LIMIT, 60.0, recorder.send, recorder.abort)
+    flow = FlowControl(FlowLimits(LIMIT, 60.0), recorder)
     submission = Submission(published, exchanges, CoordinatorWatch(exchanges, 1.0, 3.0), ENVELOPE, 60.0, flow)
     await submission.start()
     [mailbox] = exchanges.queues.values()
