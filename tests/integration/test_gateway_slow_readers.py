@@ -14,15 +14,24 @@ import asyncio
 import json
 import socket
 
+import pytest
+
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
-from tests.conftest import EngineFactory
+from tests.conftest import EngineFactory, make_settings
 from tests.gateway_helpers import http, serve_gateway, sse_data, wait_until
 
 BUFFER_BYTES = 65536  # the least gateway_stream_buffer_bytes
 SEND_BUFFER_BYTES = 8192
 MAX_TOKENS = 4000
 CONTENT = "slow"
+
+
+@pytest.fixture
+def settings(nats_url: str) -> Settings:
+    """A heartbeat timeout long enough that a loaded machine does not lose the one engine
+    these streams run on (the test process runs all of it)."""
+    return make_settings(nats_url, heartbeat_timeout_s=5.0)
 
 
 def expected(max_tokens: int) -> str:

@@ -14,13 +14,21 @@ from nats.aio.client import Client as NATS
 from benchmarks.doc_engines import DocEngineFleet
 from service.client import DpcoordClient, FlowLimits, StreamStalled
 from service.coordinator.coordinator import Coordinator
+from service.ops.settings import Settings
 from service.protocol.messages import Final, Partial
-from tests.conftest import EngineFactory
+from tests.conftest import EngineFactory, make_settings
 from tests.gateway_helpers import wait_until
 
 BUFFER_BYTES = 8192  # some 45 one-token partials
 MAX_TOKENS = 1000
 TOKEN_DELAY_MS = 1.0  # a hold reaches the engine within a few of its tokens
+
+
+@pytest.fixture
+def settings(nats_url: str) -> Settings:
+    """A heartbeat timeout long enough that a loaded machine does not lose the one engine
+    these streams run on (the test process runs all of it)."""
+    return make_settings(nats_url, heartbeat_timeout_s=5.0)
 
 
 def echo(prompt: str, max_tokens: int) -> str:
