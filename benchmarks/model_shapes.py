@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from engines.torch_backend.config import ModelConfig, RopeConfig
+from engines.torch_backend.families import hf_config
 from engines.torch_backend.weights import INIT_STD, hf_shapes
 
 _LLAMA3_ROPE = RopeConfig(
@@ -93,7 +94,7 @@ def checkpoint(shape: str, directory: Path, dtype: torch.dtype, device: torch.de
             drawn = torch.randn(tensor_shape, generator=generator, device=device) * INIT_STD
             weights[tensor_name] = drawn.to(dtype).cpu()
     save_file(weights, str(target / "model.safetensors"))
-    (target / "config.json").write_text(json.dumps(config.to_hf(), indent=1))
+    (target / "config.json").write_text(json.dumps(hf_config(config), indent=1))
     return target
 
 

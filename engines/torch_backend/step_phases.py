@@ -30,7 +30,7 @@ from engines.backend import TokenOutput
 from engines.torch_backend.batch import build_batch
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.cuda_graphs import DecodeGraphs
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.placeholders import decode_sources
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.sampling import sample
@@ -45,7 +45,7 @@ class StepPhases:
     device: torch.device
     dtype: torch.dtype
     config: ModelConfig
-    model: LlamaModel
+    model: DecoderModel
     max_context: int
     scheduler: Scheduler
     _rotary: torch.Tensor
@@ -102,6 +102,7 @@ class StepPhases:
                         self.device,
                         self.model.kernels.paged_decode is not None,
                         earlier,
+                        self.config.sliding_window,
                     )
                 positions = feed(sequences)
                 mark = self.scheduler.num_preempted

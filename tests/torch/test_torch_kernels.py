@@ -118,9 +118,9 @@ def test_the_load_time_check_passes_the_kernels_and_catches_a_wrong_one() -> Non
     kernel = kernels.paged_decode
 
     def off_by_one(
-        query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+        query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, window: int = 0
     ) -> torch.Tensor:
-        return kernel(query, cache, tables, (lengths - 1).clamp(min=1))
+        return kernel(query, cache, tables, (lengths - 1).clamp(min=1), window)
 
     with pytest.raises(AssertionError):
         check_kernels(Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, off_by_one), TINY, rotary)
