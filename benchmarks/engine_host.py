@@ -77,7 +77,9 @@ def drive(batch: int, steps: int, emit: str) -> dict[str, float]:
     thread.start()
     for _ in range(WARMUP_STEPS):
         replies.encode(backend._step())
-    window = Stopwatch(backend, ("_collect", "_launch"))
+    # The phases object of the tree: its step phases, or the backend itself in trees from before
+    # the backend composed them (it inherited them then).
+    window = Stopwatch(getattr(backend, "steps", backend), ("_collect", "_launch"))
     wall_started, thread_started, cpu_started = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(steps):
         outputs = backend._step()
@@ -163,12 +165,21 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
             overlap_steps=True,
         )
     )
-    backend.model = NoOpModel(backend.config.vocab_size, batch)  # type: ignore[assignment]  # the test double
+    model: Any = NoOpModel(backend.config.vocab_size, batch)  # the test double, typed as the model it stands for
     pages = -(-backend.max_context // backend.options.kv_block_size)
-    assert backend._kv_cache is not None
-    backend._graphs = HostOnlyGraphs(
-        backend.model, backend._rotary, backend._kv_cache, batch, pages, backend.options.kv_block_size
-    )
+    runner = getattr(backend, "runner", None)
+    if runner is not None:  # the model runner owns the model, the cache and the graphs
+        runner.model = model
+        assert runner.kv_cache is not None
+        runner._graphs = HostOnlyGraphs(
+            model, runner.rotary, runner.kv_cache, batch, pages, backend.options.kv_block_size
+        )
+    else:  # a tree from before the model runner, whose backend held them
+        before: Any = backend
+        before.model = model
+        before._graphs = HostOnlyGraphs(
+            model, before._rotary, before._kv_cache, batch, pages, before.options.kv_block_size
+        )
     for index in range(batch):
         prompt = [(31 * index + k) % 200 + 32 for k in range(PROMPT_TOKENS)]
         backend.add(GenerationRequest(f"r{index}", prompt, max_tokens=max_tokens, temperature=0.0))

@@ -182,6 +182,11 @@ class Backend(abc.ABC):
         runtime then publishes the replies at once instead of while the next step runs."""
         return False
 
+    def waiting_requests(self) -> int:
+        """Requests added and not running yet (waiting for a place in the batch or for KV-cache
+        pages); 0 for a backend that runs every request it holds at once."""
+        return 0
+
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The KV cache's prefix-cache counters; None for a backend without one."""
         return None

@@ -21,6 +21,7 @@ from collections import Counter
 from engines.backend import Backend, TokenOutput
 from engines.handlers import EngineContext
 from engines.replies import ActiveRequest, ReplyPublisher
+from engines.token_pace import TokenPace
 from engines.weight_updates import EngineWeights
 from service.bus.direct import DirectClient
 from service.bus.registry import HandlerSpec, Incoming
@@ -58,6 +59,7 @@ class RuntimeCore:
         self._tasks: list[asyncio.Task[None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._steps = 0
+        self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
         self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
         self._nc = DirectClient()
         self._replies = ReplyPublisher(

@@ -59,6 +59,7 @@ class StepLoop(RuntimeCore):
             await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
             return []
         self._steps += 1
+        self.pace.stepped(outputs, self._active)
         return outputs
 
     async def _publish_unsent(self) -> None:

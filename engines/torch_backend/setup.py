@@ -199,12 +199,15 @@ def check_experts(kernels: Kernels, config: ModelConfig, rotary: torch.Tensor) -
     tolerance = _tolerance(dtype)
     generator = torch.Generator(device=device).manual_seed(2)
     randn = _randn(generator, dtype)
-    gate_up = randn(moe.num_experts, 2 * moe.intermediate_size, config.hidden_size) * 0.1
-    down = randn(moe.num_experts, config.hidden_size, moe.intermediate_size) * 0.1
+    # The experts' shapes, up to 16 of them (128 of Qwen3-30B-A3B's would take 1.2 GB here),
+    # scaled so that every product is of order one: bf16 rounding stays inside the tolerance.
+    count = min(moe.num_experts, 16)
+    gate_up = randn(count, 2 * moe.intermediate_size, config.hidden_size) * config.hidden_size**-0.5
+    down = randn(count, config.hidden_size, moe.intermediate_size) * moe.intermediate_size**-0.5
     for tokens in (5, 1):
         x = randn(tokens, config.hidden_size)
-        scores = torch.rand((tokens, moe.num_experts), generator=generator, device=device)
-        weights, experts = torch.topk(scores, moe.experts_per_token, dim=-1)
+        scores = torch.rand((tokens, count), generator=generator, device=device)
+        weights, experts = torch.topk(scores, min(moe.experts_per_token, count), dim=-1)
         args = (x, weights.to(dtype), experts, gate_up, down, kernels.silu_mul)
         with _no_host_sync(device):
             out = kernels.moe_experts(*args)

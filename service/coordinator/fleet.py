@@ -214,6 +214,7 @@ class Fleet:
             return
         now = time.monotonic()
         for record in self.pool.silent_since(now - timeout):
+            self._counters["engines_silent"] += 1
             await self._guarded(
                 self.remove(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False), record.engine_id
             )
