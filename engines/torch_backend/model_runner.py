@@ -69,6 +69,7 @@ class ModelRunner:
         self._failures = failures  # fast-path pieces that failed to build, graph capture included
         self._max_batch, self._block_size = max_batch, block_size
         self._group_size = model.config.group_size  # query heads per key-value head
+        self._sliding_window = model.config.sliding_window  # None: attention sees every key
         self._pages = -(-max_context // block_size)  # the most pages a sequence holds
         self._use_graphs = cuda_graphs and self.device.type == "cuda" and model.kernels.paged_decode is not None
         self._graphs = self._capture_graphs()
@@ -120,7 +121,7 @@ class ModelRunner:
             self.device,
             self.model.kernels.paged_decode is not None,
             earlier,
-            self.model.config.sliding_window,
+            self._sliding_window,
         )
         return ForwardInputs(batch, None, None)
 
