@@ -1,8 +1,9 @@
 """What some families add, piece by piece, on CPU: each family's chat template style rendered
-by the engine as transformers renders it; Mistral's sliding window against transformers'
-logits through prefill and paged decode; Qwen3-MoE's grouped experts (the CUDA form, run
-here by torch's CPU grouped_mm) against the per-expert loop, alone and inside the model; and
-a mixture-of-experts model without grouped experts named on its path, never silently slow."""
+by the engine as transformers renders it; Mistral's sliding window (and Qwen3-MoE's, in every
+layer) against transformers' logits through prefill and decode over the paged cache;
+Qwen3-MoE's grouped experts (the CUDA form, run here by torch's CPU grouped_mm) against the
+per-expert loop, alone and inside the model; and a mixture-of-experts model without grouped
+experts named on its path, never silently slow."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.setup import MOE_EAGER, check_experts, checked_cuda_kernels
 from engines.torch_backend.weights import build_model, checkpoint_weights
 from service.protocol.messages import ChatMessage
-from tests.torch.families import FAMILIES, Checkpoints
+from tests.torch.families import FAMILIES, Checkpoints, transformers_model
 from tests.torch.reference import Harness, engine_options
 
 CHATML = (
@@ -95,22 +96,30 @@ def test_the_family_chat_template_renders_as_transformers(
     assert backend.render_chat(CONVERSATION) == list(expected)
 
 
-def test_the_sliding_window_gives_transformers_logits_past_the_window(checkpoints: Checkpoints) -> None:
-    """Mistral with an 8-token window: prefill 10 tokens, decode 20 more, all in one batch with
-    a sequence shorter than the window; without the window the logits differ."""
-    checkpoint = checkpoints.get("mistral")
-    config = read_model_dir(checkpoint.path)
+@pytest.mark.parametrize("family", ["mistral", "qwen3_moe"])
+def test_the_sliding_window_gives_transformers_logits_past_the_window(
+    checkpoints: Checkpoints, family: str, tmp_path: Path
+) -> None:
+    """An 8-token window (Mistral's; Qwen3-MoE's with ``use_sliding_window``, in every layer):
+    prefill 10 tokens, decode 20 more, in one batch with a sequence shorter than the window;
+    without the window the logits differ."""
+    if family == "mistral":
+        path, reference = checkpoints.get(family).path, checkpoints.get(family).reference
+    else:
+        path, reference = tmp_path, transformers_model(family, 1, use_sliding_window=True, sliding_window=8)
+        reference.save_pretrained(path)
+    config = read_model_dir(path)
     assert config.sliding_window == 8
     sequences = {"long": (list(range(40, 50)), list(range(100, 120))), "short": ([9, 8, 7], [6, 5])}
     logits = {}
     for window in (8, None):
         windowed = dataclasses.replace(config, sliding_window=window)
-        model = build_model(windowed, checkpoint_weights(checkpoint.path), torch.float32, torch.device("cpu"))
+        model = build_model(windowed, checkpoint_weights(path), torch.float32, torch.device("cpu"))
         logits[window] = Harness(model).forced_logits(sequences)
     with torch.inference_mode():
         for rid, (prompt, continuation) in sequences.items():
             tokens = prompt + continuation
-            expected = checkpoint.reference(torch.tensor([tokens])).logits[0, len(prompt) - 1 :]
+            expected = reference(torch.tensor([tokens])).logits[0, len(prompt) - 1 :]
             torch.testing.assert_close(logits[8][rid], expected, atol=2e-5, rtol=1e-4)
     assert not torch.allclose(logits[None]["long"], logits[8]["long"], atol=1e-3)
 
