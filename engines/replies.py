@@ -1,7 +1,10 @@
 """Replies on their way from an engine to the coordinator.
 
 :class:`ActiveRequest` accumulates one request's tokens and builds its replies, already encoded
-for its client from the return path it carries, so the coordinator only forwards bytes.
+for its client from the return path it carries, so the coordinator only forwards bytes. It is
+the request table's record (:mod:`engines.requests`): only the table creates one and calls the
+methods that change it (an import-linter contract keeps the runtime's jobs from importing this
+module).
 :class:`ReplyPublisher` sends them, on ``<prefix>.<header>.<engine_id>``, in as few messages as
 the server's ``max_payload`` allows, counting every byte of each reply (its body and its whole
 return path, in UTF-8), so one oversized reply never takes its batch neighbours with it. A

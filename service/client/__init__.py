@@ -101,7 +101,9 @@ class DpcoordClient:
         cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
-        caller's business) and shake hands with a coordinator."""
+        caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
+        cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
+        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         watch = CoordinatorWatch(
@@ -114,7 +116,7 @@ class DpcoordClient:
             exchanges.reconnected()
 
         connection = nc or await connect_nats(
-            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error
+            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error, give_up=True
         )
         subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
