@@ -187,7 +187,17 @@ class DpcoordClient:
         hashes = prefix_hashes(prompt, chat) or None
         return encode_msgpack(
             SubmitEnvelope(
-                1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
+                1,
+                body,
+                stream,
+                request_id,
+                self.client_id,
+                None,
+                params.timeout_s,
+                model,
+                hashes,
+                batched_replies=True,
+                logprobs=params.asks_logprobs,
             )
         )
 
@@ -202,6 +212,12 @@ class DpcoordClient:
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
+
+        Log-probabilities: ``logprobs=k`` (0 to 20) gives each generated token's logprob with its
+        ``k`` most likely alternatives (``token_logprobs``, ``top_logprobs`` and ``token_bytes``
+        of the replies), ``prompt_logprobs=k`` the prompt's (``prompt_logprobs``,
+        ``prompt_top_logprobs``, ``prompt_token_ids`` of the final), ``logprobs_mode="processed"``
+        those of the distribution sampled from rather than the model's (``"raw"``).
 
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
