@@ -76,6 +76,8 @@ class ChatMessage(Struct, omit_defaults=True):
 
 
 ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
+# A session's or a group's name (extensions): routing keeps a session, or a group of samples, on one engine.
+AffinityId = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
 class SubmitRequest(Struct):
@@ -89,6 +91,10 @@ class SubmitRequest(Struct):
     reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # a subject one can publish to
     model: ModelName | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    # Extensions (docs/protocol.md, *Sessions and groups*): the conversation this turn belongs to,
+    # and the group of submissions (say, the samples of one prompt) to run on one engine.
+    session_id: AffinityId | None = None
+    group_id: AffinityId | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -126,6 +132,9 @@ class SubmitEnvelope(Struct, array_like=True):
     # An extension: the body asks for log-probabilities (``sampling_params.logprobs`` or
     # ``prompt_logprobs``), so only engines that compute them may run it.
     logprobs: bool = False
+    # Extensions, as SubmitRequest's: the body's session and group, for routing without decoding it.
+    session_id: AffinityId | None = None
+    group_id: AffinityId | None = None
 
 
 class ConnectRequest(Struct):
