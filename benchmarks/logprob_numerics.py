@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ import torch
 from engines.backend import GenerationRequest, TokenOutput
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.families import hf_config
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.weights import random_weights
 
@@ -80,14 +83,17 @@ def greedy(request_id: str, prompt: list[int], tokens: int, **fields: Any) -> Ge
 def transformers_logprobs(prompt: list[int], tokens: list[int]) -> tuple[list[float], list[float]]:
     """transformers' logprobs of ``tokens`` after ``prompt``, and of the prompt's tokens after the
     first, from one forward pass over the whole sequence."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     global _reference
     if _reference is None:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
         config = ModelConfig()
-        model = LlamaForCausalLM(LlamaConfig(**config.to_hf()))
-        model.load_state_dict(random_weights(config, seed=SEED), strict=False)
-        _reference = model.eval()
+        with tempfile.TemporaryDirectory() as directory:  # transformers maps the names itself
+            (Path(directory) / "config.json").write_text(json.dumps(hf_config(config)))
+            weights = random_weights(config, seed=SEED)
+            save_file({name: tensor.contiguous() for name, tensor in weights.items()}, f"{directory}/model.safetensors")
+            _reference = AutoModelForCausalLM.from_pretrained(directory).eval()
     sequence = prompt + tokens
     with torch.inference_mode():
         logprobs = torch.log_softmax(_reference(torch.tensor([sequence])).logits[0].float(), dim=-1)

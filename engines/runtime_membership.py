@@ -72,7 +72,7 @@ class Membership:
                     self._control.paused,
                     self._served_model_name,
                     self._weights.version,
-                    self._features,
+                    features=self._features,
                 )
             )
             try:
@@ -132,7 +132,8 @@ class Membership:
                 self._served_model_name,
                 self._steps(),
                 self._weights.version,
-                self._features,
+                held=self._requests.held_back() or None,
+                features=self._features,
             )
             await core.nc.publish(core.subjects.sent_by(Header.HEARTBEAT, self._engine_id), encode_msgpack(beat))
         await asyncio.sleep(self._settings.heartbeat_interval_s)

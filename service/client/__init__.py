@@ -20,7 +20,8 @@ its peers before running it (docs/reliability.md, ownership).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
-callback, so the call would otherwise wait out its timeout.
+callback, so the call would otherwise wait out its timeout. A stream's unread replies are
+bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
+from service.client.holds import HoldChannel
 from service.client.submission import Submission
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
@@ -91,6 +94,7 @@ class DpcoordClient:
         self._replies = replies
         self._watch = watch
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -169,10 +173,12 @@ class DpcoordClient:
         client_request_id: ClientRequestId | None,
         timeout: float,
         sampling: dict[str, Any],
+        session_id: str | None = None,
+        group_id: str | None = None,
     ) -> bytes:
         """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
         carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
-        than one block)."""
+        than one block), and the session and group for cache-aware routing."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
@@ -185,21 +191,10 @@ class DpcoordClient:
         except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
             raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
         hashes = prefix_hashes(prompt, chat) or None
-        return encode_msgpack(
-            SubmitEnvelope(
-                1,
-                body,
-                stream,
-                request_id,
-                self.client_id,
-                None,
-                params.timeout_s,
-                model,
-                hashes,
-                batched_replies=True,
-                logprobs=params.asks_logprobs,
-            )
-        )
+        envelope = SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)
+        envelope.batched_replies, envelope.logprobs = True, params.asks_logprobs
+        envelope.session_id, envelope.group_id = session_id, group_id
+        return encode_msgpack(envelope)
 
     async def submit(
         self,
@@ -209,6 +204,8 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
@@ -221,8 +218,13 @@ class DpcoordClient:
 
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
-        bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
+        bounds the wait and is also the request's deadline at the coordinator. With the
+        ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
+        conversation) stay on one engine while it has room, and so do those of one ``group_id``
+        (the samples of one prompt): its prefix cache serves what they share."""
+        body = self._submission(
+            prompt, messages, model, False, client_request_id, timeout, sampling, session_id, group_id
+        )
         submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
         try:
             await submission.start()
@@ -241,16 +243,29 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        ``flow`` bounds the replies not read: past it the request is held; stalled, aborted (``StreamStalled``).
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
         partial is yielded and the final (every token) fills the rest in; a final that does not
         extend the partials yielded raises ClientError 502."""
         batches = self.stream_batches(
-            prompt, messages=messages, model=model, client_request_id=client_request_id, timeout=timeout, **sampling
+            prompt,
+            messages=messages,
+            model=model,
+            client_request_id=client_request_id,
+            timeout=timeout,
+            session_id=session_id,
+            group_id=group_id,
+            flow=flow,
+            **sampling,
         )
         async with aclosing(batches):
             async for replies in batches:
@@ -265,14 +280,20 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
+        body = self._submission(
+            prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id
+        )
         check = StreamCheck()
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        control = FlowControl(flow, self._holds)
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, control)
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -397,4 +418,4 @@ def _with_logprobs(final: Final, sampling: dict[str, Any]) -> Final:
     return final
 
 
-__all__ = ["ClientError", "DpcoordClient"]
+__all__ = ["ClientError", "DpcoordClient", "FlowLimits", "StreamStalled"]
