@@ -145,9 +145,10 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
     class NoOpModel(torch.nn.Module):
         """Test double: the model's interface and output shape, no computation."""
 
-        def __init__(self, vocab: int, rows: int) -> None:
+        def __init__(self, config: Any, rows: int) -> None:
             super().__init__()
-            self.logits = torch.zeros(rows, vocab)
+            self.config = config  # the real model's (the decode graphs read it)
+            self.logits = torch.zeros(rows, config.vocab_size)
             self.logits[:, ord("a")] = 1.0  # greedy picks "a": text to detokenise, never EOS
             self.kernels = Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, lambda q, *_: q)
 
@@ -176,7 +177,7 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
             overlap_steps=True,
         )
     )
-    model: Any = NoOpModel(backend.config.vocab_size, batch)  # the test double, typed as the model it stands for
+    model: Any = NoOpModel(backend.config, batch)  # the test double, typed as the model it stands for
     pages = -(-backend.max_context // backend.options.kv_block_size)
     runner = getattr(backend, "runner", None)
     if runner is not None:  # the model runner owns the model, the cache and the graphs
