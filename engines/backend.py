@@ -61,12 +61,15 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class TokenOutput:
-    """What one step produced for one request; ``text`` is the newly completed text only."""
+    """What one step produced for one request; ``text`` is the newly completed text only.
+    ``cached_tokens``: how many of its prompt's tokens the backend read from its prefix cache
+    when it first scheduled the request (the runtime reads it from the first output)."""
 
     request_id: str
     new_tokens: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

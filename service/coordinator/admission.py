@@ -22,11 +22,17 @@ Contract:
 - A submission whose client reads reply batches (``SubmitEnvelope.batched_replies``) has its
   replies batched (:mod:`service.protocol.reply_batches`) when its batch subject is one replies
   may go to, under the request's owner; else they go alone.
+- A submission that asks for it (``SubmitEnvelope.held_notices``) and is queued because the
+  fleet is not running (paused, suspended) is told so at once with a ``Held`` notice, alone on
+  its reply subject, before any other reply.
+- With tracing on (:mod:`service.ops.tracing`), an accepted request continues the
+  ``traceparent`` of its NATS headers (or starts a trace) and carries its spans in the ledger.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from service.bus.registry import Incoming
 from service.coordinator.answers import Answers
@@ -37,10 +43,11 @@ from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.request_ids import request_ids
 from service.coordinator.requests import ClientKey, InflightRequest
 from service.coordinator.results import body_digest
-from service.protocol.codec import detect_encoding
+from service.ops.tracing import traceparent_in
+from service.protocol.codec import detect_encoding, encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedSubmission
-from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import ClientRequestId, Held, ReturnPath, SubmitEnvelope, SubmitRequest
 from service.protocol.reply_batches import batch_subject
 from service.protocol.subjects import ReplySubjects, utf8_length
 
@@ -59,6 +66,8 @@ class Admission:
     ) -> None:
         settings = core.settings
         self._id = core.id
+        self._nc = core.nc
+        self._tracer = core.tracer
         self._settings = settings
         self._counters = core.counters
         self._ledger = ledger
@@ -74,6 +83,7 @@ class Admission:
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
         """Route or queue a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
+        started_ns = time.time_ns() if self._tracer is not None else 0
         if submit.reply_to is None:
             reply_to, owner = incoming.reply, incoming.owner
         else:
@@ -131,6 +141,13 @@ class Admission:
         )
         entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
         ledger.admit(entry, timeout_s, engine)
+        tracer = self._tracer
+        if tracer is not None and (trace := tracer.coordinator_request(traceparent_in(incoming.headers), started_ns)):
+            entry.trace = trace
+            trace.admitted(request_id, self._id, model, engine is None)
+        if engine is None and not ledger.running and type(submit) is SubmitEnvelope and submit.held_notices:
+            held = Held(request_id, submit.client_request_id, ledger.state)
+            await self._nc.publish(reply_to, encode(held, encoding))
 
     def holds(self, client_key: ClientKey) -> bool:
         """Whether this replica holds ``client_key``'s request, in flight or as a cached result."""
