@@ -21,14 +21,19 @@ its peers before running it (docs/reliability.md, ownership).
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
 callback, so the call would otherwise wait out its timeout.
+
+With tracing on (``otlp_endpoint``; :mod:`service.ops.tracing`), each submission is a
+``dpcoord.submit`` span, a child of the caller's current span, whose ``traceparent`` travels in
+the NATS headers of its every publish. ``on_held`` hears the coordinator's ``Held`` notice when a
+submission waits because the fleet is paused or suspended (the submission asks for it only then).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -39,10 +44,12 @@ from service.bus.connection import close_nats, connect_nats
 from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
+from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
-from service.client.submission import Submission
+from service.client.submission import OnHeld, Submission
+from service.client.tracing import traced
 from service.ops.settings import Settings
-from service.protocol.codec import encode_msgpack
+from service.ops.tracing import start_tracing
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
     AbortRequest,
@@ -57,15 +64,14 @@ from service.protocol.messages import (
     ModelList,
     Partial,
     PauseMode,
-    SamplingParams,
-    SubmitEnvelope,
-    SubmitRequest,
     UpdateWeights,
     WeightVersion,
 )
-from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import SubmitSpan, Tracer
 
 
 class DpcoordClient:
@@ -80,6 +86,8 @@ class DpcoordClient:
         refusals: PublishRefusals,
         replies: Subscription | DirectSubscription,
         watch: CoordinatorWatch,
+        tracer: Tracer | None = None,
+        owns_tracer: bool = False,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -90,6 +98,8 @@ class DpcoordClient:
         self._refusals = refusals
         self._replies = replies
         self._watch = watch
+        self._tracer = tracer
+        self._owns_tracer = owns_tracer
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
@@ -98,12 +108,19 @@ class DpcoordClient:
 
     @classmethod
     async def connect(
-        cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
+        cls,
+        settings: Settings,
+        client_id: str | None = None,
+        timeout: float = 10.0,
+        nc: NATS | None = None,
+        tracer: Tracer | None = None,
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
         caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
         cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
-        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL."""
+        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL.
+        ``tracer``: where submissions' spans go (the caller's to close); by default from
+        settings (None: tracing off)."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         watch = CoordinatorWatch(
@@ -144,11 +161,28 @@ class DpcoordClient:
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
         watch.start()
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch)
+        owns_tracer = tracer is None
+        tracer = tracer if tracer is not None else start_tracing(settings, "dpcoord-client")
+        return cls(
+            connection,
+            subjects,
+            ack.client_id,
+            ack.coordinator_id,
+            owns,
+            exchanges,
+            refusals,
+            replies,
+            watch,
+            tracer,
+            owns_tracer,
+        )
 
     async def close(self) -> None:
         self._watch.stop()
         self._watches.close()
+        if self._tracer is not None and self._owns_tracer:
+            self._owns_tracer = False
+            await asyncio.to_thread(self._tracer.close)  # exports what is left: off the event loop
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -160,36 +194,9 @@ class DpcoordClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submission(
-        self,
-        prompt: str | list[int] | None,
-        messages: Sequence[ChatMessage] | None,
-        model: str | None,
-        stream: bool,
-        client_request_id: ClientRequestId | None,
-        timeout: float,
-        sampling: dict[str, Any],
-    ) -> bytes:
-        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
-        carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
-        than one block)."""
-        params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
-        if params.timeout_s is None:
-            params.timeout_s = timeout
-        # 128 random bits in hex (uuid4 gives 122, for five times the CPU), drawn per request: an
-        # id one caller learns tells nothing of the next (docs/security.md, blind aborts)
-        request_id = client_request_id if client_request_id is not None else os.urandom(16).hex()
-        chat = list(messages) if messages is not None else None
-        try:
-            body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
-        except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
-            raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
-        hashes = prefix_hashes(prompt, chat) or None
-        return encode_msgpack(
-            SubmitEnvelope(
-                1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
-            )
-        )
+    def _span(self, client_request_id: ClientRequestId, model: str | None, stream: bool) -> SubmitSpan | None:
+        tracer = self._tracer
+        return None if tracer is None else tracer.submit(self._submit_subject, client_request_id, model, stream)
 
     async def submit(
         self,
@@ -199,20 +206,30 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
-        bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        bounds the wait and is also the request's deadline at the coordinator. ``on_held`` is
+        called with the ``Held`` notice if the request waits because the fleet is not running."""
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, False, client_request_id, timeout, sampling, on_held is not None
+        )
+        span = self._span(request_id, model, False)
+        headers = None if span is None else span.headers
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, headers, on_held)
         try:
-            await submission.start()
-            while replies := await submission.replies():
-                if isinstance(replies[-1], Final):
-                    return replies[-1]
+            with traced(span):
+                await submission.start()
+                while replies := await submission.replies():
+                    final = replies[-1]
+                    if isinstance(final, Final):
+                        if span is not None:
+                            span.finished(final)
+                        return final
         finally:
             submission.close()
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
@@ -225,6 +242,7 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
@@ -234,7 +252,13 @@ class DpcoordClient:
         partial is yielded and the final (every token) fills the rest in; a final that does not
         extend the partials yielded raises ClientError 502."""
         batches = self.stream_batches(
-            prompt, messages=messages, model=model, client_request_id=client_request_id, timeout=timeout, **sampling
+            prompt,
+            messages=messages,
+            model=model,
+            client_request_id=client_request_id,
+            timeout=timeout,
+            on_held=on_held,
+            **sampling,
         )
         async with aclosing(batches):
             async for replies in batches:
@@ -249,40 +273,48 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, True, client_request_id, timeout, sampling, on_held is not None
+        )
         check = StreamCheck()
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        span = self._span(request_id, model, True)
+        headers = None if span is None else span.headers
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, headers, on_held)
         try:
-            await submission.start()
-            while replies := await submission.replies():
-                passed: list[Partial | Final] = []
-                broken: StreamBroken | None = None
-                try:
-                    for reply in replies:
-                        if isinstance(reply, Final):
-                            check.finish(reply)
-                            passed.append(reply)
-                        elif check.accept(reply):
-                            passed.append(reply)
-                except StreamBroken as exc:
-                    broken = exc  # raised after the partials before it
-                if passed:
-                    yield passed
-                if broken is not None:
-                    raise ClientError(broken.code, broken.message)
-                if isinstance(replies[-1], Final):
-                    return
+            with traced(span):
+                await submission.start()
+                while replies := await submission.replies():
+                    passed: list[Partial | Final] = []
+                    broken: StreamBroken | None = None
+                    try:
+                        for reply in replies:
+                            if isinstance(reply, Final):
+                                check.finish(reply)
+                                passed.append(reply)
+                                if span is not None:
+                                    span.finished(reply)
+                            elif check.accept(reply):
+                                passed.append(reply)
+                    except StreamBroken as exc:
+                        broken = exc  # raised after the partials before it
+                    if passed:
+                        yield passed
+                    if broken is not None:
+                        raise ClientError(broken.code, broken.message)
+                    if isinstance(replies[-1], Final):
+                        return
         finally:
             submission.close()
 
-    async def _publish(self, body: bytes, inbox: str) -> None:
+    async def _publish(self, body: bytes, inbox: str, headers: Mapping[str, str] | None) -> None:
         try:
-            await self.nc.publish(self._submit_subject, body, reply=inbox)
+            await self.nc.publish(self._submit_subject, body, reply=inbox, headers=headers)  # type: ignore[arg-type]
         except MaxPayloadError:
             raise ClientError(
                 ErrorCode.TOO_LARGE,

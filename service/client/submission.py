@@ -10,13 +10,17 @@ the first is marked as a resubmission.
 
 An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
 raised after the replies that came before it were handed over: a reader never loses a reply.
+
+Every publish of a submission carries the same NATS ``headers`` (a traced one's ``traceparent``).
+A :class:`~service.protocol.messages.Held` notice (the fleet is paused) goes to ``on_held``,
+never to the reader.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
@@ -32,14 +36,15 @@ from service.client.exchanges import (
 )
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import Final, Partial, SubmitEnvelope
+from service.protocol.messages import Final, Held, Partial, SubmitEnvelope
 
 MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
 # instead of a bare timeout.
 DEADLINE_MARGIN_S = 2.0
-Publish = Callable[[bytes, str], Awaitable[None]]
-"""``publish(body, reply_subject)``: the submission subject's publish."""
+Publish = Callable[[bytes, str, Mapping[str, str] | None], Awaitable[None]]
+"""``publish(body, reply_subject, headers)``: the submission subject's publish."""
+OnHeld = Callable[[Held], None]
 
 _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
 
@@ -49,12 +54,19 @@ class Submission:
     ``finally``) forgets its reply subject."""
 
     __slots__ = (
-        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_inbox",
-        "_mailbox", "_publish", "_request_id", "_timeout", "_watch",
+        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_headers", "_inbox",
+        "_mailbox", "_on_held", "_publish", "_request_id", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
-        self, publish: Publish, exchanges: Exchanges, watch: CoordinatorWatch, body: bytes, timeout: float
+        self,
+        publish: Publish,
+        exchanges: Exchanges,
+        watch: CoordinatorWatch,
+        body: bytes,
+        timeout: float,
+        headers: Mapping[str, str] | None = None,
+        on_held: OnHeld | None = None,
     ) -> None:
         wait_s = timeout + DEADLINE_MARGIN_S
         self._deadline = time.monotonic() + wait_s
@@ -70,9 +82,11 @@ class Submission:
         self._again: bytes | None = None  # the body marked as a resubmission, made at the first one
         self._ended = False
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
+        self._headers = headers
+        self._on_held = on_held
 
     async def start(self) -> None:
-        await self._publish(self._body, self._inbox)
+        await self._publish(self._body, self._inbox, self._headers)
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
@@ -101,6 +115,8 @@ class Submission:
                         if isinstance(reply, Final):
                             self._ended = True
                             break
+                    elif isinstance(reply, Held) and self._on_held is not None:
+                        self._on_held(reply)
         except (ClientError, TimeoutError) as exc:
             if not ready:
                 raise
@@ -116,14 +132,14 @@ class Submission:
         if item is NO_RESPONDERS:
             await asyncio.sleep(min(self._backoff, max(0.0, self._deadline - time.monotonic())))
             self._backoff = min(self._backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-            await self._publish(self._body, self._inbox)
+            await self._publish(self._body, self._inbox, self._headers)
         elif item is EXPIRED:
             raise TimeoutError(f"no reply within {self._timeout} s")
         elif isinstance(item, CoordinatorLost) and self._request_id and self._holder() != item.coordinator_id:
             return
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
-            await self._publish(self._again, self._inbox)
+            await self._publish(self._again, self._inbox, self._headers)
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
 

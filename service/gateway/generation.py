@@ -23,13 +23,13 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from starlette.types import Receive, Scope, Send
 
 from service.client import ClientError, DpcoordClient
-from service.gateway.asgi import check_json, read_body, respond, respond_error
+from service.gateway.asgi import check_json, header, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
@@ -55,6 +55,9 @@ from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import Final
 
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
+
 log = logging.getLogger(__name__)
 Sent = TypeVar("Sent")
 
@@ -76,7 +79,8 @@ CHAT = Endpoint("chat.completions", chat_decoder.decode, chat_plan, chat_respons
 
 class Generation:
     """Serves one endpoint; ``client`` raises a 503 GatewayError while not connected and
-    ``authorize`` a 401 for a missing or wrong key."""
+    ``authorize`` a 401 for a missing or wrong key. With a ``tracer``, each request is a span
+    continuing the HTTP client's ``traceparent``, the current span while it is served."""
 
     def __init__(
         self,
@@ -87,8 +91,10 @@ class Generation:
         authorize: Callable[[Scope], None],
         requests: Requests,
         draining: Callable[[], bool],
+        tracer: Tracer | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._tracer = tracer
         self.settings = settings
         self.metrics = metrics
         self._client = client
@@ -101,11 +107,20 @@ class Generation:
         requests = self._requests
         task = requests.enter()
         try:
-            await self._serve(task, scope, receive, send)
+            tracer = self._tracer
+            if tracer is None:
+                await self._serve(task, scope, receive, send)
+                return
+            traceparent = header(scope, b"traceparent")
+            with tracer.http_request(
+                "POST", scope["path"], traceparent.decode("latin-1") if traceparent else None
+            ) as span:
+                span.answered(await self._serve(task, scope, receive, send))
         finally:
             requests.leave(task)
 
-    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> int:
+        """Serve one request; its HTTP status."""
         started = time.perf_counter()
         metrics = self.metrics
         metrics.in_flight += 1
@@ -133,7 +148,7 @@ class Generation:
         if stream is None:
             metrics.in_flight -= 1
             metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
-            return
+            return status
         try:
             await self._requests.write(task, stream, send)
         finally:
@@ -141,6 +156,7 @@ class Generation:
             metrics.in_flight -= 1
             metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
             metrics.used(stream.usage())
+        return 200
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> EventStream | None:
         """Answers a non-streamed request itself; returns a stream whose first reply arrived."""

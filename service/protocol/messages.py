@@ -180,7 +180,7 @@ class WeightVersionSpan(Struct):
     end: int
 
 
-class Timings(Struct, omit_defaults=True):
+class Timings(Struct):
     """An extension on every engine's final (docs/protocol.md, *Timings*), measured by the engine
     that ran this run of the request, in seconds from the routed request's arrival there:
     ``queued_s`` until the step that prefilled it began (its wait in the engine's queue; the

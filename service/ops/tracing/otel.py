@@ -141,10 +141,8 @@ class HttpSpan:
     def __init__(self, span: Span) -> None:
         self._span = span
 
-    def answered(self, status: int, model: str | None) -> None:
+    def answered(self, status: int) -> None:
         self._span.set_attribute("http.response.status_code", status)
-        if model is not None:
-            self._span.set_attribute("gen_ai.request.model", model)
         if status >= 500:
             self._span.set_status(Status(StatusCode.ERROR))
 
@@ -152,6 +150,7 @@ class HttpSpan:
 class SubmitSpan:
     def __init__(self, span: Span) -> None:
         self._span = span
+        self._open = True
         self.headers = {"traceparent": _traceparent(span)}  # the NATS headers of every publish of it
 
     def finished(self, final: Final) -> None:
@@ -163,11 +162,18 @@ class SubmitSpan:
             span.set_attribute("gen_ai.usage.input_tokens", final.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", len(final.generated_tokens))
         span.set_attribute("gen_ai.response.finish_reasons", [final.finish_reason])
-        span.end()
+        self.close()
 
     def failed(self, code: int, message: str) -> None:
-        _fail(self._span, code, message)
-        self._span.end()
+        if self._open:
+            _fail(self._span, code, message)
+        self.close()
+
+    def close(self) -> None:
+        """End it (once): after its final, its error, or when its reader stopped reading."""
+        if self._open:
+            self._open = False
+            self._span.end()
 
 
 class CoordinatorTrace:

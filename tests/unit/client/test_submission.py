@@ -7,6 +7,7 @@ round trips are tests/integration/test_client.py and the fault suites)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import msgspec
 import pytest
@@ -22,15 +23,17 @@ ENVELOPE = encode_msgpack(SubmitEnvelope(1, b"\x80", True, "r1", "c1", None, 10.
 
 
 class Published:
-    """Test double for the submission subject's publish: records (body, reply subject)."""
+    """Test double for the submission subject's publish: records (body, reply subject, headers)."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.subjects: list[str] = []
+        self.headers: list[Mapping[str, str] | None] = []
 
-    async def __call__(self, body: bytes, reply_subject: str) -> None:
+    async def __call__(self, body: bytes, reply_subject: str, headers: Mapping[str, str] | None) -> None:
         self.bodies.append(body)
         self.subjects.append(reply_subject)
+        self.headers.append(headers)
 
 
 def partial(offset: int) -> bytes:
