@@ -17,7 +17,7 @@ from service.client.exchanges import EXPIRED, NO_RESPONDERS, RECONNECTED, Coordi
 from service.client.submission import Submission
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import ErrorBody, ErrorReply, Final, Partial, SubmitEnvelope
+from service.protocol.messages import ErrorBody, ErrorReply, Final, Held, Partial, SubmitEnvelope
 
 ENVELOPE = encode_msgpack(SubmitEnvelope(1, b"\x80", True, "r1", "c1", None, 10.0, None, None))
 
@@ -118,4 +118,22 @@ async def test_a_lost_replica_resubmits_only_the_requests_it_held() -> None:
     with pytest.raises(TimeoutError):
         await submission.replies()
     assert len(published.bodies) == 2  # the first publish, and one for coord1's loss
+    submission.close()
+
+
+async def test_a_held_notice_goes_to_on_held_and_every_publish_carries_the_headers() -> None:
+    published = Published()
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.me"
+    heard: list[Held] = []
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0)
+    submission = Submission(published, exchanges, watch, ENVELOPE, 10.0, headers, heard.append)
+    await submission.start()
+    subject = published.subjects[0]
+    exchanges.queues[subject.rpartition(".")[2].encode()].put_nowait(RECONNECTED)
+    deliver(exchanges, subject, encode_msgpack(Held("coord1-7", "r1", "paused")), final(1))
+    assert [type(reply) for reply in await submission.replies()] == [Final]
+    assert heard == [Held("coord1-7", "r1", "paused")]
+    assert published.headers == [headers, headers]  # the first publish and the resubmission
     submission.close()
