@@ -72,7 +72,7 @@ def listing(spans: Sequence[ReadableSpan]) -> str:
     lines: list[str] = []
 
     def walk(span: ReadableSpan, depth: int) -> None:
-        service = span.resource.attributes["service.name"]
+        service = str(span.resource.attributes["service.name"])
         duration_ms = ((span.end_time or 0) - (span.start_time or 0)) / 1e6
         lines.append(f"{'  ' * depth}{span.name} [{service}] {duration_ms:.3f} ms {dict(span.attributes or {})}")
         for child in children.get(span.context.span_id, []):
