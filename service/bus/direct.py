@@ -96,6 +96,6 @@ class DirectClient(NATS):
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
         try:
-            await handler(subject.decode(), reply.decode() if reply else "", data, headers or None)
+            await handler(subject.decode(), reply.decode() if reply else "", data, headers)
         except Exception:
             log.exception("direct handler for %s failed", subject.decode(errors="replace"))

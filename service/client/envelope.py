@@ -41,6 +41,7 @@ def envelope(
         raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
     hashes = prefix_hashes(prompt, chat) or None
     message = SubmitEnvelope(
-        1, body, stream, request_id, client_id, None, params.timeout_s, model, hashes, True, held_notices=held_notices
-    )
+        1, body, stream, request_id, client_id, None, params.timeout_s, model, hashes,
+        batched_replies=True, held_notices=held_notices,
+    )  # fmt: skip
     return encode_msgpack(message), request_id

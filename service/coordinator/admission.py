@@ -25,8 +25,10 @@ Contract:
 - A submission that asks for it (``SubmitEnvelope.held_notices``) and is queued because the
   fleet is not running (paused, suspended) is told so at once with a ``Held`` notice, alone on
   its reply subject, before any other reply.
-- With tracing on (:mod:`service.ops.tracing`), an accepted request continues the
-  ``traceparent`` of its NATS headers (or starts a trace) and carries its spans in the ledger.
+- With tracing on (:mod:`service.ops.tracing`), the coordinator admits through
+  :meth:`Admission.admit_traced`: an accepted request continues the ``traceparent`` of its NATS
+  headers (or starts a trace) and carries its spans in the ledger. :meth:`Admission.admit`
+  itself has no tracing in it, so tracing off costs admission nothing.
 """
 
 from __future__ import annotations
@@ -81,9 +83,22 @@ class Admission:
         self._max_timeout = settings.max_request_timeout_s
         self._shared_inbox = replies.inboxes.first[1]
 
-    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        """Route or queue a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
-        started_ns = time.time_ns() if self._tracer is not None else 0
+    async def admit_traced(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
+        """:meth:`admit`, and the spans of the request it accepted, when its trace is sampled."""
+        started_ns = time.time_ns()
+        entry = await self.admit(incoming, submit)
+        tracer = self._tracer
+        if entry is None or tracer is None:
+            return
+        trace = tracer.coordinator_request(traceparent_in(incoming.headers), started_ns)
+        if trace is not None:
+            entry.trace = trace
+            trace.admitted(entry.return_path.request_id, self._id, entry.model, entry.engine_id is None)
+
+    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> InflightRequest | None:
+        """Route or queue a submission; the request it accepted (None: none, a resubmission
+        answered or a submission without a reply subject). An envelope's body is forwarded
+        undecoded (the engine validates it)."""
         if submit.reply_to is None:
             reply_to, owner = incoming.reply, incoming.owner
         else:
@@ -91,7 +106,7 @@ class Admission:
         if reply_to is None or owner is None:
             self._counters["submit_without_reply"] += 1
             log.warning("submission without reply subject dropped (client_request_id=%s)", submit.client_request_id)
-            return
+            return None
         if isinstance(submit, SubmitEnvelope):
             body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
         else:
@@ -110,7 +125,7 @@ class Admission:
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
             if await self.resubmitted(client_key, reply_to, submit.stream, owner, body):
-                return
+                return None
         ledger = self._ledger
         if len(self._pool) == 0 and ledger.running and self._peers.warmed_up:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
@@ -141,13 +156,10 @@ class Admission:
         )
         entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
         ledger.admit(entry, timeout_s, engine)
-        tracer = self._tracer
-        if tracer is not None and (trace := tracer.coordinator_request(traceparent_in(incoming.headers), started_ns)):
-            entry.trace = trace
-            trace.admitted(request_id, self._id, model, engine is None)
         if engine is None and not ledger.running and type(submit) is SubmitEnvelope and submit.held_notices:
             held = Held(request_id, submit.client_request_id, ledger.state)
             await self._nc.publish(reply_to, encode(held, encoding))
+        return entry
 
     def holds(self, client_key: ClientKey) -> bool:
         """Whether this replica holds ``client_key``'s request, in flight or as a cached result."""

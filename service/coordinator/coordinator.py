@@ -119,6 +119,7 @@ class Coordinator:
         self._relay = ReplyRelay(core, ledger, answers, self.peers, self._kept, self.replies)
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
+        self._admit = self._admission.admit if self.tracer is None else self._admission.admit_traced
         self._fleet = Fleet(core, ledger, self.engines, self.control_state)
         self._control = Control(
             core,
@@ -287,7 +288,7 @@ class Coordinator:
         if type(submit) is SubmitEnvelope and submit.resubmission:
             await self._ownership.admit(incoming, submit)
         else:
-            await self._admission.admit(incoming, submit)
+            await self._admit(incoming, submit)
 
     @property
     def settling(self) -> bool:

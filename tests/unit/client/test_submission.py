@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from service.client.calls import ClientError
+from service.client.envelope import envelope
 from service.client.exchanges import EXPIRED, NO_RESPONDERS, RECONNECTED, CoordinatorWatch, Exchanges
 from service.client.submission import Submission
 from service.protocol.codec import encode_msgpack
@@ -137,3 +138,10 @@ async def test_a_held_notice_goes_to_on_held_and_every_publish_carries_the_heade
     assert heard == [Held("coord1-7", "r1", "paused")]
     assert published.headers == [headers, headers]  # the first publish and the resubmission
     submission.close()
+
+
+def test_a_first_publish_is_no_resubmission_and_reads_reply_batches() -> None:
+    body, request_id = envelope("me", "hi", None, None, False, None, 5.0, {"max_tokens": 2}, held_notices=True)
+    sent = msgspec.msgpack.decode(body, type=SubmitEnvelope)
+    assert (sent.resubmission, sent.batched_replies, sent.held_notices) == (False, True, True)
+    assert sent.client_request_id == request_id and sent.client_id == "me" and sent.timeout_s == 5.0
