@@ -9,7 +9,7 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 import pytest
 
@@ -173,3 +173,16 @@ def test_with_tracing_off_nothing_imports_opentelemetry() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+async def test_a_stream_s_span_ends_with_its_final_or_when_its_reader_stops(settings: Settings) -> None:
+    client_side, coordinator, engine = Recorded("dpcoord-client"), Recorded("c"), Recorded("e")
+    async with traced_fleet(settings, coordinator, engine):
+        async with await DpcoordClient.connect(settings, tracer=client_side.tracer) as client:
+            replies = [reply async for reply in client.stream("hello", max_tokens=3)]
+            async with aclosing(client.stream("abandoned", max_tokens=50)) as stream:
+                await anext(stream)  # the reader stops after one reply
+    submits = [span for span in client_side.spans() if span.name == "dpcoord.submit"]
+    assert len(submits) == 2 and all(span.end_time for span in submits)
+    finished = next(span for span in submits if span.attributes and "dpcoord.request_id" in span.attributes)
+    assert finished.attributes["gen_ai.usage.output_tokens"] == len(replies[-1].generated_tokens) == 3  # type: ignore[index,union-attr]
