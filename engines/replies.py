@@ -24,6 +24,10 @@ from monotonic readings the request table stamps: its arrival (made with the rec
 and end of the step that produced its first token of this run, and the end of its last step.
 A traced request (:mod:`service.ops.tracing`) has its spans made from the same readings when it
 leaves (:meth:`ActiveRequest.trace_left`).
+
+A request that asked for log-probabilities has a :class:`~engines.logprob_record.LogprobRecord`
+beside its tokens, whose values its replies carry; the others' partials are encoded without
+those fields (:class:`~service.protocol.messages.PartialWithoutLogprobs`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from engines.backend import TokenOutput
+from engines.logprob_record import LogprobRecord
 from service.bus.batches import fits_alone, item_size, split_batches
 from service.bus.direct import DirectClient
 from service.protocol.codec import Encoding, encode, encode_msgpack
@@ -50,6 +55,7 @@ from service.protocol.messages import (
     Final,
     FinishReason,
     Partial,
+    PartialWithoutLogprobs,
     ReturnPath,
     RoutedReply,
     Timings,
@@ -82,6 +88,7 @@ class ActiveRequest:
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     body: bytes = b""  # the client's, handed to the adopter of a dead coordinator with the request
     attempt: int = 0
+    logprobs: LogprobRecord | None = None  # a request that asked for log-probabilities
     trace: EngineTrace | None = None  # its spans' context, when it is traced
     # Monotonic readings for its timings: arrival here; the start and end of the step that made
     # its first token of this run (0.0 until then); cached prompt tokens, from that first output.
@@ -146,6 +153,8 @@ class ActiveRequest:
                 versions[-1].end = end
             else:
                 versions.append(WeightVersionSpan(weight_version, start, end))
+        if self.logprobs is not None:
+            self.logprobs.record(output)
         self.tokens.extend(output.new_tokens)
         self.text.append(output.text)
         self.unsent_tokens.extend(output.new_tokens)
@@ -154,14 +163,30 @@ class ActiveRequest:
     def partial(self) -> RoutedReply:
         return_path = self.return_path
         tokens = self.unsent_tokens
-        message = Partial(
-            return_path.request_id,
-            return_path.client_request_id,
-            tokens,
-            "".join(self.unsent_text),
-            len(self.tokens) - len(tokens),
-            self.attempt,
-        )
+        logprobs = self.logprobs
+        message: Partial | PartialWithoutLogprobs
+        if logprobs is None or not logprobs.generated:
+            message = PartialWithoutLogprobs(
+                return_path.request_id,
+                return_path.client_request_id,
+                tokens,
+                "".join(self.unsent_text),
+                len(self.tokens) - len(tokens),
+                self.attempt,
+            )
+        else:
+            fields = logprobs.partial(tokens)
+            message = Partial(
+                return_path.request_id,
+                return_path.client_request_id,
+                tokens,
+                "".join(self.unsent_text),
+                len(self.tokens) - len(tokens),
+                self.attempt,
+                fields.token_logprobs,
+                fields.top_logprobs,
+                fields.token_bytes,
+            )
         self.unsent_tokens, self.unsent_text = [], []
         reply = RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, tokens, self.attempt)
         self.partials_sent += 1
@@ -182,6 +207,14 @@ class ActiveRequest:
             weight_versions=self.weight_versions or None,
             timings=self.timings(time.monotonic() if ended is None else ended),
         )
+        if self.logprobs is not None:
+            fields = self.logprobs.final(self.tokens)
+            message.token_logprobs, message.top_logprobs = fields.token_logprobs, fields.top_logprobs
+            message.token_bytes = fields.token_bytes
+            prompt = fields.prompt
+            if prompt is not None:
+                message.prompt_token_ids, message.prompt_logprobs = prompt.token_ids, prompt.logprobs
+                message.prompt_top_logprobs = prompt.top_logprobs
         return RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, attempt=self.attempt)
 
     def error(self, err: WireError) -> RoutedReply:

@@ -23,8 +23,10 @@ Leaving the table is the right to send the terminal reply, so each request gets 
 what leaves it (other than by finishing in the backend) is also dropped from the backend, so
 the backend holds what the table holds. :meth:`emptied` returns once nothing is left (a drain).
 
-Where what comes next goes: per-token log-probabilities travel from ``TokenOutput`` through
-:meth:`ActiveRequest.record` into its partials and final; a request held by backpressure
+Per-token log-probabilities travel from ``TokenOutput`` through :meth:`ActiveRequest.record`
+into its partials and final, kept beside its tokens by a
+:class:`~engines.logprob_record.LogprobRecord` that :meth:`start` gives a request that asked
+for them. Where what comes next goes: a request held by backpressure
 stays here (it counts in the load and the heartbeat) and is marked by a hold/release pair of
 transitions that also tell the backend not to step it. KV-cache events belong to the step loop
 (:mod:`engines.runtime_steps`), once per step.
@@ -47,6 +49,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
+from engines.logprob_record import LogprobRecord
 from engines.replies import ActiveRequest, ReplyPublisher
 from service.protocol.codec import Encoding
 from service.protocol.errors import WireError
@@ -134,6 +137,10 @@ class RequestTable:
             prompt_tokens=prompt_tokens,
             trace=trace,
         )
+        if request.logprobs is not None or request.prompt_logprobs is not None:
+            active.logprobs = LogprobRecord(
+                self._backend.token_bytes, request.logprobs is not None, bool(request.logprobs)
+            )
         if request.resume_tokens:
             try:
                 active.resume(list(request.resume_tokens), self._backend.resumed_text(request_id), epoch)

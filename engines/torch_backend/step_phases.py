@@ -155,7 +155,10 @@ class StepPhases:
                 finish = "stop"
             if finish is not None:
                 text += state.detokenizer.flush()
-            outputs.append(TokenOutput(state.request.request_id, [token], text, finish, state.cached_prompt_tokens))
+            output = TokenOutput(
+                state.request.request_id, [token], text, finish, cached_tokens=state.cached_prompt_tokens
+            )
+            outputs.append(output)
         return outputs
 
 

@@ -30,7 +30,6 @@ submission waits because the fleet is paused or suspended (the submission asks f
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -47,9 +46,8 @@ from service.client.calls import ClientError, call
 from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
 from service.client.submission import OnHeld, Submission
-from service.client.tracing import traced
+from service.client.tracing import ClientTracing, traced
 from service.ops.settings import Settings
-from service.ops.tracing import start_tracing
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
     AbortRequest,
@@ -71,7 +69,7 @@ from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
 
 if TYPE_CHECKING:
-    from service.ops.tracing.otel import SubmitSpan, Tracer
+    from service.ops.tracing.otel import Tracer
 
 
 class DpcoordClient:
@@ -86,8 +84,7 @@ class DpcoordClient:
         refusals: PublishRefusals,
         replies: Subscription | DirectSubscription,
         watch: CoordinatorWatch,
-        tracer: Tracer | None = None,
-        owns_tracer: bool = False,
+        tracing: ClientTracing | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -98,8 +95,7 @@ class DpcoordClient:
         self._refusals = refusals
         self._replies = replies
         self._watch = watch
-        self._tracer = tracer
-        self._owns_tracer = owns_tracer
+        self._tracing = tracing or ClientTracing()
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
@@ -161,28 +157,15 @@ class DpcoordClient:
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
         watch.start()
-        owns_tracer = tracer is None
-        tracer = tracer if tracer is not None else start_tracing(settings, "dpcoord-client")
+        tracing = ClientTracing.of(settings, tracer)
         return cls(
-            connection,
-            subjects,
-            ack.client_id,
-            ack.coordinator_id,
-            owns,
-            exchanges,
-            refusals,
-            replies,
-            watch,
-            tracer,
-            owns_tracer,
+            connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch, tracing
         )
 
     async def close(self) -> None:
         self._watch.stop()
         self._watches.close()
-        if self._tracer is not None and self._owns_tracer:
-            self._owns_tracer = False
-            await asyncio.to_thread(self._tracer.close)  # exports what is left: off the event loop
+        await self._tracing.close()
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -194,10 +177,6 @@ class DpcoordClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _span(self, client_request_id: ClientRequestId, model: str | None, stream: bool) -> SubmitSpan | None:
-        tracer = self._tracer
-        return None if tracer is None else tracer.submit(self._submit_subject, client_request_id, model, stream)
-
     async def submit(
         self,
         prompt: str | list[int] | None = None,
@@ -206,19 +185,31 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
+        Log-probabilities: ``logprobs=k`` (0 to 20) gives each generated token's logprob with its
+        ``k`` most likely alternatives (``token_logprobs``, ``top_logprobs`` and ``token_bytes``
+        of the replies), ``prompt_logprobs=k`` the prompt's (``prompt_logprobs``,
+        ``prompt_top_logprobs``, ``prompt_token_ids`` of the final), ``logprobs_mode="processed"``
+        those of the distribution sampled from rather than the model's (``"raw"``).
+
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
-        bounds the wait and is also the request's deadline at the coordinator. ``on_held`` is
+        bounds the wait and is also the request's deadline at the coordinator. With the
+        ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
+        conversation) stay on one engine while it has room, and so do those of one ``group_id``
+        (the samples of one prompt): its prefix cache serves what they share. ``on_held`` is
         called with the ``Held`` notice if the request waits because the fleet is not running."""
         body, request_id = envelope(
-            self.client_id, prompt, messages, model, False, client_request_id, timeout, sampling, on_held is not None
-        )
-        span = self._span(request_id, model, False)
+            self.client_id, prompt, messages, model, False, client_request_id, timeout, sampling,
+            session_id, group_id, on_held is not None,
+        )  # fmt: skip
+        span = self._tracing.span(self._submit_subject, request_id, model, False)
         headers = None if span is None else span.headers
         submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, headers, on_held)
         try:
@@ -242,6 +233,8 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
@@ -257,6 +250,8 @@ class DpcoordClient:
             model=model,
             client_request_id=client_request_id,
             timeout=timeout,
+            session_id=session_id,
+            group_id=group_id,
             on_held=on_held,
             **sampling,
         )
@@ -273,6 +268,8 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
@@ -280,10 +277,11 @@ class DpcoordClient:
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
         body, request_id = envelope(
-            self.client_id, prompt, messages, model, True, client_request_id, timeout, sampling, on_held is not None
-        )
+            self.client_id, prompt, messages, model, True, client_request_id, timeout, sampling,
+            session_id, group_id, on_held is not None,
+        )  # fmt: skip
         check = StreamCheck()
-        span = self._span(request_id, model, True)
+        span = self._tracing.span(self._submit_subject, request_id, model, True)
         headers = None if span is None else span.headers
         submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, headers, on_held)
         try:

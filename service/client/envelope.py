@@ -23,11 +23,14 @@ def envelope(
     client_request_id: ClientRequestId | None,
     timeout: float,
     sampling: dict[str, Any],
+    session_id: str | None = None,
+    group_id: str | None = None,
     held_notices: bool = False,
 ) -> tuple[bytes, ClientRequestId]:
     """The encoded envelope of one submission of ``client_id``, and its ``client_request_id``
     (drawn when None); it carries the prompt's prefix hashes for prefix-aware routing (none for a
-    prompt shorter than one block), and asks for a ``Held`` notice when ``held_notices``."""
+    prompt shorter than one block), the session and group for cache-aware routing, whether the
+    body asks for log-probabilities, and asks for a ``Held`` notice when ``held_notices``."""
     params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
     if params.timeout_s is None:
         params.timeout_s = timeout
@@ -40,8 +43,7 @@ def envelope(
     except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
         raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
     hashes = prefix_hashes(prompt, chat) or None
-    message = SubmitEnvelope(
-        1, body, stream, request_id, client_id, None, params.timeout_s, model, hashes,
-        batched_replies=True, held_notices=held_notices,
-    )  # fmt: skip
+    message = SubmitEnvelope(1, body, stream, request_id, client_id, None, params.timeout_s, model, hashes)
+    message.batched_replies, message.logprobs = True, params.asks_logprobs
+    message.session_id, message.group_id, message.held_notices = session_id, group_id, held_notices
     return encode_msgpack(message), request_id

@@ -174,9 +174,9 @@ async def test_a_final_carries_the_timings_of_its_steps_read_from_the_steps_it_c
     routed, waiting = floor.routed(request_id="r"), floor.routed(request_id="w")
     start(floor, routed)
     arrived = floor.requests.records["r"].arrived
-    outputs = [TokenOutput("r", [97], "a", None, 2)]
+    outputs = [TokenOutput("r", [97], "a", cached_tokens=2)]
     await floor.requests.record_step(outputs, None, None, arrived + 1.0, arrived + 1.5)
-    outputs = [TokenOutput("r", [98], "b", None, 0), TokenOutput("r", [99], "c", "length", 0)]
+    outputs = [TokenOutput("r", [98], "b"), TokenOutput("r", [99], "c", "length")]
     await floor.requests.record_step(outputs, None, None, arrived + 2.0, arrived + 4.0)
     start(floor, waiting)
     await floor.requests.abort("w")
