@@ -87,13 +87,14 @@ class Admission:
         """:meth:`admit`, and the spans of the request it accepted, when its trace is sampled."""
         started_ns = time.time_ns()
         entry = await self.admit(incoming, submit)
+        admitted_ns = time.time_ns()
         tracer = self._tracer
         if entry is None or tracer is None:
             return
         trace = tracer.coordinator_request(traceparent_in(incoming.headers), started_ns)
         if trace is not None:
             entry.trace = trace
-            trace.admitted(entry.return_path.request_id, self._id, entry.model, entry.engine_id is None)
+            trace.admitted(entry.return_path.request_id, self._id, entry.model, entry.engine_id is None, admitted_ns)
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> InflightRequest | None:
         """Route or queue a submission; the request it accepted (None: none, a resubmission

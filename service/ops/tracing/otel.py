@@ -187,15 +187,14 @@ class CoordinatorTrace:
         self._route: Span | None = None
         self._final_ns = 0
 
-    def admitted(self, request_id: str, coordinator_id: str, model: str | None, queued: bool) -> None:
+    def admitted(self, request_id: str, coordinator_id: str, model: str | None, queued: bool, at_ns: int) -> None:
+        """Admission ended at ``at_ns``: the admission span, and the request's attributes."""
         span = self._span
         span.set_attribute("dpcoord.request_id", request_id)
         span.set_attribute("dpcoord.coordinator_id", coordinator_id)
         if model is not None:
             span.set_attribute("gen_ai.request.model", model)
-        self._tracer.timed(
-            "dpcoord.coordinator.admission", span, self._started_ns, time.time_ns(), {"dpcoord.queued": queued}
-        )
+        self._tracer.timed("dpcoord.coordinator.admission", span, self._started_ns, at_ns, {"dpcoord.queued": queued})
 
     def routed(self, engine_id: str, attempt: int, admitted_at: float, routed_at: float) -> str:
         """The queue span of the first run (from ``admitted_at`` to ``routed_at``, monotonic) and
