@@ -58,7 +58,7 @@ from service.ops.settings import Settings
 from service.ops.tracing import start_tracing
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, ResendReplies
-from service.protocol.messages import EngineAck, RoutedAbort, RoutedRequestBatch
+from service.protocol.messages import EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
 from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
 
 if TYPE_CHECKING:
@@ -138,6 +138,7 @@ class EngineRuntime:
         routed: dict[str, Route[Any]] = {
             Header.SUBMIT_REQUEST: Route.to(RoutedRequestBatch, self._intake.start_batch),
             Header.ABORT_REQUEST: Route.to(RoutedAbort, self._intake.abort),
+            Header.HOLD_REQUEST: Route.to(RoutedHold, self._intake.hold),
             RESEND_REPLIES: Route.to(ResendReplies, self._intake.resend),
         }
         self._dispatch = EngineDispatch(core, routed, ENGINE_HANDLERS, self, self._signals.superseded)

@@ -20,12 +20,11 @@ its peers before running it (docs/reliability.md, ownership).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
-callback, so the call would otherwise wait out its timeout.
+callback, so the call would otherwise wait out its timeout. A stream's unread replies are
+bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
 
-With tracing on (``otlp_endpoint``; :mod:`service.ops.tracing`), each submission is a
-``dpcoord.submit`` span, a child of the caller's current span, whose ``traceparent`` travels in
-the NATS headers of its every publish. ``on_held`` hears the coordinator's ``Held`` notice when a
-submission waits because the fleet is paused or suspended (the submission asks for it only then).
+Traced (:mod:`service.ops.tracing`), a submission is a ``dpcoord.submit`` span, its
+``traceparent`` in every publish's NATS headers. ``on_held`` hears a ``Held`` notice (a pause).
 """
 
 from __future__ import annotations
@@ -45,6 +44,8 @@ from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
+from service.client.holds import HoldChannel
 from service.client.submission import OnHeld, Submission
 from service.client.tracing import ClientTracing, traced
 from service.ops.settings import Settings
@@ -97,6 +98,7 @@ class DpcoordClient:
         self._watch = watch
         self._tracing = tracing or ClientTracing()
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -115,8 +117,7 @@ class DpcoordClient:
         caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
         cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
         ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL.
-        ``tracer``: where submissions' spans go (the caller's to close); by default from
-        settings (None: tracing off)."""
+        ``tracer`` (the caller's to close): where spans go; by default from settings."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         watch = CoordinatorWatch(
@@ -209,15 +210,15 @@ class DpcoordClient:
             self.client_id, prompt, messages, model, False, client_request_id, timeout, sampling,
             session_id, group_id, on_held is not None,
         )  # fmt: skip
-        span = self._tracing.span(self._submit_subject, request_id, model, False)
-        headers = None if span is None else span.headers
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, headers, on_held)
+        span, headers = self._tracing.start(self._submit_subject, request_id, model, False)
+        submission = Submission(
+            self._publish, self._exchanges, self._watch, body, timeout, headers=headers, on_held=on_held
+        )
         try:
             with traced(span):
                 await submission.start()
                 while replies := await submission.replies():
-                    final = replies[-1]
-                    if isinstance(final, Final):
+                    if isinstance(final := replies[-1], Final):
                         if span is not None:
                             span.finished(final)
                         return final
@@ -236,9 +237,12 @@ class DpcoordClient:
         session_id: str | None = None,
         group_id: str | None = None,
         on_held: OnHeld | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        ``flow`` bounds the replies not read: past it the request is held; stalled, aborted (``StreamStalled``).
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
@@ -253,6 +257,7 @@ class DpcoordClient:
             session_id=session_id,
             group_id=group_id,
             on_held=on_held,
+            flow=flow,
             **sampling,
         )
         async with aclosing(batches):
@@ -271,6 +276,7 @@ class DpcoordClient:
         session_id: str | None = None,
         group_id: str | None = None,
         on_held: OnHeld | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
@@ -281,9 +287,9 @@ class DpcoordClient:
             session_id, group_id, on_held is not None,
         )  # fmt: skip
         check = StreamCheck()
-        span = self._tracing.span(self._submit_subject, request_id, model, True)
-        headers = None if span is None else span.headers
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, headers, on_held)
+        span, headers = self._tracing.start(self._submit_subject, request_id, model, True)
+        control = FlowControl(flow, self._holds)
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, control, headers, on_held)
         try:
             with traced(span):
                 await submission.start()
@@ -390,4 +396,4 @@ class DpcoordClient:
         return reply
 
 
-__all__ = ["ClientError", "DpcoordClient"]
+__all__ = ["ClientError", "DpcoordClient", "FlowLimits", "StreamStalled"]

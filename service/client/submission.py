@@ -13,7 +13,9 @@ raised after the replies that came before it were handed over: a reader never lo
 
 Every publish of a submission carries the same NATS ``headers`` (a traced one's ``traceparent``).
 A :class:`~service.protocol.messages.Held` notice (the fleet is paused) goes to ``on_held``,
-never to the reader.
+never to the reader. A stream with flow control (:mod:`service.client.flow`) is the exception
+to the rule above: when it stalls, the replies its reader did not take are dropped and the
+next call raises ``StreamStalled``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from service.client.exchanges import (
     Exchanges,
     Refused,
 )
+from service.client.flow import FlowControl, StreamFlow, StreamStalled
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import Final, Held, Partial, SubmitEnvelope
@@ -51,11 +54,11 @@ _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
 
 class Submission:
     """One envelope ``body`` in flight; :meth:`start` publishes it, :meth:`close` (always, in a
-    ``finally``) forgets its reply subject."""
+    ``finally``) forgets its reply subject. With ``flow``, its replies not read are bounded."""
 
     __slots__ = (
-        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_headers", "_inbox",
-        "_mailbox", "_on_held", "_publish", "_request_id", "_timeout", "_watch",
+        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow", "_headers",
+        "_inbox", "_mailbox", "_on_held", "_publish", "_request_id", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
@@ -65,6 +68,7 @@ class Submission:
         watch: CoordinatorWatch,
         body: bytes,
         timeout: float,
+        flow: FlowControl | None = None,
         headers: Mapping[str, str] | None = None,
         on_held: OnHeld | None = None,
     ) -> None:
@@ -84,12 +88,18 @@ class Submission:
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
         self._headers = headers
         self._on_held = on_held
+        self._flow: StreamFlow | None = None
+        if flow is not None:
+            inbox = self._inbox
+            self._flow = StreamFlow(self._mailbox, flow, lambda: self._request_id, lambda: exchanges.close(inbox))
 
     async def start(self) -> None:
         await self._publish(self._body, self._inbox, self._headers)
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
+        if self._flow is not None:
+            self._flow.close()
 
     async def replies(self) -> list[Partial | Final]:
         """The replies that arrived since the last call (waiting for one), in order; the last
@@ -140,8 +150,12 @@ class Submission:
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
             await self._publish(self._again, self._inbox, self._headers)
+            if self._flow is not None:
+                self._flow.again()
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
+        elif isinstance(item, StreamStalled):
+            raise item
 
 
 def _as_resubmission(body: bytes) -> bytes:

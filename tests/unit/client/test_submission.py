@@ -129,7 +129,7 @@ async def test_a_held_notice_goes_to_on_held_and_every_publish_carries_the_heade
     heard: list[Held] = []
     headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
     watch = CoordinatorWatch(exchanges, 1.0, 3.0)
-    submission = Submission(published, exchanges, watch, ENVELOPE, 10.0, headers, heard.append)
+    submission = Submission(published, exchanges, watch, ENVELOPE, 10.0, headers=headers, on_held=heard.append)
     await submission.start()
     subject = published.subjects[0]
     exchanges.queues[subject.rpartition(".")[2].encode()].put_nowait(RECONNECTED)
