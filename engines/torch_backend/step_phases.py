@@ -107,11 +107,11 @@ class StepPhases:
                 sequences = scheduled.sequences
                 states, greedy = requests.states(sequences)
                 asking = requests.asking
-                prompts = (
-                    [state for state in states[len(scheduled.decode) :] if state.sequence.prompt_rows_due]
-                    if scheduled.prefill
-                    else []
-                )
+                prompts: list[RequestState] = []
+                if scheduled.prefill:
+                    prefilled = states[len(scheduled.decode) :]
+                    first_cached(prefilled)
+                    prompts = [state for state in prefilled if state.sequence.prompt_rows_due]
                 params = None if greedy else sampling_params(states, runner.device)
                 inputs = runner.prepare(scheduled, scheduler.grown, earlier)
                 positions = feed(sequences)
@@ -186,7 +186,9 @@ class StepPhases:
                 finish = "stop"
             if finish is not None:
                 text += state.detokenizer.flush()
-            output = TokenOutput(state.request.request_id, [token], text, finish)
+            output = TokenOutput(
+                state.request.request_id, [token], text, finish, cached_tokens=state.cached_prompt_tokens
+            )
             if asked and (row := asked.get(state)) is not None:
                 output.logprobs = [row[0]]
                 output.top_logprobs = [row[1]] if state.request.logprobs else None
@@ -203,3 +205,12 @@ class StepPhases:
             output.prompt = prompts.pop(state, None)
         for state in [state for state in prompts if state.sequence.status is SequenceStatus.FINISHED]:
             del prompts[state]
+
+
+def first_cached(prefilled: list[RequestState]) -> None:
+    """Note, for the requests a step prefills for the first time, how many of their prompt's
+    tokens the prefix cache held (``Final.timings.cached_prompt_tokens``)."""
+    for state in prefilled:
+        if state.cached_prompt_tokens < 0:
+            sequence = state.sequence
+            state.cached_prompt_tokens = min(sequence.num_cached, sequence.num_prompt_tokens)

@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from service.protocol.errors import WireError
+from service.protocol.logprobs import LogprobCount, LogprobsMode, StreamedLogprobs, TopLogprob
 from service.protocol.prefix import MAX_PREFIX_HASHES
 
 # Integers that cross the wire fit msgpack's 64 bits: a bigger one (JSON allows any) would be
@@ -25,14 +26,6 @@ FinishReason = Literal["length", "stop", "abort"]
 WeightVersion = str | Int64
 # What pause does to requests in flight: freeze them (keep), end them (abort), or let them finish (drain).
 PauseMode = Literal["keep", "abort", "drain"]
-# Log-probabilities (an extension, docs/protocol.md): how many alternatives a token may list,
-# and which distribution they are of: the model's own ("raw") or the one sampled from, after
-# temperature, top-k and top-p ("processed").
-MAX_LOGPROBS = 20
-LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-LogprobsMode = Literal["raw", "processed"]
-# One alternative at a position: a token id and its log-probability, encoded as a pair.
-TopLogprob = tuple[int, float]
 
 
 # ---------------------------------------------------------------- from clients
@@ -135,6 +128,9 @@ class SubmitEnvelope(Struct, array_like=True):
     # Extensions, as SubmitRequest's: the body's session and group, for routing without decoding it.
     session_id: AffinityId | None = None
     group_id: AffinityId | None = None
+    # An extension: the client reads a :class:`Held` notice when its request waits because the
+    # fleet is not running (paused, suspended); clients that leave it False never get one.
+    held_notices: bool = False
 
 
 class ConnectRequest(Struct):
@@ -244,6 +240,20 @@ class WeightVersionSpan(Struct):
     end: int
 
 
+class Timings(Struct):
+    """An extension on every engine's final (docs/protocol.md, *Timings*), measured by the engine
+    that ran this run of the request, in seconds from the routed request's arrival there:
+    ``queued_s`` until the step that prefilled it began (its wait in the engine's queue; the
+    coordinator's queue is not in it), ``ttft_s`` until its first token (None: it generated
+    none), ``decode_s`` from the first token to the last; ``cached_prompt_tokens`` of the
+    prompt were read from the prefix cache instead of being computed."""
+
+    queued_s: float
+    ttft_s: float | None = None
+    decode_s: float = 0.0
+    cached_prompt_tokens: int = 0
+
+
 class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     request_id: str
     client_request_id: ClientRequestId | None
@@ -263,6 +273,18 @@ class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[TopLogprob] | None] | None = None
     token_bytes: dict[int, bytes] | None = None
+    timings: Timings | None = None  # an extension: None from the coordinator and older engines
+
+
+class Held(Struct, tag="held", tag_field="type"):
+    """An extension, sent to clients that asked (``SubmitEnvelope.held_notices``): the request
+    was accepted and waits in the coordinator's queue because the fleet is ``state`` (the
+    control state: ``paused``, ``suspended``); it runs once the fleet runs again. At most one
+    per submission, before any other reply; never terminal."""
+
+    request_id: str
+    client_request_id: ClientRequestId | None
+    state: str
 
 
 class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
@@ -309,7 +331,7 @@ class ModelList(Struct, tag="models", tag_field="type"):
     models: list[ServedModel]
 
 
-Reply = Partial | Final | ErrorReply | Ack | ConnectAck | ModelList
+Reply = Partial | Final | Held | ErrorReply | Ack | ConnectAck | ModelList
 
 
 def error_reply(
@@ -338,16 +360,6 @@ class ReturnPath(Struct, array_like=True, gc=False):
     client_request_id: ClientRequestId | None
     client_id: str | None = None
     batched: bool = False  # replies may go in reply batches (service/protocol/reply_batches.py)
-
-
-class StreamedLogprobs(Struct, array_like=True, gc=False):
-    """Log-probabilities of tokens a stream delivered, aligned with their ids, carried beside a
-    partial's ``tokens`` (:class:`RoutedReply`) so the coordinator keeps them for a migration
-    without decoding the client's body, and handed to the engine that resumes the stream
-    (:class:`RoutedRequest`), whose final carries every token's."""
-
-    token_logprobs: list[float]
-    top_logprobs: list[list[TopLogprob]] | None = None
 
 
 class RoutedRequest(Struct, array_like=True, gc=False):
