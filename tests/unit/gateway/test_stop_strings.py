@@ -10,9 +10,10 @@ import msgspec
 import pytest
 
 from service.gateway.errors import deepest_field, from_validation
+from service.gateway.responses import visible_text
 from service.gateway.schemas import completion_decoder
 from service.gateway.streaming import ChunkWriter
-from service.gateway.translate import Plan, completion_plan, visible_text
+from service.gateway.translate import Plan, completion_plan
 from service.protocol.messages import Final, Partial
 
 
