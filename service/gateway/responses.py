@@ -1,7 +1,7 @@
 """dpcoord's final replies into OpenAI's responses: the text a client sees, the log-probabilities
 that go with it, the usage.
 
-As OpenAI does, a stop string that ended a choice is left out of its text (:func:`visible_text`;
+As OpenAI does, a stop string that ended a choice is left out of its text (:func:`rest_of`;
 the engines' wire ``generated_text`` keeps it), and so are its tokens' log-probabilities (the
 tokens any of whose text lies in what was cut, service/gateway/logprobs.py); and
 ``usage.prompt_tokens`` counts each prompt once, however many samples ``n`` draws from it.
@@ -16,7 +16,8 @@ carries the prompt's logprobs.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from service.gateway.errors import GatewayError
 from service.gateway.logprobs import ChoiceScores, Scores, chat_logprobs, completion_logprobs, prompt_scores
@@ -34,11 +35,6 @@ from service.gateway.translate import Job, Plan
 from service.protocol.messages import Final
 
 
-def generated(plan: Plan, final: Final) -> int:
-    """Completion tokens of a choice: none of an echo with ``max_tokens: 0``."""
-    return 0 if plan.echo_only else len(final.generated_tokens)
-
-
 def usage_of(plan: Plan, finals: Iterable[tuple[int, Final]]) -> Usage:
     """Usage of the choices ``(index, final)``: completion tokens of each, prompt tokens once per
     prompt (the largest count among its samples, which all share it)."""
@@ -47,20 +43,9 @@ def usage_of(plan: Plan, finals: Iterable[tuple[int, Final]]) -> Usage:
     for index, final in finals:
         group = index // plan.n
         prompts[group] = max(prompts.get(group, 0), final.prompt_tokens or 0)
-        completion += generated(plan, final)
+        completion += 0 if plan.echo_only else len(final.generated_tokens)
     prompt = sum(prompts.values())
     return Usage(prompt, completion, prompt + completion)
-
-
-def visible_text(plan: Plan, final: Final) -> str:
-    """The text a client sees: without the stop string that ended the choice, and what followed it
-    in the same token."""
-    cut = _cut(plan, final)
-    return final.generated_text if cut is None else final.generated_text[:cut]
-
-
-def _cut(plan: Plan, final: Final) -> int | None:
-    return stop_cut(final.generated_text, plan) if final.finish_reason == "stop" else None
 
 
 def stop_cut(text: str, plan: Plan) -> int | None:
@@ -76,8 +61,7 @@ def stop_cut(text: str, plan: Plan) -> int | None:
     return min(found) if not plan.min_tokens else max(found)
 
 
-@dataclass(frozen=True, slots=True)
-class Rest:
+class Rest(msgspec.Struct, frozen=True, gc=False):
     """What a choice's final adds to what a stream sent of it (all of it when nothing was): its
     text, and the tokens whose logprobs go with it (None when none were asked)."""
 
@@ -101,7 +85,7 @@ def rest_of(plan: Plan, job: Job, final: Final, sent: str = "", scores: ChoiceSc
     """The text after ``sent`` (with ``echo``, the prompt's first) and the tokens ``scores`` did
     not send yet (a fresh one: all of them); a stream holds an echoed choice whole until its
     final, so ``sent`` is empty there."""
-    cut = _cut(plan, final)
+    cut = stop_cut(final.generated_text, plan) if final.finish_reason == "stop" else None
     text = "" if plan.echo_only else final.generated_text if cut is None else final.generated_text[:cut]
     text = text[len(sent) :] if text.startswith(sent) else ""
     reason = "length" if plan.echo_only else final.finish_reason
@@ -139,7 +123,7 @@ def answered_usage(plan: Plan, finals: list[Final]) -> Usage:
     (the common case) needs no grouping by prompt."""
     if len(finals) == 1:
         final = finals[0]
-        prompt, completion = final.prompt_tokens or 0, generated(plan, final)
+        prompt, completion = final.prompt_tokens or 0, 0 if plan.echo_only else len(final.generated_tokens)
         return Usage(prompt, completion, prompt + completion)
     return usage_of(plan, zip([job.index for job in plan.jobs], finals, strict=True))
 

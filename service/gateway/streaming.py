@@ -34,7 +34,7 @@ from service.client import ClientError
 from service.gateway.disconnects import DisconnectWatch
 from service.gateway.errors import GatewayError, from_wire
 from service.gateway.logprobs import ChoiceScores, Scores, chat_logprobs, completion_logprobs
-from service.gateway.responses import generated, rest_of, usage_of
+from service.gateway.responses import rest_of, usage_of
 from service.gateway.schemas import (
     ChatCompletionChunk,
     ChatDeltaChoice,
@@ -109,31 +109,44 @@ class ChunkWriter:
             choice.started = True
             out.append(self._chat(job.index, ChatMessageOut("assistant", ""), None))
         if isinstance(reply, Partial):
-            if not plan.echo_only:
-                choice.tokens += len(reply.new_tokens)
-            if plan.echo:  # held whole until the final
+            if choice.scores is not None or plan.echo:
+                self._scored(job, choice, reply, out)
                 return out
             choice.held += reply.text
+            choice.tokens += len(reply.new_tokens)
             text = self._releasable(choice)
-            scores = choice.scores
-            if scores is not None:
-                scores.partial(reply.new_tokens, reply.token_logprobs, reply.top_logprobs, reply.token_bytes)
-                tokens = scores.release(len(text) if plan.stops else None)
-                if text or tokens:
-                    choice.sent.append(text)
-                    out.append(self._encoded(job.index, text, None, self._logprobs(tokens, scores.names)))
-            elif text:
+            if text:
                 choice.sent.append(text)
                 out.append(self._piece(job.index, text, None))
             return out
         choice.final = reply
-        choice.tokens = generated(plan, reply)
+        choice.tokens = 0 if plan.echo_only else len(reply.generated_tokens)
         if reply.prompt_tokens is not None:
             self.prompt_tokens[job.index // plan.n] = reply.prompt_tokens
         rest = rest_of(plan, job, reply, "".join(choice.sent), choice.scores)
-        logprobs = rest.chat_logprobs(plan) if self.chat else rest.completion_logprobs(plan)
-        out.append(self._piece(job.index, rest.text, rest.finish_reason, logprobs))
+        if rest.tokens is None:
+            out.append(self._piece(job.index, rest.text, rest.finish_reason))
+        else:
+            logprobs = rest.chat_logprobs(plan) if self.chat else rest.completion_logprobs(plan)
+            out.append(self._piece(job.index, rest.text, rest.finish_reason, logprobs))
         return out
+
+    def _scored(self, job: Job, choice: _Choice, reply: Partial, out: list[bytes]) -> None:
+        """A partial of a choice with logprobs asked: its text and the tokens that go with it;
+        an echoed choice's only counts its tokens (it waits for its final)."""
+        plan = self.plan
+        if not plan.echo_only:
+            choice.tokens += len(reply.new_tokens)
+        scores = choice.scores
+        if scores is None:  # echo
+            return
+        choice.held += reply.text
+        text = self._releasable(choice)
+        scores.partial(reply.new_tokens, reply.token_logprobs, reply.top_logprobs, reply.token_bytes)
+        tokens = scores.release(len(text) if plan.stops else None)
+        if text or tokens:
+            choice.sent.append(text)
+            out.append(self._encoded(job.index, text, None, self._logprobs(tokens, scores.names)))
 
     def _logprobs(self, tokens: Scores, names: dict[int, bytes]) -> ChatLogprobs | CompletionLogprobs:
         top = self.plan.logprobs or 0
