@@ -23,8 +23,10 @@ Leaving the table is the right to send the terminal reply, so each request gets 
 what leaves it (other than by finishing in the backend) is also dropped from the backend, so
 the backend holds what the table holds. :meth:`emptied` returns once nothing is left (a drain).
 
-Where what comes next goes: per-token log-probabilities travel from ``TokenOutput`` through
-:meth:`ActiveRequest.record` into its partials and final; a request held by backpressure
+Per-token log-probabilities travel from ``TokenOutput`` through :meth:`ActiveRequest.record`
+into its partials and final, kept beside its tokens by a
+:class:`~engines.logprob_record.LogprobRecord` that :meth:`start` gives a request that asked
+for them. Where what comes next goes: a request held by backpressure
 stays here (it counts in the load and the heartbeat) and is marked by a hold/release pair of
 transitions that also tell the backend not to step it; timings (queued, time to first token,
 decode) are stamped by :meth:`start` and :meth:`record_step` and carried on the final. Spans
@@ -40,6 +42,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
+from engines.logprob_record import LogprobRecord
 from engines.replies import ActiveRequest, ReplyPublisher
 from service.protocol.codec import Encoding
 from service.protocol.errors import WireError
@@ -112,6 +115,10 @@ class RequestTable:
         active = ActiveRequest(
             routed.return_path, encoding, body=routed.body, attempt=routed.attempt, prompt_tokens=prompt_tokens
         )
+        if request.logprobs is not None or request.prompt_logprobs is not None:
+            active.logprobs = LogprobRecord(
+                self._backend.token_bytes, request.logprobs is not None, bool(request.logprobs)
+            )
         if request.resume_tokens:
             try:
                 active.resume(list(request.resume_tokens), self._backend.resumed_text(request_id), epoch)

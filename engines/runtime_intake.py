@@ -3,7 +3,8 @@
 with their own error reply), aborts end them, and terminal replies are sent again on request.
 
 Contract: a routed request this engine cannot serve (an unknown encoding, an undecodable body,
-over the limits on stop strings or ``max_tokens``, refused by the backend, or failing in any
+over the limits on stop strings or ``max_tokens``, asking for log-probabilities of a backend
+that computes none, refused by the backend, or failing in any
 other way) gets its own error reply where its encoding is known, and is counted and logged
 otherwise; the requests routed with it in the same message are not affected. Every change to
 the requests held goes through the request table (:mod:`engines.requests`). These methods run
@@ -87,6 +88,12 @@ class RequestIntake:
         submit = _submit_decoder.decode(routed.body, encoding)
         backend = self._backend
         check_limits(submit, self._settings, backend.max_context)
+        if submit.sampling_params.asks_logprobs and not backend.computes_logprobs:
+            raise WireError(
+                ErrorCode.MALFORMED,
+                f"engine {self._engine_id} ({backend.name} backend) computes no log-probabilities "
+                "(sampling_params.logprobs, prompt_logprobs)",
+            )
         prompt = submit.prompt if submit.prompt is not None else backend.render_chat(submit.messages or ())
         request = GenerationRequest.from_submit(routed.return_path.request_id, submit, prompt)
         resume = routed.resume_tokens

@@ -15,6 +15,7 @@ from msgspec import Struct
 
 from service.bus.registry import Incoming
 from service.protocol.handover import ForwardedAbort, ForwardedSubmission
+from service.protocol.kv_events import KvEvents
 from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     ClientRequestId,
@@ -105,14 +106,21 @@ class EngineContext(Replier, Protocol):
         capacity: int,
         model: str | None,
         weight_version: WeightVersion | None,
+        kv_sequence: int | None,
     ) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
         restarted), and answer with the control state and epoch it must start in. One that
-        serves other weights than the fleet's is not added: the answer names the fleet's."""
+        serves other weights than the fleet's is not added: the answer names the fleet's. One
+        that publishes KV events (``kv_sequence``) is asked for a snapshot of its prefix cache."""
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
         """Refresh an engine's liveness; adopt an unknown one (``own_subjects``: it sends on its
-        own subjects); reconcile what it no longer holds."""
+        own subjects); reconcile what it no longer holds; snapshot its prefix cache when this
+        replica does not know it yet, or missed its last KV event."""
+
+    def kv_events(self, engine_id: str, events: KvEvents) -> None:
+        """Apply one step's KV events of ``engine_id`` to the block index, in their order; a gap
+        in their numbering asks the engine for a snapshot."""
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         """Send terminal replies to their clients and free their engine slots."""

@@ -101,7 +101,9 @@ class DpcoordClient:
         cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
-        caller's business) and shake hands with a coordinator."""
+        caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
+        cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
+        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         watch = CoordinatorWatch(
@@ -114,7 +116,7 @@ class DpcoordClient:
             exchanges.reconnected()
 
         connection = nc or await connect_nats(
-            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error
+            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error, give_up=True
         )
         subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
@@ -167,10 +169,12 @@ class DpcoordClient:
         client_request_id: ClientRequestId | None,
         timeout: float,
         sampling: dict[str, Any],
+        session_id: str | None = None,
+        group_id: str | None = None,
     ) -> bytes:
         """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
         carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
-        than one block)."""
+        than one block), and the session and group for cache-aware routing."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
@@ -183,11 +187,10 @@ class DpcoordClient:
         except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
             raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
         hashes = prefix_hashes(prompt, chat) or None
-        return encode_msgpack(
-            SubmitEnvelope(
-                1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
-            )
-        )
+        envelope = SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)
+        envelope.batched_replies, envelope.logprobs = True, params.asks_logprobs
+        envelope.session_id, envelope.group_id = session_id, group_id
+        return encode_msgpack(envelope)
 
     async def submit(
         self,
@@ -197,14 +200,27 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
 
+        Log-probabilities: ``logprobs=k`` (0 to 20) gives each generated token's logprob with its
+        ``k`` most likely alternatives (``token_logprobs``, ``top_logprobs`` and ``token_bytes``
+        of the replies), ``prompt_logprobs=k`` the prompt's (``prompt_logprobs``,
+        ``prompt_top_logprobs``, ``prompt_token_ids`` of the final), ``logprobs_mode="processed"``
+        those of the distribution sampled from rather than the model's (``"raw"``).
+
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
-        bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
+        bounds the wait and is also the request's deadline at the coordinator. With the
+        ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
+        conversation) stay on one engine while it has room, and so do those of one ``group_id``
+        (the samples of one prompt): its prefix cache serves what they share."""
+        body = self._submission(
+            prompt, messages, model, False, client_request_id, timeout, sampling, session_id, group_id
+        )
         submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
         try:
             await submission.start()
@@ -223,6 +239,8 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
@@ -232,7 +250,14 @@ class DpcoordClient:
         partial is yielded and the final (every token) fills the rest in; a final that does not
         extend the partials yielded raises ClientError 502."""
         batches = self.stream_batches(
-            prompt, messages=messages, model=model, client_request_id=client_request_id, timeout=timeout, **sampling
+            prompt,
+            messages=messages,
+            model=model,
+            client_request_id=client_request_id,
+            timeout=timeout,
+            session_id=session_id,
+            group_id=group_id,
+            **sampling,
         )
         async with aclosing(batches):
             async for replies in batches:
@@ -247,12 +272,16 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
+        body = self._submission(
+            prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id
+        )
         check = StreamCheck()
         submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
         try:

@@ -32,6 +32,7 @@ from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
 from service.coordinator.answers import Answers
+from service.coordinator.block_index import BlockIndex
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
@@ -41,6 +42,7 @@ from service.coordinator.enrolment import Enrolment
 from service.coordinator.fleet import Fleet
 from service.coordinator.forwarding import Forwarding
 from service.coordinator.known_clients import KnownClients
+from service.coordinator.kv_feed import KvFeed
 from service.coordinator.ledger import RequestLedger
 from service.coordinator.outbox import Outbox
 from service.coordinator.ownership import Ownership
@@ -59,11 +61,13 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     Ack,
     RoutedReply,
     SubmitEnvelope,
     SubmitRequest,
+    WeightVersion,
 )
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import (
@@ -102,8 +106,14 @@ class Coordinator:
             self.peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, self.counters
         )
         answers = Answers(core, self._deliveries, self.results)
+        self.blocks = BlockIndex(settings.kv_index_size, settings.cache_aware_prediction_ttl_s)
         self.requests = RequestLedger(
-            core, self.engines, make_policy(settings), self.control_state, self.peers, answers
+            core,
+            self.engines,
+            make_policy(settings, self.blocks),
+            self.control_state,
+            self.peers,
+            answers,
         )
         ledger = self.requests
         # Floor 2: the jobs, side by side; none imports another.
@@ -111,6 +121,7 @@ class Coordinator:
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
         self._fleet = Fleet(core, ledger, self.engines, self.control_state)
+        self._kv_feed = KvFeed(core, self.blocks, self.engines)
         self._control = Control(
             core,
             ledger,
@@ -140,9 +151,8 @@ class Coordinator:
         self.apply_control = self._control.apply
         self.control_engines = self._control.control_engines
         self.update_weights = self._weights.update
-        self.register_engine = self._enrolment.register
-        self.engine_heartbeat = self._enrolment.heartbeat
         self.remove_engine = self._fleet.remove
+        self.kv_events = self._kv_feed.received
         self._dispatch = Dispatch(core, self, self.replies)
         self._failure_log = RateLimitedLog(log)
         self._known_clients = KnownClients()
@@ -298,6 +308,22 @@ class Coordinator:
     def check_weight_update(self) -> None:
         self._weights.check(self.state)
 
+    async def register_engine(
+        self,
+        incoming: Incoming,
+        engine_id: str,
+        capacity: int,
+        model: str | None,
+        weight_version: WeightVersion | None,
+        kv_sequence: int | None,
+    ) -> None:
+        await self._enrolment.register(incoming, engine_id, capacity, model, weight_version)
+        self._kv_feed.registered(engine_id, kv_sequence)
+
+    async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
+        await self._enrolment.heartbeat(heartbeat, own_subjects)
+        self._kv_feed.heard(heartbeat)
+
     async def _drop_engine(self, engine_id: str, reason: str) -> None:
         """Remove an engine that could not swap in the fleet's weights. Not as one that left:
         its heartbeats bring it back once they carry the fleet's version, if it registers no sooner."""
@@ -323,9 +349,10 @@ class Coordinator:
 
     async def _heartbeat_once(self) -> None:
         """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten."""
+        owners that hold no slot forgotten, and engines gone from the pool from the block index."""
         self.results.sweep()
         self.requests.forget_idle_owners()
+        self._kv_feed.sweep()
         await self._replica_watch.beat()
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 

@@ -41,6 +41,7 @@ class Header(enum.StrEnum):
     ENGINE_REPLY = "engine_reply"
     ENGINE_REPLY_PARTIAL = "engine_reply_partial"
     DISCONNECT = "disconnect"
+    KV_EVENTS = "kv_events"  # an extension: the prefix blocks an engine stored and evicted (kv_events.py)
     # Between coordinator replicas.
     COORDINATOR_HEARTBEAT = "coordinator_heartbeat"
     # A replica that does not hold a request asks the others (``<prefix>.<header>.<recipient>``).
@@ -51,6 +52,9 @@ class Header(enum.StrEnum):
 # Routed to one engine only (``<prefix>.engine.<id>.resend_replies``): the coordinator asks for
 # replies it missed; there is no coordinator subject of that name.
 RESEND_REPLIES = "resend_replies"
+# Asked of one engine only (``<prefix>.engine.<id>.kv_snapshot``, an extension): the prefix
+# blocks it holds and the number of its last KV event; there is no coordinator subject of that name.
+KV_SNAPSHOT = "kv_snapshot"
 # Broadcast to every engine (``<prefix>.engines.adopt``) by the replica that adopts a dead one's
 # requests; not a coordinator subject.
 ADOPT = "adopt"
@@ -69,7 +73,14 @@ PROFILER_HEADERS: frozenset[Header] = frozenset({Header.START_CUDA_PROFILER, Hea
 
 # Sent by engines to the coordinator (NATS permissions give engines exactly these).
 ENGINE_HEADERS: frozenset[Header] = frozenset(
-    {Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL}
+    {
+        Header.REGISTER,
+        Header.HEARTBEAT,
+        Header.DISCONNECT,
+        Header.ENGINE_REPLY,
+        Header.ENGINE_REPLY_PARTIAL,
+        Header.KV_EVENTS,
+    }
 )
 
 # Second tokens under the prefix that carry routed requests and broadcasts to engines.

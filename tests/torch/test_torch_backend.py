@@ -12,6 +12,7 @@ import torch
 from engines.backend import GenerationRequest, TokenOutput
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.families import hf_config
 from engines.torch_backend.memory import KVCacheSizeError, page_bytes
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.setup import resolve_dtype
@@ -114,7 +115,7 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path, overlap: boo
     """Launched ahead, the step after the EOS has a row for it, whose token is never emitted."""
     config = tiny()
     weights = random_weights(config, seed=2)
-    _checkpoint(tmp_path, config.to_hf(), weights)
+    _checkpoint(tmp_path, hf_config(config), weights)
     free = TorchBackend(engine_options(), str(tmp_path))
     generated = tokens(run_to_end(free, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"])
     eos = generated[4]
@@ -130,7 +131,7 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path, overlap: boo
 
 def test_eos_null_means_no_eos(tmp_path: Path) -> None:
     config = tiny()
-    _checkpoint(tmp_path, config.to_hf() | {"eos_token_id": 5}, random_weights(config, seed=2))
+    _checkpoint(tmp_path, hf_config(config) | {"eos_token_id": 5}, random_weights(config, seed=2))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
     assert TorchBackend(engine_options(), str(tmp_path)).config.eos_token_ids == ()
     (tmp_path / "generation_config.json").write_text(json.dumps({}))
@@ -224,7 +225,9 @@ def test_dtype_rules() -> None:
 
 def test_checkpoint_dtype_is_used(tmp_path: Path) -> None:
     config = tiny()
-    _checkpoint(tmp_path, config.to_hf() | {"torch_dtype": "bfloat16", "dtype": None}, random_weights(config, seed=2))
+    _checkpoint(
+        tmp_path, hf_config(config) | {"torch_dtype": "bfloat16", "dtype": None}, random_weights(config, seed=2)
+    )
     backend = TorchBackend(engine_options(), str(tmp_path))
     assert backend.dtype == torch.bfloat16
     assert next(backend.model.parameters()).dtype == torch.bfloat16
