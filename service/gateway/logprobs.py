@@ -199,6 +199,8 @@ def prompt_scores(
 
 
 def _logprobs_of(logprobs: Sequence[float | None] | None, count: int) -> list[float | None]:
+    if logprobs is None and not count:  # an abort final before any token: none to carry
+        return []
     if logprobs is None or len(logprobs) != count:
         raise GatewayError(502, "the engine's reply carries no logprob for each token (token_logprobs)")
     return list(logprobs)

@@ -94,25 +94,27 @@ def rest_of(plan: Plan, job: Job, final: Final, sent: str = "", scores: ChoiceSc
     scores = scores if scores is not None else ChoiceScores()
     scores.learn(final.token_bytes)
     if plan.logprobs is None:  # an echo without logprobs
-        return Rest(_echoed(job, final, scores.names)[1] + text, reason)
+        return Rest(_echoed(job, final, scores.names, False)[1] + text, reason)
     if plan.echo_only:
         tokens = Scores()
     else:
         tokens = scores.rest(final.generated_tokens, final.token_logprobs, final.top_logprobs, final.token_bytes, cut)
     if not plan.echo:
         return Rest(text, reason, tokens, scores.names)
-    prompt, prompt_text = _echoed(job, final, scores.names)
+    prompt, prompt_text = _echoed(job, final, scores.names, True)
     tokens.offsets = [offset + len(prompt_text) for offset in tokens.offsets]
     prompt.extend(tokens)
     return Rest(prompt_text + text, reason, prompt, scores.names)
 
 
-def _echoed(job: Job, final: Final, names: dict[int, bytes]) -> tuple[Scores, str]:
+def _echoed(job: Job, final: Final, names: dict[int, bytes], asked: bool) -> tuple[Scores, str]:
     """An echoed prompt's tokens and its text: the prompt string as given, or the tokens' bytes
-    decoded (token ids)."""
+    decoded (token ids); ``asked``: whether the prompt's logprobs were."""
     if final.prompt_token_ids is None:
-        if isinstance(job.prompt, str):  # echo without logprobs asks nothing of the engine
+        if isinstance(job.prompt, str) and not asked:  # echo without logprobs asks nothing of the engine
             return Scores(), job.prompt
+        if final.finish_reason == "abort":  # aborted before an engine ran its prompt
+            raise GatewayError(503, "the request was aborted before its prompt's logprobs were computed")
         raise GatewayError(502, "the engine's final carries no prompt_token_ids to echo")
     prompt, decoded = prompt_scores(final.prompt_token_ids, final.prompt_logprobs, final.prompt_top_logprobs, names)
     return prompt, job.prompt if isinstance(job.prompt, str) else decoded

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from service.gateway.errors import GatewayError
 from service.gateway.responses import completion_response, usage_of
 from service.gateway.schemas import chat_decoder, completion_decoder
-from service.gateway.streaming import ChunkWriter
+from service.gateway.streaming import ChunkWriter, sse_events
 from service.gateway.translate import Plan, chat_plan, completion_plan
 from service.protocol.messages import Final, Partial
 
@@ -178,3 +178,31 @@ def test_an_echoed_stream_arrives_whole_with_its_final() -> None:
     final = _final(prompt, "ab", "length", 0, prompt_k=0)
     events = _stream(plan, False, final, [1])
     assert len(events) == 1 and events[0]["text"] == "abab" and events[0]["logprobs"]["tokens"] == list("abab")
+
+
+def test_an_abort_before_any_token_answers_empty_logprobs_and_an_echo_of_it_503() -> None:
+    plan = _completion(logprobs=1)
+    aborted = Final("r", "c", None, [], "", "abort")
+    [choice] = completion_response(plan, [aborted], usage_of(plan, [(0, aborted)])).choices
+    assert choice.finish_reason == "abort" and choice.logprobs is not None and choice.logprobs.tokens == []
+    echo = _completion(logprobs=1, echo=True)
+    with pytest.raises(GatewayError) as raised:
+        completion_response(echo, [aborted], usage_of(echo, [(0, aborted)]))
+    assert raised.value.status == 503
+
+
+class RepliesDouble:
+    """A test double of :class:`~service.gateway.streaming.Replies` whose streams ended."""
+
+    async def batch(self) -> list[Any]:
+        return []
+
+
+async def test_a_reply_without_the_logprobs_asked_ends_the_stream_with_a_502_event() -> None:
+    plan = _completion(logprobs=0, stream=True)
+    writer = ChunkWriter(plan, chat=False)
+    first = [(plan.jobs[0], Partial("r", "c", [104], "h", offset=0))]  # no token_logprobs
+    events = [event async for event in sse_events(writer, first, RepliesDouble())]  # type: ignore[arg-type]
+    assert (
+        events[-1] == b"data: [DONE]\n\n" and json.loads(events[0][len(b"data: ") :])["error"]["type"] == "bad_gateway"
+    )
