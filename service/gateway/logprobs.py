@@ -20,8 +20,9 @@ tokens a stop string cut from the text takes with it) is counted in characters b
 tokens' bytes in order (:class:`TokenText`): a character split across tokens counts once, at the
 token that starts it, and a token holding part of a character reaches that character.
 
-A log-probability of -inf (a token the ``processed`` distribution excludes) is written as
--9999.0, as vLLM writes it: JSON has no infinity.
+Log-probabilities go out as the engine's floats, unchanged (the wire keeps them finite), so a
+token's logprob and the same token's among its position's best are one float in the JSON. A
+token's text and byte list are made once per token id a choice names.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from service.gateway.errors import GatewayError
 from service.gateway.schemas import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 MAX_TOP = 20  # the wire's bound on ``logprobs`` and ``prompt_logprobs``
-FLOOR = -9999.0  # what -inf is written as
 
 Pair = Sequence[float]  # [token_id, logprob], as the wire sends it
 Tops = Sequence[Pair]
@@ -78,19 +78,44 @@ class TokenText:
         return start, self.chars + (1 if self._decoder.getstate()[0] else 0)
 
 
-def token_bytes(names: Mapping[int, bytes], token: int) -> bytes:
-    raw = names.get(token)
-    if raw is None:
-        raise GatewayError(502, f"the engine's reply names no bytes for token {token} (token_bytes)")
-    return raw
+class TokenNames:
+    """The bytes of every token a choice's replies named (``token_bytes``), and each one's text
+    and byte list, made once per token id."""
+
+    __slots__ = ("_bytes", "_texts", "_lists")
+
+    def __init__(self) -> None:
+        self._bytes: dict[int, bytes] = {}
+        self._texts: dict[int, str] = {}
+        self._lists: dict[int, list[int]] = {}
+
+    def learn(self, names: Mapping[int, bytes] | None) -> None:
+        """Keep the bytes of the tokens a reply names."""
+        if names:
+            self._bytes.update(names)
+
+    def raw(self, token: int) -> bytes:
+        raw = self._bytes.get(token)
+        if raw is None:
+            raise GatewayError(502, f"the engine's reply names no bytes for token {token} (token_bytes)")
+        return raw
+
+    def text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = token_text(self.raw(token))
+        return text
+
+    def byte_list(self, token: int) -> list[int]:
+        """The token's bytes as JSON carries them (shared: encoded, never changed)."""
+        listed = self._lists.get(token)
+        if listed is None:
+            listed = self._lists[token] = list(self.raw(token))
+        return listed
 
 
 def token_text(raw: bytes) -> str:
     return raw.decode("utf-8", "backslashreplace")
-
-
-def _finite(logprob: float) -> float:
-    return logprob if logprob >= FLOOR else FLOOR
 
 
 class ChoiceScores:
@@ -101,7 +126,7 @@ class ChoiceScores:
     __slots__ = ("names", "pending", "sent", "_text", "_starts", "_ends", "_within")
 
     def __init__(self) -> None:
-        self.names: dict[int, bytes] = {}
+        self.names = TokenNames()
         self.pending = Scores()  # tokens of the partials not sent yet
         self.sent = 0  # generated tokens whose logprobs went out
         self._text = TokenText()
@@ -109,15 +134,10 @@ class ChoiceScores:
         self._ends: list[int] = []  # and ends
         self._within = 0  # characters of the choice's text sent so far (told to release)
 
-    def learn(self, names: Mapping[int, bytes] | None) -> None:
-        """Keep the bytes of the tokens a reply names."""
-        if names:
-            self.names.update(names)
-
     def _place(self, tokens: Sequence[int]) -> None:
         names = self.names
         for token in tokens:
-            start, end = self._text.place(token_bytes(names, token))
+            start, end = self._text.place(names.raw(token))
             self._starts.append(start)
             self._ends.append(end)
 
@@ -129,7 +149,7 @@ class ChoiceScores:
         names: Mapping[int, bytes] | None,
     ) -> None:
         """A partial's tokens arrived (held until :meth:`release` lets them go)."""
-        self.learn(names)
+        self.names.learn(names)
         first = len(self._starts)
         self._place(tokens)
         pending = self.pending
@@ -168,7 +188,7 @@ class ChoiceScores:
     ) -> Scores:
         """The final's tokens not sent yet, up to the stop string cut from the text at character
         ``cut`` (None: to the end): a token any of whose text lies at or past it is left out."""
-        self.learn(names)
+        self.names.learn(names)
         self._place(tokens[len(self._starts) :])
         kept = len(tokens)
         if cut is not None:
@@ -188,11 +208,11 @@ def prompt_scores(
     tokens: Sequence[int],
     logprobs: Sequence[float | None] | None,
     tops: Sequence[Tops | None] | None,
-    names: Mapping[int, bytes],
+    names: TokenNames,
 ) -> tuple[Scores, str]:
     """An echoed prompt's tokens (the first has no logprob) and the text their bytes decode to."""
     text = TokenText()
-    raws = [token_bytes(names, token) for token in tokens]
+    raws = [names.raw(token) for token in tokens]
     offsets = [text.place(raw)[0] for raw in raws]
     scores = Scores(list(tokens), _logprobs_of(logprobs, len(tokens)), _tops_of(tops, len(tokens)), offsets)
     return scores, b"".join(raws).decode("utf-8", "replace")
@@ -214,33 +234,30 @@ def _tops_of(tops: Sequence[Tops | None] | None, count: int) -> list[Tops | None
     return list(tops)
 
 
-def chat_logprobs(scores: Scores, names: Mapping[int, bytes], top: int) -> ChatLogprobs:
+def chat_logprobs(scores: Scores, names: TokenNames, top: int) -> ChatLogprobs:
     """``choices[i].logprobs`` of a chat: each token with its ``top`` most likely alternatives."""
     content = []
+    text, byte_list = names.text, names.byte_list
     for token, logprob, tops in zip(scores.tokens, scores.logprobs, scores.tops, strict=True):
         if logprob is None:
             raise GatewayError(502, f"the engine's reply carries no logprob for generated token {token}")
-        raw = token_bytes(names, token)
-        alternatives = []
-        for pair in (tops or ())[:top]:
-            other = token_bytes(names, int(pair[0]))
-            alternatives.append(TopLogprob(token_text(other), _finite(pair[1]), list(other)))
-        content.append(TokenLogprob(token_text(raw), _finite(logprob), list(raw), alternatives))
+        alternatives = [TopLogprob(text(int(pair[0])), pair[1], byte_list(int(pair[0]))) for pair in (tops or ())[:top]]
+        content.append(TokenLogprob(text(token), logprob, byte_list(token), alternatives))
     return ChatLogprobs(content)
 
 
-def completion_logprobs(scores: Scores, names: Mapping[int, bytes], top: int) -> CompletionLogprobs:
+def completion_logprobs(scores: Scores, names: TokenNames, top: int) -> CompletionLogprobs:
     """``choices[i].logprobs`` of a completion."""
-    texts = [token_text(token_bytes(names, token)) for token in scores.tokens]
-    logprobs = [None if logprob is None else _finite(logprob) for logprob in scores.logprobs]
+    text = names.text
+    texts = [text(token) for token in scores.tokens]
     top_logprobs: list[dict[str, float] | None] = []
-    for text, logprob, tops in zip(texts, logprobs, scores.tops, strict=True):
+    for token_text_, logprob, tops in zip(texts, scores.logprobs, scores.tops, strict=True):
         if logprob is None:  # an echoed prompt's first token
             top_logprobs.append(None)
             continue
         best: dict[str, float] = {}
         for pair in (tops or ())[:top]:
-            best.setdefault(token_text(token_bytes(names, int(pair[0]))), _finite(pair[1]))
-        best.setdefault(text, logprob)
+            best.setdefault(text(int(pair[0])), pair[1])
+        best.setdefault(token_text_, logprob)
         top_logprobs.append(best)
-    return CompletionLogprobs(texts, logprobs, top_logprobs, scores.offsets)
+    return CompletionLogprobs(texts, scores.logprobs, top_logprobs, scores.offsets)

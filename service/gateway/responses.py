@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import msgspec
 
 from service.gateway.errors import GatewayError
-from service.gateway.logprobs import ChoiceScores, Scores, chat_logprobs, completion_logprobs, prompt_scores
+from service.gateway.logprobs import ChoiceScores, Scores, TokenNames, chat_logprobs, completion_logprobs, prompt_scores
 from service.gateway.schemas import (
     ChatChoice,
     ChatCompletion,
@@ -68,7 +68,7 @@ class Rest(msgspec.Struct, frozen=True, gc=False):
     text: str
     finish_reason: str
     tokens: Scores | None = None
-    names: dict[int, bytes] | None = None  # the bytes of every token ``tokens`` names
+    names: TokenNames | None = None  # the bytes of every token ``tokens`` names
 
     def completion_logprobs(self, plan: Plan) -> CompletionLogprobs | None:
         if self.tokens is None or self.names is None or plan.logprobs is None:
@@ -92,7 +92,7 @@ def rest_of(plan: Plan, job: Job, final: Final, sent: str = "", scores: ChoiceSc
     if plan.logprobs is None and not plan.echo:
         return Rest(text, reason)
     scores = scores if scores is not None else ChoiceScores()
-    scores.learn(final.token_bytes)
+    scores.names.learn(final.token_bytes)
     if plan.logprobs is None:  # an echo without logprobs
         return Rest(_echoed(job, final, scores.names, False)[1] + text, reason)
     if plan.echo_only:
@@ -107,7 +107,7 @@ def rest_of(plan: Plan, job: Job, final: Final, sent: str = "", scores: ChoiceSc
     return Rest(prompt_text + text, reason, prompt, scores.names)
 
 
-def _echoed(job: Job, final: Final, names: dict[int, bytes], asked: bool) -> tuple[Scores, str]:
+def _echoed(job: Job, final: Final, names: TokenNames, asked: bool) -> tuple[Scores, str]:
     """An echoed prompt's tokens and its text: the prompt string as given, or the tokens' bytes
     decoded (token ids); ``asked``: whether the prompt's logprobs were."""
     if final.prompt_token_ids is None:

@@ -33,7 +33,7 @@ from starlette.types import Send
 from service.client import ClientError
 from service.gateway.disconnects import DisconnectWatch
 from service.gateway.errors import GatewayError, from_wire
-from service.gateway.logprobs import ChoiceScores, Scores, chat_logprobs, completion_logprobs
+from service.gateway.logprobs import ChoiceScores, Scores, TokenNames, chat_logprobs, completion_logprobs
 from service.gateway.responses import rest_of, usage_of
 from service.gateway.schemas import (
     ChatCompletionChunk,
@@ -148,7 +148,7 @@ class ChunkWriter:
             choice.sent.append(text)
             out.append(self._encoded(job.index, text, None, self._logprobs(tokens, scores.names)))
 
-    def _logprobs(self, tokens: Scores, names: dict[int, bytes]) -> ChatLogprobs | CompletionLogprobs:
+    def _logprobs(self, tokens: Scores, names: TokenNames) -> ChatLogprobs | CompletionLogprobs:
         top = self.plan.logprobs or 0
         return chat_logprobs(tokens, names, top) if self.chat else completion_logprobs(tokens, names, top)
 
