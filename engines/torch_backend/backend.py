@@ -197,6 +197,12 @@ class TorchBackend(Backend):
     def has_work(self) -> bool:
         return self.runner.kv_cache is not None and self.steps.has_work()
 
+    def hold(self, request_id: str) -> bool:
+        return self.requests.hold(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.requests.release(request_id)
+
     def waiting_requests(self) -> int:
         return len(self.scheduler.waiting)
 

@@ -20,7 +20,8 @@ its peers before running it (docs/reliability.md, ownership).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
-callback, so the call would otherwise wait out its timeout.
+callback, so the call would otherwise wait out its timeout. A stream's unread replies are
+bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
+from service.client.holds import HoldChannel
 from service.client.submission import Submission
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
@@ -91,6 +94,7 @@ class DpcoordClient:
         self._replies = replies
         self._watch = watch
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -241,9 +245,12 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        ``flow`` bounds the replies not read: past it the request is held; stalled, aborted (``StreamStalled``).
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
@@ -257,6 +264,7 @@ class DpcoordClient:
             timeout=timeout,
             session_id=session_id,
             group_id=group_id,
+            flow=flow,
             **sampling,
         )
         async with aclosing(batches):
@@ -274,6 +282,7 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
@@ -283,7 +292,8 @@ class DpcoordClient:
             prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id
         )
         check = StreamCheck()
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        control = FlowControl(flow, self._holds)
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, control)
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -387,4 +397,4 @@ class DpcoordClient:
         return reply
 
 
-__all__ = ["ClientError", "DpcoordClient"]
+__all__ = ["ClientError", "DpcoordClient", "FlowLimits", "StreamStalled"]

@@ -10,6 +10,8 @@ the first is marked as a resubmission.
 
 An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
 raised after the replies that came before it were handed over: a reader never loses a reply.
+A stream with flow control (:mod:`service.client.flow`) is the exception: when it stalls, the
+replies its reader did not take are dropped and the next call raises ``StreamStalled``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from service.client.exchanges import (
     Exchanges,
     Refused,
 )
+from service.client.flow import FlowControl, StreamFlow, StreamStalled
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import Final, Partial, SubmitEnvelope
@@ -46,15 +49,21 @@ _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
 
 class Submission:
     """One envelope ``body`` in flight; :meth:`start` publishes it, :meth:`close` (always, in a
-    ``finally``) forgets its reply subject."""
+    ``finally``) forgets its reply subject. With ``flow``, its replies not read are bounded."""
 
     __slots__ = (
-        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_inbox",
+        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow", "_inbox",
         "_mailbox", "_publish", "_request_id", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
-        self, publish: Publish, exchanges: Exchanges, watch: CoordinatorWatch, body: bytes, timeout: float
+        self,
+        publish: Publish,
+        exchanges: Exchanges,
+        watch: CoordinatorWatch,
+        body: bytes,
+        timeout: float,
+        flow: FlowControl | None = None,
     ) -> None:
         wait_s = timeout + DEADLINE_MARGIN_S
         self._deadline = time.monotonic() + wait_s
@@ -70,12 +79,18 @@ class Submission:
         self._again: bytes | None = None  # the body marked as a resubmission, made at the first one
         self._ended = False
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
+        self._flow: StreamFlow | None = None
+        if flow is not None:
+            inbox = self._inbox
+            self._flow = StreamFlow(self._mailbox, flow, lambda: self._request_id, lambda: exchanges.close(inbox))
 
     async def start(self) -> None:
         await self._publish(self._body, self._inbox)
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
+        if self._flow is not None:
+            self._flow.close()
 
     async def replies(self) -> list[Partial | Final]:
         """The replies that arrived since the last call (waiting for one), in order; the last
@@ -124,8 +139,12 @@ class Submission:
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
             await self._publish(self._again, self._inbox)
+            if self._flow is not None:
+                self._flow.again()
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
+        elif isinstance(item, StreamStalled):
+            raise item
 
 
 def _as_resubmission(body: bytes) -> bytes:

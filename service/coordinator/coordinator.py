@@ -10,8 +10,8 @@ life in this replica), from the replica that owns it or the one that adopted it
 and a background task that fails is logged and counted. This class owns the connection, the
 background tasks and the lifecycle, and wires three floors (docs/architecture.md): the owners
 of state (the ledger, the pool, the peers, …), the jobs side by side above them (admission,
-outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, adoption
-and the replica watch composed of them), and this class.
+outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, holds,
+adoption and the replica watch composed of them), and this class.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from service.coordinator.dispatch import Dispatch
 from service.coordinator.enrolment import Enrolment
 from service.coordinator.fleet import Fleet
 from service.coordinator.forwarding import Forwarding
+from service.coordinator.holds import Holds
 from service.coordinator.known_clients import KnownClients
 from service.coordinator.kv_feed import KvFeed
 from service.coordinator.ledger import RequestLedger
@@ -147,6 +148,9 @@ class Coordinator:
         self.abort = self._ownership.abort
         self.take_resubmission = self._ownership.take_resubmission
         self.abort_held = self._ownership.abort_held
+        self._holds = Holds(core, ledger, self.peers)
+        self.hold = self._holds.hold
+        self.hold_held = self._holds.hold_held
         self.served_models = self.engines.served
         self.apply_control = self._control.apply
         self.control_engines = self._control.control_engines

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from service.client import ClientError, DpcoordClient
+from service.client import ClientError, DpcoordClient, FlowLimits
 from service.gateway.asgi import check_json, header, read_body, respond, respond_error
 from service.gateway.disconnects import DisconnectWatch, watch_disconnect
 from service.gateway.errors import GatewayError, from_validation, from_wire
@@ -86,6 +86,7 @@ class Generation:
         self._requests = requests
         self._draining = draining
         self._timeout = settings.request_timeout_s
+        self._flow = FlowLimits(settings.gateway_stream_buffer_bytes, settings.gateway_stream_stall_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         requests = self._requests
@@ -173,10 +174,17 @@ class Generation:
             await asyncio.shield(aborted(client, ids))
 
     def _send(
-        self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str, session_id: str | None
+        self,
+        call: Callable[..., Sent],
+        plan: Plan,
+        job: Job,
+        client_request_id: str,
+        session_id: str | None,
+        **flow: Any,
     ) -> Sent:
         """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the
-        same arguments. The ``n`` samples of one prompt form a group."""
+        same arguments (``stream_batches`` also the bounds of its ``flow``). The ``n`` samples of
+        one prompt form a group."""
         return call(
             job.prompt,
             messages=job.messages,
@@ -185,6 +193,7 @@ class Generation:
             timeout=self._timeout,
             session_id=session_id,
             group_id=f"{plan.id}-g{job.index // plan.n}" if plan.n > 1 else None,
+            **flow,
             **plan.sampling,
         )
 
@@ -205,8 +214,9 @@ class Generation:
         self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch, session_id: str | None
     ) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
+        flow = self._flow
         replies = Replies(
-            (job, self._send(client.stream_batches, plan, job, rid, session_id))
+            (job, self._send(client.stream_batches, plan, job, rid, session_id, flow=flow))
             for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:

@@ -147,6 +147,18 @@ class AbortRequest(Struct):
     request_id: str | None = None
 
 
+class HoldRequest(Struct):
+    """The body of ``hold_request`` (an extension, docs/protocol.md *Backpressure*): a client
+    whose reader fell behind asks that the request's generation be ``held`` (paused in its
+    engine) or, once the reader caught up, released (``held`` false). ``seq`` counts the
+    client's hold requests for this request, so an engine that gets two out of order keeps the
+    newer."""
+
+    request_id: str
+    held: bool = True
+    seq: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
+
+
 class ControlSignal(Struct):
     """Control and profiler signals need no fields; ``set_generation_epoch`` needs ``epoch``.
     ``mode`` (an extension, pause only; None means ``keep``) says what pause does to the
@@ -367,6 +379,17 @@ class RoutedRequestsOut(Struct, array_like=True):
 
 class RoutedAbort(Struct):
     request_id: str
+
+
+class RoutedHold(Struct):
+    """A :class:`HoldRequest` the request's owner passes on to its engine
+    (``<prefix>.engine.<id>.hold_request``): the engine skips the request in its steps while
+    held, keeping it; unknown request ids and a ``seq`` not newer than the last applied are
+    ignored. An engine of an earlier release does not listen there and keeps generating."""
+
+    request_id: str
+    held: bool
+    seq: int = 0
 
 
 class RoutedReply(Struct, array_like=True, gc=False):

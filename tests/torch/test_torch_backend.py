@@ -166,6 +166,28 @@ def test_a_full_cache_queues_requests_and_serves_them_all(overlap: bool) -> None
     assert backend.scheduler.num_preempted > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_a_held_request_generates_nothing_until_released_and_then_what_it_would_have(overlap: bool) -> None:
+    """Backpressure: a held request gives its pages back and is recomputed when released; a
+    step launched ahead drops its token for it, as for a preemption."""
+    backend = TorchBackend(engine_options(model_seed=1, overlap_steps=overlap))
+    expected = tokens(run_to_end(backend, sampled("h", seed=5, top_k=20))["h"])
+    backend.add(sampled("h", seed=5, top_k=20))
+    backend.add(sampled("other", max_tokens=40))
+    got: list[int] = []
+    for _ in range(4):
+        got += [token for output in backend._step() if output.request_id == "h" for token in output.new_tokens]
+    free = backend.scheduler.blocks.num_free
+    assert backend.hold("h") and not backend.hold("h") and not backend.hold("unknown")
+    for _ in range(6):
+        assert all(output.request_id == "other" for output in backend._step() if output.new_tokens)
+    assert backend.scheduler.blocks.num_free > free  # its pages went back
+    backend.release("h")
+    while backend.has_work():
+        got += [token for output in backend._step() if output.request_id == "h" for token in output.new_tokens]
+    assert got == expected
+
+
 def test_abort_frees_the_cache_at_once(backend: TorchBackend) -> None:
     allocator = backend.scheduler.blocks
     free = allocator.num_free
