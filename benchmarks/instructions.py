@@ -52,7 +52,7 @@ SLOW_PEER = {
     "DPCOORD_HEARTBEAT_INTERVAL_S": "5",
     "DPCOORD_ENGINE_PROGRESS_TIMEOUT_S": "600",
 }
-PROCESSES = {"coordinator": "coordinator", "engine": "engine0"}  # --process -> the stack's name for it
+PROCESSES = {"coordinator": "coordinator", "engine": "engine0"}  # --process -> the stack's name for it (every replica)
 DUMP_TRIGGER = "measured"
 
 
@@ -78,22 +78,30 @@ def read_summary(dump: str) -> int:
 
 
 class CallgrindStack(BenchStack):
-    """A bench stack whose coordinator and engine run the code of ``tree``, the process named
-    ``measured`` under callgrind."""
+    """A bench stack whose coordinators and engine run the code of ``tree``, the processes that
+    ``measured`` names (every coordinator replica, or the engine) under callgrind, each writing
+    ``<out_prefix>-<name>.out``."""
 
-    def __init__(self, config: StackConfig, tree: Path, out_file: Path, measured: str) -> None:
+    def __init__(self, config: StackConfig, tree: Path, out_prefix: Path, measured: str) -> None:
         super().__init__(config)
         self.tree = tree
-        self.out_file = out_file
+        self.out_prefix = out_prefix
         self.measured = measured
 
     def _dpcoord_env(self) -> dict[str, str]:
         return super()._dpcoord_env() | {"PYTHONPATH": str(self.tree), "PYTHONHASHSEED": "0"} | SLOW_PEER
 
+    def measured_names(self) -> list[str]:
+        return self.coordinator_names if self.measured == "coordinator" else [self.measured]
+
+    def out_file(self, name: str) -> Path:
+        return self.out_prefix.with_name(f"{self.out_prefix.name}-{name}.out")
+
     async def _spawn(self, name: str, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         command = [sys.executable, *args]
-        if name == self.measured:
-            command = ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={self.out_file}", *command]
+        if name in self.measured_names():
+            out = self.out_file(name)
+            command = ["valgrind", "--tool=callgrind", "--quiet", f"--callgrind-out-file={out}", *command]
         # The working directory comes first on the path of `python -m`: it must be the tree's.
         child = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd or self.tree)
         self._children.append(child)
@@ -116,11 +124,16 @@ class Count:
     instructions_per_request: float
 
 
-async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Path, measured: str) -> Count:
-    out_file = work_dir / f"callgrind-{label}-{kind}.out"
-    async with CallgrindStack(StackConfig(None, 1, "auto", 8), tree, out_file, measured) as stack:
+async def measure(
+    kind: str, requests: int, tree: Path, label: str, work_dir: Path, measured: str, replicas: int = 1
+) -> Count:
+    out_prefix = work_dir / f"callgrind-{label}-{kind}"
+    config = StackConfig(None, 1, "auto", 8, replicas=replicas)
+    async with CallgrindStack(config, tree, out_prefix, measured) as stack:
         # Python starts some 50 times slower under callgrind.
         await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))), timeout_s=600)
+        if replicas > 1:
+            await replicas_settled(stack)
         nc = stack.nc
         subject = stack.subjects.coordinator(Header.SUBMIT_REQUEST)
         inbox = nc.new_inbox()
@@ -144,16 +157,30 @@ async def measure(kind: str, requests: int, tree: Path, label: str, work_dir: Pa
 
         for _ in range(WARMUP_BURSTS):
             await burst()
-        pid = str(stack.pids[measured])
-        await callgrind_control("--zero", pid)
+        names = stack.measured_names()
+        for name in names:
+            await callgrind_control("--zero", str(stack.pids[name]))
         for _ in range(requests // BURST):
             await burst()
-        await callgrind_control(f"--dump={DUMP_TRIGGER}", pid)
+        for name in names:
+            await callgrind_control(f"--dump={DUMP_TRIGGER}", str(stack.pids[name]))
+        files = [stack.out_file(name) for name in names]
+    total = sum(measured_dump(work_dir, out_file) for out_file in files)
+    return Count(kind, label, total / (requests // BURST * BURST))
+
+
+def measured_dump(work_dir: Path, out_file: Path) -> int:
+    """The instructions of the measured window in ``out_file``'s dumps."""
     for dump in sorted(work_dir.glob(f"{out_file.name}.*")):
         text = dump.read_text(errors="replace")
         if f"Trigger: Client Request: {DUMP_TRIGGER}" in text or f"Trigger: dump {DUMP_TRIGGER}" in text:
-            return Count(kind, label, read_summary(text) / (requests // BURST * BURST))
-    raise RuntimeError(f"no callgrind dump of the measured window in {work_dir}")
+            return read_summary(text)
+    raise RuntimeError(f"no callgrind dump of the measured window for {out_file.name} in {work_dir}")
+
+
+async def replicas_settled(stack: CallgrindStack) -> None:
+    """Several replicas: wait until each has heard the others (a few of their heartbeats)."""
+    await asyncio.sleep(3 * float(SLOW_PEER["DPCOORD_HEARTBEAT_INTERVAL_S"]))
 
 
 async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:
@@ -165,16 +192,19 @@ async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:
         for kind in args.kinds:
             requests = args.requests // 4 if kind == "long" else args.requests
             measured = PROCESSES[args.process]
-            jobs = [measure(kind, requests, current, "current", work_dir, measured)]
+            jobs = [measure(kind, requests, current, "current", work_dir, measured, args.replicas)]
             if baseline is not None:
-                jobs.append(measure(kind, requests, baseline, "baseline", work_dir, measured))
+                jobs.append(measure(kind, requests, baseline, "baseline", work_dir, measured, args.replicas))
             counts = await asyncio.gather(*jobs)  # both trees at once: the two cores, one each
             results.append((counts[0], counts[1] if len(counts) > 1 else None))
     return results
 
 
-def print_report(results: list[tuple[Count, Count | None]], baseline: str | None, process: str) -> None:
-    print(f"{process} instructions per request (callgrind, bursts of {BURST})")
+def print_report(
+    results: list[tuple[Count, Count | None]], baseline: str | None, process: str, replicas: int = 1
+) -> None:
+    fleet = f", {replicas} coordinator replicas summed" if replicas > 1 and process == "coordinator" else ""
+    print(f"{process} instructions per request (callgrind, bursts of {BURST}{fleet})")
     for current, base in results:
         line = f"  {current.kind:9} current {current.instructions_per_request:12,.0f}"
         if base is not None:
@@ -190,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("DPCOORD_LOG_LEVEL", "WARNING")
-    print_report(asyncio.run(run(args)), args.baseline, args.process)
+    print_report(asyncio.run(run(args)), args.baseline, args.process, args.replicas)
     return 0
 
 
@@ -219,6 +249,12 @@ def build_parser(prog: str = "python -m benchmarks.instructions") -> argparse.Ar
     parser.add_argument("--kinds", type=kinds, default=list(KINDS), help="comma-separated: plain,envelope,long")
     parser.add_argument(
         "--requests", type=request_count, default=8192, help="requests measured per workload (a quarter of it for long)"
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="coordinator replicas (default 1); with more, every replica runs under callgrind and their counts add up",
     )
     return parser
 

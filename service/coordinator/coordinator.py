@@ -17,7 +17,9 @@ and the replica watch composed of them), and this class.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
@@ -28,10 +30,12 @@ from msgspec import Struct
 from handlers.context import CoordinatorContext
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient
-from service.bus.registry import HandlerRegistry, Incoming
+from service.bus.registry import HandlerRegistry, HandlerSpec, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
 from service.coordinator.answers import Answers
+from service.coordinator.arbiters import Arbiters
+from service.coordinator.arbitration import Arbitration, quiet_s
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
@@ -59,6 +63,7 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.handover import ArbiterClaims
 from service.protocol.messages import (
     Ack,
     RoutedReply,
@@ -122,16 +127,37 @@ class Coordinator:
         )
         # The jobs across replicas and engines' weights, composed of those above.
         self._adoption = Adoption(
-            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies
+            core,
+            ledger,
+            answers,
+            self.engines,
+            self.peers,
+            self._kept,
+            self._relay,
+            self.replies,
+            adopted=lambda: self._arbitration.adopted(),
         )
-        self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption)
         self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
         self._ownership = Ownership(core, ledger, self.peers, self._admission, self._forwarding, self.replies)
+        self.arbiters = Arbiters(self.id, quiet_s(settings.heartbeat_interval_s), 2 * settings.result_cache_size)
+        self._arbitration = Arbitration(
+            core,
+            ledger,
+            self.results,
+            self.peers,
+            self.arbiters,
+            self._admission,
+            self._ownership,
+            adopting=lambda: self._adoption.adopting,
+            refuse=lambda incoming, err: self._dispatch.refuse(incoming, err),
+        )
+        self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption, self._arbitration)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
         self._enrolment = Enrolment(core, ledger, self.control_state, self._control.shared, self._fleet, self._weights)
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
+        self._last_beat = 0.0
         # Handler contexts (handlers/context.py) a job serves as it is: the message goes straight to it.
         self.abort = self._ownership.abort
         self.take_resubmission = self._ownership.take_resubmission
@@ -144,6 +170,11 @@ class Coordinator:
         self.engine_heartbeat = self._enrolment.heartbeat
         self.remove_engine = self._fleet.remove
         self._dispatch = Dispatch(core, self, self.replies)
+        self._submit_subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._handed: HandlerSpec[CoordinatorContext] | None = None
+        if (submit := handlers.get(Header.SUBMIT_REQUEST)) is not None:
+            # A handed copy is dispatched as the client's submission was, then arbitrated as handed.
+            self._handed = dataclasses.replace(submit, fn=self._admit_handed)
         self._failure_log = RateLimitedLog(log)
         self._known_clients = KnownClients()
 
@@ -209,6 +240,7 @@ class Coordinator:
         self.spawn(keep_running("heartbeat", self._heartbeat_once, self.counters, self.settings.heartbeat_interval_s))
         self.spawn(keep_running("routing", self._outbox.route_once, self.counters))
         asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
+        self._arbitration.start()
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -227,6 +259,7 @@ class Coordinator:
         self._stop_requested.set()
         hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
         if hand_over:  # no engine holds a queued request, so no peer could adopt it: route them
+            await self._replica_watch.stop_arbitrating()
             await self._dispatch.stop_admitting()
             await self.requests.drained(self.settings.control_timeout_s)
             await self._outbox.sent(self.settings.control_timeout_s)
@@ -273,10 +306,18 @@ class Coordinator:
             await self.nc.publish(incoming.reply, encode(message, incoming.encoding))
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        if type(submit) is SubmitEnvelope and submit.resubmission:
-            await self._ownership.admit(incoming, submit)
-        else:
-            await self._admission.admit(incoming, submit)
+        await self._arbitration.admit(incoming, submit)
+
+    async def admit_handed(self, reply: str, body: bytes) -> None:
+        if self._handed is None:
+            raise WireError(ErrorCode.NOT_FOUND, "this coordinator takes no submissions")
+        await self._dispatch.dispatch(self._handed, self._submit_subject, reply, body)
+
+    async def _admit_handed(self, _: CoordinatorContext, incoming: Incoming, submit: object) -> None:
+        await self._arbitration.admit(incoming, submit, handed=True)  # type: ignore[arg-type]  # the submit decoder's
+
+    async def take_claims(self, claims: ArbiterClaims) -> None:
+        await self._arbitration.take_claims(claims)
 
     @property
     def settling(self) -> bool:
@@ -311,19 +352,32 @@ class Coordinator:
         self._fleet.heard_from(engine_id)
         await self._relay.relay_partials(engine_id, replies)
 
-    def peer_seen(self, coordinator_id: str, leaving: bool = False) -> None:
+    def peer_seen(self, coordinator_id: str, leaving: bool = False, arbitrates: bool = False) -> None:
         if id_problem(coordinator_id, self.settings.max_id_bytes) is not None:
             raise WireError(ErrorCode.MALFORMED, f"coordinator_id {coordinator_id[:64]!r} is not a valid id")
         if leaving:
             self._replica_watch.left(coordinator_id)
         elif not self.peers.saw(coordinator_id):
             self.counters["peers_ignored"] += 1
+        elif coordinator_id != self.id:
+            self._arbitration.heard(coordinator_id, arbitrates)
 
     # ------------------------------------------------------------ background
 
     async def _heartbeat_once(self) -> None:
         """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten."""
+        owners that hold no slot forgotten. A beat far later than due means this replica's loop
+        stalled (a stopped process, say): the silence it saw was its own, as after a reconnect."""
+        now = time.monotonic()
+        if now - self._last_beat > self.settings.heartbeat_interval_s + self.settings.heartbeat_timeout_s / 2:
+            if self._last_beat:
+                log.warning(
+                    "coordinator %s stalled for %.1f s; its peers' silence was its own", self.id, now - self._last_beat
+                )
+                self.counters["stalls"] += 1
+                self.peers.restart_clocks()
+                self._arbitration.stalled()
+        self._last_beat = now
         self.results.sweep()
         self.requests.forget_idle_owners()
         await self._replica_watch.beat()
@@ -336,6 +390,7 @@ class Coordinator:
 
     def _on_bus_back(self) -> None:
         self._replica_watch.reconnected()
+        self._arbitration.reconnected()
         self._control.reconnected()
         self._fleet.forgive_silence()
         asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)

@@ -52,18 +52,21 @@ class Dispatch:
         self._max_body = min(self._max_body, nc.max_payload)
         for header, spec in handlers.items():
             queue = "" if spec.fanout or spec.addressed else core.settings.queue_group
-            served = [subjects.addressed_to(header, core.id) if spec.addressed else subjects.coordinator(header)]
+            own = subjects.addressed_to(header, core.id)
+            served = [(own, "") if spec.addressed else (subjects.coordinator(header), queue)]
             if spec.per_sender:  # engines send as themselves; those of earlier releases on the plain subject
-                served.append(subjects.sent_by_any(header))
-            for subject in served:
+                served.append((subjects.sent_by_any(header), queue))
+            if spec.per_replica:  # clients that address this replica alone
+                served.append((own, ""))
+            for subject, group in served:
                 subscription: Subscription | DirectSubscription
                 if spec.direct:
                     subscription = await nc.subscribe_direct(
-                        subject, functools.partial(self.dispatch, spec), queue=queue
+                        subject, functools.partial(self.dispatch, spec), queue=group
                     )
                 else:
                     subscription = await nc.subscribe(
-                        subject, queue=queue, cb=functools.partial(self._on_message, spec)
+                        subject, queue=group, cb=functools.partial(self._on_message, spec)
                     )
                 self._subscriptions.setdefault(header, []).append(subscription)
 
