@@ -18,6 +18,12 @@ callgrind_control (``apt install valgrind``).
 Three workloads: ``plain``, msgpack bodies of 10 tokens as `nats pub` sends them; ``envelope``,
 the client library's envelope of a named client (its idempotency bookkeeping and reply batches
 included); ``long``, the envelope around a 10,000-token prompt.
+
+With ``--replicas N`` the stack runs N coordinator replicas, each under callgrind, and their
+counts add up (engine replies reach every replica). The envelopes then go as the client library
+sends them: each to the replica arbitrating its id (``submit_request.<id>``), once every replica
+says in its status that it is settled; to a tree whose replicas do not arbitrate, to the subject
+they share.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -34,10 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from benchmarks.common import extract
 from benchmarks.coordinator_bodies import long_prompt
 from benchmarks.stack import BenchStack, StackConfig
+from service.protocol.arbiter import ArbiterTable
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
 from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
@@ -132,8 +142,7 @@ async def measure(
     async with CallgrindStack(config, tree, out_prefix, measured) as stack:
         # Python starts some 50 times slower under callgrind.
         await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))), timeout_s=600)
-        if replicas > 1:
-            await replicas_settled(stack)
+        table = await arbiters(stack)
         nc = stack.nc
         subject = stack.subjects.coordinator(Header.SUBMIT_REQUEST)
         inbox = nc.new_inbox()
@@ -146,12 +155,19 @@ async def measure(
 
         await nc.subscribe(f"{inbox}.*", cb=on_reply)
         payloads = bodies(kind, requests + WARMUP_BURSTS * BURST)
+        # As the client library sends them: a named one to its id's arbiter, where replicas arbitrate.
+        targets = [subject] * len(payloads)
+        if table is not None and kind != "plain":
+            targets = [
+                stack.subjects.addressed_to(Header.SUBMIT_REQUEST, table.of("bench", index))
+                for index in range(len(payloads))
+            ]
         numbers = itertools.count()
 
         async def burst() -> None:
             for _ in range(BURST):
                 number = next(numbers)
-                await nc.publish(subject, payloads[number], reply=f"{inbox}.{number}")
+                await nc.publish(targets[number], payloads[number], reply=f"{inbox}.{number}")
             for _ in range(BURST):
                 await asyncio.wait_for(answered.acquire(), 300)
 
@@ -178,9 +194,28 @@ def measured_dump(work_dir: Path, out_file: Path) -> int:
     raise RuntimeError(f"no callgrind dump of the measured window for {out_file.name} in {work_dir}")
 
 
-async def replicas_settled(stack: CallgrindStack) -> None:
-    """Several replicas: wait until each has heard the others (a few of their heartbeats)."""
-    await asyncio.sleep(3 * float(SLOW_PEER["DPCOORD_HEARTBEAT_INTERVAL_S"]))
+async def arbiters(stack: CallgrindStack) -> ArbiterTable | None:
+    """The replicas' arbitration, read from their status once every one is settled with all of
+    them; None for coordinators that do not arbitrate (a baseline before it, or one replica)."""
+    if stack.config.replicas == 1:
+        return None
+    nc = stack.nc
+    names = stack.coordinator_names
+    for _ in range(600):  # under callgrind a status takes seconds: nothing to wait on but the next answers
+        statuses = []
+        for name in names:
+            try:
+                msg = await nc.request(stack.subjects.status("coordinator", name), b"", timeout=30)
+            except (NoRespondersError, NatsTimeoutError):
+                break
+            statuses.append(json.loads(msg.data))
+        else:
+            if not all("arbiters" in status for status in statuses):
+                return None
+            if all(status["settled"] and set(status["arbiters"]) == set(names) for status in statuses):
+                return ArbiterTable(names)
+        await asyncio.sleep(1.0)
+    raise RuntimeError("the replicas did not settle")
 
 
 async def run(args: argparse.Namespace) -> list[tuple[Count, Count | None]]:

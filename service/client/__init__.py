@@ -16,7 +16,10 @@ have been lost. It also resubmits when the replica that holds a request (the one
 learnt from the first reply; any, before one came) stops heartbeating, since the requests a
 dead replica had not yet sent to an engine are known to their clients alone. Every publish
 after the first is marked as a resubmission, so a replica that does not hold the request asks
-its peers before running it (docs/reliability.md, ownership).
+its peers before running it (docs/reliability.md, ownership). Each goes to the replica that
+arbitrates its id (``<prefix>.submit_request.<coordinator_id>``, :mod:`service.protocol.arbiter`),
+the one replica that may run it, as the client knows the replicas from their heartbeats; any
+other replica would hand it there, a hop later.
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
@@ -95,6 +98,7 @@ class DpcoordClient:
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
         self._watches.enter_context(refusals.watch(self._submit_subject, exchanges.refused))
+        self._watched: set[str] = {self._submit_subject}  # replicas' own submission subjects watched too
 
     @classmethod
     async def connect(
@@ -104,8 +108,12 @@ class DpcoordClient:
         caller's business) and shake hands with a coordinator."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
+        subjects = Subjects(settings.subject_prefix)
         watch = CoordinatorWatch(
-            exchanges, settings.heartbeat_interval_s, settings.heartbeat_timeout_s + settings.heartbeat_interval_s
+            exchanges,
+            settings.heartbeat_interval_s,
+            settings.heartbeat_timeout_s + settings.heartbeat_interval_s,
+            address=lambda replica: subjects.addressed_to(Header.SUBMIT_REQUEST, replica),
         )
         owns = nc is None
 
@@ -116,7 +124,6 @@ class DpcoordClient:
         connection = nc or await connect_nats(
             settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error
         )
-        subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
         replies: Subscription | DirectSubscription
         if isinstance(connection, DirectClient):
@@ -167,10 +174,10 @@ class DpcoordClient:
         client_request_id: ClientRequestId | None,
         timeout: float,
         sampling: dict[str, Any],
-    ) -> bytes:
-        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
-        carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
-        than one block)."""
+    ) -> Submission:
+        """A :class:`SubmitEnvelope` in flight, so the coordinator routes it without decoding the
+        prompt; it carries the prompt's prefix hashes for prefix-aware routing (none for a
+        prompt shorter than one block), and goes to the replica arbitrating its id."""
         params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
         if params.timeout_s is None:
             params.timeout_s = timeout
@@ -183,10 +190,19 @@ class DpcoordClient:
         except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
             raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
         hashes = prefix_hashes(prompt, chat) or None
-        return encode_msgpack(
+        envelope = encode_msgpack(
             SubmitEnvelope(
                 1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
             )
+        )
+        watch, client_id = self._watch, self.client_id
+        return Submission(
+            self._publish,
+            self._exchanges,
+            watch,
+            envelope,
+            timeout,
+            address=lambda: watch.arbiter_subject(client_id, request_id),
         )
 
     async def submit(
@@ -204,8 +220,7 @@ class DpcoordClient:
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
         bounds the wait and is also the request's deadline at the coordinator."""
-        body = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        submission = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -252,9 +267,8 @@ class DpcoordClient:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        body = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
+        submission = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         check = StreamCheck()
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -278,14 +292,24 @@ class DpcoordClient:
         finally:
             submission.close()
 
-    async def _publish(self, body: bytes, inbox: str) -> None:
+    async def _publish(self, body: bytes, inbox: str, subject: str | None) -> None:
+        if subject is None:
+            subject = self._submit_subject
+        elif subject not in self._watched:  # NATS users of earlier releases may not publish there
+            self._watched.add(subject)
+            self._watches.enter_context(self._refusals.watch(subject, self._address_refused))
         try:
-            await self.nc.publish(self._submit_subject, body, reply=inbox)
+            await self.nc.publish(subject, body, reply=inbox)
         except MaxPayloadError:
             raise ClientError(
                 ErrorCode.TOO_LARGE,
                 f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
             ) from None
+
+    def _address_refused(self, message: str) -> None:
+        """NATS refused a replica's own submission subject: every submission goes to the shared one."""
+        self._watch.addressing = False
+        self._exchanges.address_refused()
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0

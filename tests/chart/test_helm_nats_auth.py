@@ -100,7 +100,13 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 # Who sends each header. A new header fails this test until it is given to a user here and in
 # templates/nats-auth.yaml.
 SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN, Header.UPDATE_WEIGHTS}
-BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT, Header.FORWARD_SUBMISSION, Header.FORWARD_ABORT}
+BETWEEN_COORDINATORS = {
+    Header.COORDINATOR_HEARTBEAT,
+    Header.FORWARD_SUBMISSION,
+    Header.FORWARD_ABORT,
+    Header.ARBITER_SUBMISSION,
+    Header.ARBITER_CLAIMS,
+}
 FROM_ENGINES = set(ENGINE_HEADERS)
 FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}
 
@@ -108,7 +114,8 @@ FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Hea
 def test_permissions_follow_the_protocols_subjects() -> None:
     assert SIGNALS | BETWEEN_COORDINATORS | FROM_ENGINES | FROM_CLIENTS == set(Header)
     rules = permissions(rendered_auth({}).auth_conf)
-    assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS)
+    # And a named submission to the replica arbitrating its id (service/protocol/arbiter.py).
+    assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS) | {"dpcoord.submit_request.*"}
     # Engines send on dpcoord.<header>.<engine_id>; one shared user may send as any engine.
     assert set(rules["engine"]["publish"]["allow"]) == {f"{subject}.*" for subject in subjects(FROM_ENGINES)}
     coordinator = rules["coordinator"]["publish"]
@@ -119,6 +126,8 @@ def test_permissions_follow_the_protocols_subjects() -> None:
         "dpcoord.coordinator_heartbeat",
         "dpcoord.forward_submission.*",  # to one replica: only coordinators may forward
         "dpcoord.forward_abort.*",
+        "dpcoord.arbiter_submission.*",  # a copy handed to its id's arbiter, believed as sent
+        "dpcoord.arbiter_claims.*",
     }
     # Replies into inboxes only: the clients' and admin's, and the pods'.
     inboxes = {subject for subject in coordinator["allow"] if subject.startswith("_INBOX")}
