@@ -139,7 +139,8 @@ async def measure(
 ) -> Count:
     out_prefix = work_dir / f"callgrind-{label}-{kind}"
     config = StackConfig(None, 1, "auto", 8, replicas=replicas)
-    async with CallgrindStack(config, tree, out_prefix, measured) as stack:
+    stack = CallgrindStack(config, tree, out_prefix, measured)
+    async with stack:
         # Python starts some 50 times slower under callgrind.
         await stack.start_dpcoord(encode_msgpack(SubmitRequest([1], SamplingParams(max_tokens=1))), timeout_s=600)
         table = await arbiters(stack)
