@@ -278,7 +278,17 @@ class Arbitration:
                 await nc.publish(subjects.addressed_to(Header.ARBITER_CLAIMS, peer), encode_msgpack(claims))
 
     async def take_claims(self, claims: ArbiterClaims) -> None:
-        """A peer's claims (a part of them)."""
+        """A peer's claims (a part of them). One for an id an engine runs for this replica means
+        the peer adopted it while this replica was taken for dead (its loop stalled): the peer
+        answers it, so it leaves this ledger unanswered here."""
+        for key in claims.keys:
+            entry = self._ledger.find_client(key)
+            if entry is not None and entry.engine_id is not None:
+                if self._ledger.finish(entry.return_path.request_id) is not None:
+                    self._core.counters["requests_adopted_away"] += 1
+                    log.warning(
+                        "request_id=%s: held by %s too; it answers", entry.return_path.request_id, claims.holder
+                    )
         self._arbiters.take_claims(claims.holder, claims.view, claims.keys, claims.part, claims.last)
         if claims.last:
             self._core.counters["claims_received"] += len(claims.keys)

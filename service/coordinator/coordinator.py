@@ -56,6 +56,7 @@ from service.coordinator.replica_watch import ReplicaWatch
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.coordinator.shared_state import SharedControlState
+from service.coordinator.stalls import Stalls
 from service.coordinator.weights import WeightUpdates
 from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
@@ -115,7 +116,9 @@ class Coordinator:
         self._relay = ReplyRelay(core, ledger, answers, self.peers, self._kept, self.replies)
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
-        self._fleet = Fleet(core, ledger, self.engines, self.control_state)
+        self._stalls = Stalls(settings.heartbeat_timeout_s / 2)
+        self._stalls.listen(self._stalled)
+        self._fleet = Fleet(core, ledger, self.engines, self.control_state, self._stalls)
         self._control = Control(
             core,
             ledger,
@@ -157,7 +160,6 @@ class Coordinator:
         self._tasks: set[asyncio.Task[object]] = set()
         self._stop_requested = asyncio.Event()
         self._stopped = False
-        self._last_beat = 0.0
         # Handler contexts (handlers/context.py) a job serves as it is: the message goes straight to it.
         self.abort = self._ownership.abort
         self.take_resubmission = self._ownership.take_resubmission
@@ -366,22 +368,20 @@ class Coordinator:
 
     async def _heartbeat_once(self) -> None:
         """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten. A beat far later than due means this replica's loop
-        stalled (a stopped process, say): the silence it saw was its own, as after a reconnect."""
-        now = time.monotonic()
-        if now - self._last_beat > self.settings.heartbeat_interval_s + self.settings.heartbeat_timeout_s / 2:
-            if self._last_beat:
-                log.warning(
-                    "coordinator %s stalled for %.1f s; its peers' silence was its own", self.id, now - self._last_beat
-                )
-                self.counters["stalls"] += 1
-                self.peers.restart_clocks()
-                self._arbitration.stalled()
-        self._last_beat = now
+        owners that hold no slot forgotten. A beat that came far too late tells of a stall."""
         self.results.sweep()
         self.requests.forget_idle_owners()
         await self._replica_watch.beat()
+        since = time.monotonic()
         await asyncio.sleep(self.settings.heartbeat_interval_s)
+        self._stalls.slept(since, self.settings.heartbeat_interval_s)
+
+    def _stalled(self, _: float) -> None:
+        """This replica's loop stalled: the silence it saw of peers and engines was its own."""
+        self.counters["stalls"] += 1
+        self.peers.restart_clocks()
+        self._fleet.forgive_silence()
+        self._arbitration.stalled()
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""

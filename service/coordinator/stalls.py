@@ -1,0 +1,44 @@
+"""This replica's own stalls: a background loop that slept far longer than it asked was not
+running (the process was stopped, say with SIGSTOP, or starved of CPU), so the silence it then
+finds of engines and peers is its own, as after a NATS reconnect.
+
+Contract: each loop that judges silence (the fleet's watchdog, the heartbeat) reports each
+sleep with :meth:`Stalls.slept`; one that overslept by more than ``threshold_s`` is told to skip
+its round, and the stall's listeners hear of it once, whichever loop woke first (they restart
+the clocks of engines and peers, and arbitration starts its quiet time again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[float], None]
+
+
+class Stalls:
+    def __init__(self, threshold_s: float) -> None:
+        self.threshold_s = threshold_s
+        self._listeners: list[Listener] = []
+        self._handled_at = 0.0
+
+    def listen(self, listener: Listener) -> None:
+        """``listener(seconds)`` hears of each stall once."""
+        self._listeners.append(listener)
+
+    def slept(self, since: float, asked_s: float) -> bool:
+        """A loop that began ``asyncio.sleep(asked_s)`` at ``since`` (monotonic) woke now: True
+        when the process stalled meanwhile, so the loop skips this round."""
+        now = time.monotonic()
+        stalled_s = now - since - asked_s
+        if stalled_s <= self.threshold_s:
+            return False
+        if since >= self._handled_at:  # another loop that slept through it told them already
+            self._handled_at = now
+            log.warning("this coordinator stalled for %.1f s: the silence it saw was its own", stalled_s)
+            for listener in self._listeners:
+                listener(stalled_s)
+        return True
