@@ -43,6 +43,7 @@ from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.signals import signal_answered
 from service.client.submission import Submission
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
@@ -327,8 +328,22 @@ class DpcoordClient:
     async def control(
         self, signal: Header, epoch: int | None = None, timeout: float = 30.0, mode: PauseMode | None = None
     ) -> Ack:
-        """Send a control or profiler signal; returns once every engine confirmed it."""
-        return await self._ack(signal, ControlSignal(epoch, mode), timeout)
+        """Send a control or profiler signal; returns once every engine confirmed it.
+
+        Always answered within ``timeout``: should the replica taking it die before it answers
+        (or NATS reconnect), the same signal goes again, marked ``retry``, to any replica, which
+        acknowledges it once every engine confirmed the state it wrote (:mod:`.signals`). So
+        a ``drain`` pause answers once drained, however long, and ``timeout`` should cover that
+        (up to the coordinators' ``long_control_timeout_s``). Raises ClientError with the wire
+        code (409 when the state forbids the signal: its message names the state), or
+        TimeoutError."""
+        subject = self.subjects.coordinator(signal)
+        reply = await signal_answered(
+            self.nc, self._refusals, self._exchanges, subject, ControlSignal(epoch, mode), timeout
+        )
+        if not isinstance(reply, Ack):
+            raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {signal}: {reply!r}")
+        return reply
 
     async def pause(self, timeout: float = 30.0, mode: PauseMode | None = None) -> Ack:
         """Returns once no engine runs a step: ``keep`` (the default) freezes the requests in

@@ -16,14 +16,17 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 import pytest
 from nats.aio.client import Client as NATS
 
 from engines.echo import EchoBackend
 from engines.runtime import EngineRuntime
 from service.client import DpcoordClient
+from service.coordinator.shared_state import bucket_name
 from service.ops.settings import Settings
 from service.protocol.messages import Final, Partial
+from service.protocol.state import ControlRecord, CoordinatorState
 from tests.conftest import make_settings
 from tests.replicas import EngineSet, ReplicaSet, Status
 
@@ -142,6 +145,43 @@ async def test_a_stopped_replicas_request_whose_engine_is_then_lost_runs_again(
         await engines.close()
     assert final.generated_tokens == [ord(PROMPT[n % len(PROMPT)]) for n in range(LONG_TOKENS)]
     assert final.engine_id != engine_id
+
+
+async def test_a_drain_pause_whose_replica_dies_after_writing_the_record_is_still_answered(
+    settings: Settings, replicas: ReplicaSet, nc: NATS
+) -> None:
+    """Issue 34, 3: ``pause`` with mode ``drain`` while a request runs; the replica that took it is
+    SIGKILLed as soon as the shared record says ``paused``. The caller still gets its ack, once
+    the request has drained: the client library sends the signal again, marked ``retry``, when
+    a replica stops heartbeating, and the survivor acknowledges it once every engine confirmed
+    (it never came before: the caller waited out its timeout)."""
+    await replicas.start("r0", "r1")
+    engines = EngineSet(settings, token_delay_ms=20.0)
+    await engines.spawn("e0")
+    kv = await nc.jetstream().key_value(bucket_name(settings.subject_prefix))
+    watcher = await kv.watch(settings.subject_prefix)
+    try:
+        await replicas.wait_for(lambda statuses: all(len(s["engines"]) == 1 for s in statuses.values()), 20)
+        async with await DpcoordClient.connect(settings) as client:
+            running = asyncio.create_task(client.submit(PROMPT, max_tokens=LONG_TOKENS, timeout=60.0))
+            await replicas.wait_for(
+                lambda statuses: sum(status["requests_in_flight"] for status in statuses.values()) == 1, 10
+            )
+            pausing = asyncio.create_task(client.pause(timeout=20.0, mode="drain"))
+            writer = ""
+            async for entry in watcher:
+                record = msgspec.json.decode(entry.value or b"{}", type=ControlRecord) if entry else None
+                if record is not None and record.state is CoordinatorState.PAUSED:
+                    writer = record.coordinator_id
+                    break
+            replicas.kill(writer)
+            ack = await pausing
+            final = await asyncio.wait_for(running, 20)
+    finally:
+        await watcher.stop()
+        await engines.close()
+    assert ack.state == "paused" and ack.mode == "drain"
+    assert final.finish_reason == "length" and len(final.generated_tokens) == LONG_TOKENS  # drained, not cut
 
 
 async def wait_status(replicas: ReplicaSet, replica: str, condition: Callable[[Status], bool]) -> None:
