@@ -307,6 +307,12 @@ class DpcoordClient:
                 f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
             ) from None
 
+    def arbiter_of(self, client_request_id: ClientRequestId) -> str | None:
+        """The replica this client sends ``client_request_id`` to (its arbiter); None while it
+        knows none (then any replica takes it and hands it there)."""
+        subject = self._watch.arbiter_subject(self.client_id, client_request_id)
+        return None if subject is None else subject.rpartition(".")[2]
+
     def _address_refused(self, message: str) -> None:
         """NATS refused a replica's own submission subject: every submission goes to the shared one."""
         self._watch.addressing = False
