@@ -38,7 +38,7 @@ class Arbiters:
         self.view: frozenset[str] = frozenset({own_id})
         self.table = ArbiterTable(self.view)
         self.alone = True  # a view of this replica only: every id is its own, no hash needed
-        self.settled = False
+        self.settled = True  # alone, as it starts: it runs what reaches it until it hears a peer
         self.claimed = False  # some claims are held (the hot path skips the lookup otherwise)
         self._quiet_s = quiet_s
         self._quiet_until = time.monotonic() + quiet_s
