@@ -16,12 +16,17 @@ DOCKER_BUILD := $(DOCKER) build --network host
 
 install: $(STAMP)
 
+# pip shows its progress where make runs on a terminal, and stays quiet (errors only) in a log,
+# such as CI's: $(shell) hands its commands make's standard error, so [ -t 2 ] asks about it.
+PIP_QUIET := $(shell [ -t 2 ] || echo --quiet)
+
 $(STAMP): pyproject.toml
+	@echo "Installing into $(VENV): torch and the dev tools, a few minutes the first time."
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
 	# The CPU wheel of torch first: an open range alone could pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,engine,fast,bench,gateway]'
+	$(PY) -m pip install $(PIP_QUIET) torch==2.13.0
+	$(PY) -m pip install $(PIP_QUIET) -e '.[dev,engine,fast,bench,gateway]'
 	touch $(STAMP)
 
 up: $(STAMP)

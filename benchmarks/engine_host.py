@@ -36,8 +36,10 @@ the GIL), so they are the steadier figures here.
 After each step the replies are built as the engine runtime builds them: each output recorded
 in its ``ActiveRequest`` (``engines/replies.py``), a partial per token and a final per finished
 request encoded, and the batch encoded as one ``EngineReplyBatch`` (publishing on NATS is not
-included). The driver places that work as each tree's runtime does with steps launched ahead:
-the baseline runtime encodes between steps, on the critical path (``inline``); this checkout's
+included); a tree with the engine's request table runs its own ``RequestTable.record_step``
+(``engines/requests.py``), an older tree a copy of its runtime's loop (``Replies``). The driver
+places that work as each tree's runtime does with steps launched ahead: the baseline runtime
+encodes between steps, on the critical path (``inline``); this checkout's
 runtime encodes right after the step too, but the next step is then already launched on the
 device (``Backend.launches_ahead``), so it is off the critical path. ``--emit thread`` encodes
 this checkout's replies on a second thread while the next step runs instead, as its runtime
@@ -56,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,8 +68,10 @@ WARMUP_STEPS = 8
 
 def drive(batch: int, steps: int, emit: str) -> dict[str, float]:
     """In the driver process: the figures of one tree (the one on ``PYTHONPATH``)."""
-    backend = decoding_backend(batch, WARMUP_STEPS + steps + 4)
-    replies = Replies()
+    max_tokens = WARMUP_STEPS + steps + 4
+    backend = decoding_backend(batch, max_tokens)
+    replies = Replies(backend)
+    replies.add_greedy(batch, max_tokens)
     work: queue.Queue[list[Any] | None] = queue.Queue()
 
     def emitter() -> None:
@@ -77,7 +82,9 @@ def drive(batch: int, steps: int, emit: str) -> dict[str, float]:
     thread.start()
     for _ in range(WARMUP_STEPS):
         replies.encode(backend._step())
-    window = Stopwatch(backend, ("_collect", "_launch"))
+    # The phases object of the tree: its step phases, or the backend itself in trees from before
+    # the backend composed them (it inherited them then).
+    window = Stopwatch(getattr(backend, "steps", backend), ("_collect", "_launch"))
     wall_started, thread_started, cpu_started = time.perf_counter(), time.thread_time(), time.process_time()
     for _ in range(steps):
         outputs = backend._step()
@@ -120,10 +127,10 @@ class Stopwatch:
 
 
 def decoding_backend(batch: int, max_tokens: int) -> Any:
-    """The tree's TorchBackend on CPU with the test doubles, ``batch`` greedy requests added."""
+    """The tree's TorchBackend on CPU with the test doubles, with room for ``batch`` requests of
+    :data:`PROMPT_TOKENS` plus ``max_tokens`` (:meth:`Replies.add_greedy` adds them)."""
     import torch
 
-    from engines.backend import GenerationRequest
     from engines.torch_backend.backend import TorchBackend
     from engines.torch_backend.cuda_graphs import DecodeGraphs
     from engines.torch_backend.kernels import EAGER, Kernels
@@ -163,36 +170,85 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
             overlap_steps=True,
         )
     )
-    backend.model = NoOpModel(backend.config.vocab_size, batch)  # type: ignore[assignment]  # the test double
+    model: Any = NoOpModel(backend.config.vocab_size, batch)  # the test double, typed as the model it stands for
     pages = -(-backend.max_context // backend.options.kv_block_size)
-    assert backend._kv_cache is not None
-    backend._graphs = HostOnlyGraphs(
-        backend.model, backend._rotary, backend._kv_cache, batch, pages, backend.options.kv_block_size
-    )
-    for index in range(batch):
-        prompt = [(31 * index + k) % 200 + 32 for k in range(PROMPT_TOKENS)]
-        backend.add(GenerationRequest(f"r{index}", prompt, max_tokens=max_tokens, temperature=0.0))
-
+    runner = getattr(backend, "runner", None)
+    if runner is not None:  # the model runner owns the model, the cache and the graphs
+        runner.model = model
+        assert runner.kv_cache is not None
+        runner._graphs = HostOnlyGraphs(
+            model, runner.rotary, runner.kv_cache, batch, pages, backend.options.kv_block_size
+        )
+    else:  # a tree from before the model runner, whose backend held them
+        before: Any = backend
+        before.model = model
+        before._graphs = HostOnlyGraphs(
+            model, before._rotary, before._kv_cache, batch, pages, before.options.kv_block_size
+        )
     return backend
 
 
 class Replies:
-    """The runtime's reply building for one stream of steps (``EngineRuntime._publish_outputs``
-    without the publish): every request streamed, one partial per token."""
+    """The runtime's reply building for one stream of steps, without the publish: every request
+    streamed, one partial per token. A tree with a request table runs its own
+    ``RequestTable.record_step`` (engines/requests.py) over a publisher that encodes each batch
+    and sends nothing; a tree from before it runs this copy of its
+    ``EngineRuntime._publish_outputs``."""
 
-    def __init__(self) -> None:
-        from engines.replies import ActiveRequest
+    def __init__(self, backend: Any) -> None:
+        from engines.replies import ActiveRequest, ReplyPublisher
+        from service.bus.direct import DirectClient
         from service.protocol.codec import Encoding, encode_msgpack
-        from service.protocol.messages import EngineReplyBatch, ReturnPath
+        from service.protocol.messages import EngineReplyBatch, ReturnPath, RoutedRequest
+        from service.protocol.subjects import Subjects
 
+        self._backend = backend
         self._active: dict[str, Any] = {}
-        self._new = lambda request_id: ActiveRequest(
-            ReturnPath(request_id, "c-bench", f"_INBOX.bench.{request_id}", Encoding.MSGPACK.value, True, request_id),
-            Encoding.MSGPACK,
+        self._path = lambda request_id: ReturnPath(
+            request_id, "c-bench", f"_INBOX.bench.{request_id}", Encoding.MSGPACK.value, True, request_id
         )
+        self._new = lambda request_id: ActiveRequest(self._path(request_id), Encoding.MSGPACK)
         self._batch = lambda replies: encode_msgpack(EngineReplyBatch("bench", replies))
+        self._routed = lambda request_id: RoutedRequest(self._path(request_id), b"")
+        self._encoding = Encoding.MSGPACK
+        try:
+            from engines.requests import RequestTable
+        except ImportError:  # a tree from before the request table
+            self._table: Any = None
+            return
+
+        batch = self._batch
+
+        class EncodeOnly(ReplyPublisher):
+            """Benchmark double: encodes each batch as the publisher would send it, sends nothing."""
+
+            async def publish(self, header: Any, replies: list[Any], remember: bool = True) -> None:
+                if replies:
+                    batch(replies)
+
+        publisher = EncodeOnly("bench", DirectClient(), Subjects("bench"), Counter())
+        self._table = RequestTable("bench", backend, publisher, Counter(), stream_interval=1)
+
+    def add_greedy(self, batch: int, max_tokens: int) -> None:
+        """``batch`` greedy requests of :data:`PROMPT_TOKENS` tokens, in the backend (and the table)."""
+        from engines.backend import GenerationRequest
+
+        for index in range(batch):
+            prompt = [(31 * index + k) % 200 + 32 for k in range(PROMPT_TOKENS)]
+            request = GenerationRequest(f"r{index}", prompt, max_tokens=max_tokens, temperature=0.0)
+            if self._table is None:
+                self._backend.add(request)
+            else:
+                self._table.start(self._routed(request.request_id), self._encoding, request, None)
 
     def encode(self, outputs: list[Any]) -> None:
+        if self._table is not None:
+            step = self._table.record_step(outputs, 1, None)
+            try:  # nothing in it awaits (the publisher sends nothing): it runs to the end at once
+                step.send(None)
+            except StopIteration:
+                return
+            raise RuntimeError("record_step awaited something")
         partials, finals = [], []
         for output in outputs:
             active = self._active.get(output.request_id)

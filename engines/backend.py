@@ -7,18 +7,24 @@ its ``resume_tokens``, prefilled with the prompt, counted as generated), ``step`
 request by (at most) one token, and report new tokens, the text they complete, and why a
 request finished. It also names the model it serves and renders chat ``messages`` into a
 prompt, since it owns the tokenizer and so the chat template.
+
+Log-probabilities, when a request asks for them: each output carries its new tokens'
+(``logprobs``, with ``top_logprobs`` when it asked for alternatives), and a request's first
+output its prompt's (``prompt``); :meth:`Backend.token_bytes` names each token's bytes. A
+backend that computes none says so (``computes_logprobs``): the runtime then refuses such
+requests and does not announce the feature.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from engines.chat_template import plain_prompt
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import ChatMessage, FinishReason, SubmitRequest
+from service.protocol.messages import ChatMessage, FinishReason, LogprobsMode, SubmitRequest, TopLogprob
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
@@ -40,6 +46,9 @@ class GenerationRequest:
     resume_tokens: tuple[int, ...] = ()
     ignore_eos: bool = False  # EOS ids do not end the request
     min_tokens: int = 0  # no EOS id and no stop string ends the request before this many tokens
+    logprobs: int | None = None  # alternatives per generated token's logprob; None: no logprobs
+    prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None: none
+    logprobs_mode: LogprobsMode = "raw"  # of the model's distribution, or of the one sampled from
 
     @classmethod
     def from_submit(cls, request_id: str, submit: SubmitRequest, prompt: str | list[int]) -> GenerationRequest:
@@ -56,7 +65,20 @@ class GenerationRequest:
             stop=tuple(params.stop or ()),
             ignore_eos=params.ignore_eos,
             min_tokens=params.min_tokens,
+            logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
+            logprobs_mode=params.logprobs_mode,
         )
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """A prompt's tokens and the log-probability of each given the ones before it (the first has
+    none), with the ``prompt_logprobs`` most likely tokens at each position (None when that is 0)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[TopLogprob] | None] | None
 
 
 @dataclass(slots=True)
@@ -67,6 +89,12 @@ class TokenOutput:
     new_tokens: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    # A request that asked for logprobs: each new token's, and its alternatives (most likely
+    # first) when it asked for some; a request that asked for prompt logprobs gets them on its
+    # first output.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    prompt: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +153,9 @@ class Backend(abc.ABC):
     # Tokens one request may hold, prompt plus generated; None: no bound. The runtime refuses a
     # ``max_tokens`` beyond it (engines/limits.py).
     max_context: int | None = None
+    # Whether its outputs carry the log-probabilities requests ask for (the engine announces the
+    # feature at register; the runtime refuses such requests otherwise).
+    computes_logprobs: bool = False
 
     @abc.abstractmethod
     def add(self, request: GenerationRequest) -> int:
@@ -140,6 +171,11 @@ class Backend(abc.ABC):
     def resumed_text(self, request_id: str) -> str:
         """The text a request's ``resume_tokens`` completed, as an uninterrupted run would have
         emitted it for them (the final's text starts with it); call right after ``add``."""
+
+    def token_bytes(self, token_ids: Iterable[int]) -> dict[int, bytes]:
+        """Each token's bytes as the tokenizer decodes it alone (a byte-level piece may be part
+        of a UTF-8 character), for the logprob fields; only a backend that computes logprobs is asked."""
+        raise NotImplementedError(f"the {self.name} backend computes no log-probabilities")
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:
@@ -181,6 +217,11 @@ class Backend(abc.ABC):
         """Whether ``step`` returns with the next step already launched on the device: the
         runtime then publishes the replies at once instead of while the next step runs."""
         return False
+
+    def waiting_requests(self) -> int:
+        """Requests added and not running yet (waiting for a place in the batch or for KV-cache
+        pages); 0 for a backend that runs every request it holds at once."""
+        return 0
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The KV cache's prefix-cache counters; None for a backend without one."""

@@ -16,6 +16,14 @@ vocabulary. A migrated request resumes after its ``resume_tokens``: they count a
 next token is the prompt's token ``len(resume_tokens) mod len(prompt)``), and their text primes
 the decoder and the stop check, so the continuation equals an uninterrupted run.
 
+Log-probabilities are a documented function of the token and its position in the sequence
+(the prompt's tokens at 0 .. P-1, the n-th generated token at P + n, resumed ones included), so
+suites compare them exactly: :func:`echo_logprob` is ``-(1 + (token + position) mod 16) / 8``
+(exact in binary floating point), and :func:`echo_top_logprobs` lists the token itself first,
+then ``token + 1``, ``token + 2``, … each 1/8 less likely; the first prompt token has none. The
+mode (raw or processed) changes nothing: there is no distribution. A token's bytes are its byte
+value (ids >= 256: none).
+
 It has no weights: ``update_weights`` (``stage_weights``) only checks that the directory holds
 ``*.safetensors`` files, which the runtime digests as for any backend, and the swap changes
 nothing but the version its replies carry.
@@ -25,16 +33,38 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.backend import Backend, GenerationRequest, TokenOutput
+from engines.backend import Backend, GenerationRequest, PromptLogprobs, TokenOutput
 from service.protocol.checkpoint import checkpoint_files
-from service.protocol.messages import FinishReason
+from service.protocol.messages import FinishReason, TopLogprob
 
 # The echo backend's context when ``max_context`` is not set: it bounds ``max_tokens`` as a
 # model's context would.
 ECHO_CONTEXT = 1 << 20
+
+
+def echo_logprob(token: int, position: int) -> float:
+    """The echo backend's log-probability of ``token`` at ``position`` of its sequence."""
+    return -(1 + (token + position) % 16) / 8
+
+
+def echo_top_logprobs(token: int, position: int, k: int) -> list[TopLogprob]:
+    """The ``k`` most likely tokens at the position where ``token`` stands, most likely first:
+    ``token`` itself, then the ids after it, each 1/8 less likely."""
+    first = echo_logprob(token, position)
+    return [(token + rank, first - rank / 8) for rank in range(k)]
+
+
+def echo_prompt_logprobs(prompt: list[int], k: int | None) -> PromptLogprobs:
+    """A prompt's log-probabilities as the echo backend reports them (the first token has none)."""
+    logprobs: list[float | None] = [echo_logprob(token, p) if p else None for p, token in enumerate(prompt)]
+    top: list[list[TopLogprob] | None] | None = None
+    if k:
+        top = [echo_top_logprobs(token, p, k) if p else None for p, token in enumerate(prompt)]
+    return PromptLogprobs(list(prompt), logprobs, top)
 
 
 @dataclass(slots=True)
@@ -44,12 +74,14 @@ class _Running:
     generated: int = 0
     text: str = ""
     resumed_text: str = ""  # the text of the resume tokens
+    prompt_sent: bool = False  # its prompt logprobs went out with its first output
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
 class EchoBackend(Backend):
     name = "echo"
     default_model_name = "dpcoord-echo"
+    computes_logprobs = True
 
     def __init__(self, token_delay_ms: float = 0.0, max_context: int = ECHO_CONTEXT) -> None:
         self._delay_s = token_delay_ms / 1000.0
@@ -73,6 +105,9 @@ class EchoBackend(Backend):
     def abort(self, request_id: str) -> bool:
         return self._running.pop(request_id, None) is not None
 
+    def token_bytes(self, token_ids: Iterable[int]) -> dict[int, bytes]:
+        return {token: bytes((token,)) if token < 256 else b"" for token in token_ids}
+
     def has_work(self) -> bool:
         return bool(self._running)
 
@@ -92,23 +127,36 @@ class EchoBackend(Backend):
         return outputs
 
     def _advance(self, running: _Running) -> TokenOutput:
-        request_id = running.request.request_id
+        output = self._next_token(running)
+        request = running.request
+        if request.prompt_logprobs is not None and not running.prompt_sent:
+            running.prompt_sent = True
+            output.prompt = echo_prompt_logprobs(running.prompt_tokens, request.prompt_logprobs)
+        return output
+
+    def _next_token(self, running: _Running) -> TokenOutput:
+        request = running.request
+        request_id = request.request_id
         if not running.prompt_tokens:
-            return TokenOutput(request_id, [], "", "stop")
+            return TokenOutput(request_id, [], "", "stop", [] if request.logprobs is not None else None)
         token = running.prompt_tokens[running.generated % len(running.prompt_tokens)]
+        position = len(running.prompt_tokens) + running.generated
         running.generated += 1
         text = running.decoder.decode(bytes([token])) if token < 256 else ""
         running.text += text
         finish: FinishReason | None = None
-        if running.generated >= running.request.min_tokens and _completes_stop(
-            running.text, len(text), running.request
-        ):
+        if running.generated >= request.min_tokens and _completes_stop(running.text, len(text), request):
             finish = "stop"
-        elif running.generated >= running.request.max_tokens:
+        elif running.generated >= request.max_tokens:
             finish = "length"
         if finish is not None:
             text += running.decoder.decode(b"", final=True)
-        return TokenOutput(request_id, [token], text, finish)
+        output = TokenOutput(request_id, [token], text, finish)
+        k = request.logprobs
+        if k is not None:
+            output.logprobs = [echo_logprob(token, position)]
+            output.top_logprobs = [echo_top_logprobs(token, position, k)] if k else None
+        return output
 
 
 def _completes_stop(text: str, new: int, request: GenerationRequest) -> bool:

@@ -1,11 +1,15 @@
-"""The engine runtime's handler registry: one decorated function per message an engine receives.
+"""The broadcasts an engine serves: one decorated function per message sent to every engine
+on ``<prefix>.engines.<header>`` (control signals, the profiler, weight updates, hand-overs),
+each answered with an ``EngineAck``.
 
-Extension contract: as for the coordinator (:mod:`service.bus.registry`). ``direct=True``
-marks messages routed to this engine alone (``<prefix>.engine.<engine_id>.<header>``), handled
-on nats-py's reading task; ``fanout=True`` marks broadcasts to every engine
-(``<prefix>.engines.<header>``), each answered with an ``EngineAck`` whose detail the handler
-returns through :meth:`EngineContext.confirm`. Handlers are typed against
-:class:`EngineContext`, all they may ask of the runtime.
+Extension contract: as for the coordinator (:mod:`service.bus.registry`); every handler here
+is ``fanout=True``. A handler is typed against :class:`EngineContext`, all it may ask of the
+runtime, which the wiring (:mod:`engines.runtime`) provides with the jobs' own methods; it
+answers through :meth:`EngineContext.confirm` or :meth:`EngineContext.acknowledge`. The guarded
+dispatch (:mod:`engines.runtime_dispatch`) decodes the payload, confirms a control signal
+older than the last applied without calling its handler, and turns every failure into an
+error ack. Messages routed to one engine alone (``<prefix>.engine.<engine_id>.<header>``) are
+not here: the request intake serves them (:mod:`engines.runtime_intake`).
 """
 
 from __future__ import annotations
@@ -14,36 +18,11 @@ from typing import Protocol
 
 from service.bus.registry import HandlerRegistry, Incoming
 from service.protocol.handover import Adoption
-from service.protocol.membership import ResendReplies
-from service.protocol.messages import (
-    ControlSignal,
-    EngineAck,
-    PauseMode,
-    RoutedAbort,
-    RoutedRequest,
-    RoutedRequestBatch,
-    WeightSignal,
-)
-from service.protocol.subjects import (
-    ADOPT,
-    COMMIT_WEIGHTS,
-    DISCARD_WEIGHTS,
-    PREPARE_WEIGHTS,
-    RESEND_REPLIES,
-    Header,
-)
+from service.protocol.messages import EngineAck, EngineSignal, PauseMode, WeightSignal
+from service.protocol.subjects import ADOPT, COMMIT_WEIGHTS, DISCARD_WEIGHTS, PREPARE_WEIGHTS, Header
 
 
 class EngineContext(Protocol):
-    async def start_request(self, routed: RoutedRequest) -> None:
-        """Hand a routed request to the backend; one it refuses gets an error reply at once."""
-
-    async def abort_request(self, request_id: str) -> None:
-        """Stop generating for ``request_id``; its final says ``abort``."""
-
-    async def resend_replies(self, incoming: Incoming, resend: ResendReplies) -> None:
-        """Send the named terminal replies again and answer which requests never arrived."""
-
     async def pause(self, mode: PauseMode | None = None) -> None:
         """Stop stepping once the step in progress ends and the accelerator is idle; ``drain``
         first waits for the requests in flight to finish, ``abort`` ends them."""
@@ -91,30 +70,8 @@ ENGINE_HANDLERS: HandlerRegistry[EngineContext] = HandlerRegistry()
 engine_handler = ENGINE_HANDLERS.message_handler
 
 
-@engine_handler(Header.SUBMIT_REQUEST, direct=True)
-async def handle_routed_requests(engine: EngineContext, incoming: Incoming, payload: RoutedRequestBatch) -> None:
-    """Sent by the coordinator: every request it routed here in one loop turn, each a return
-    path and the client's body. Each starts generating; no answer (replies follow)."""
-    for routed in payload.requests:
-        await engine.start_request(routed)
-
-
-@engine_handler(Header.ABORT_REQUEST, direct=True)
-async def handle_abort(engine: EngineContext, incoming: Incoming, payload: RoutedAbort) -> None:
-    """Sent by the coordinator when a client aborts or a request failed elsewhere: its request
-    id. Generation stops; the final says ``abort``."""
-    await engine.abort_request(payload.request_id)
-
-
-@engine_handler(RESEND_REPLIES, direct=True)
-async def handle_resend_replies(engine: EngineContext, incoming: Incoming, payload: ResendReplies) -> None:
-    """Sent by a coordinator reconciling after lost messages: request ids this engine no longer
-    holds. The remembered replies are sent again; the answer lists the ids never received."""
-    await engine.resend_replies(incoming, payload)
-
-
 @engine_handler(Header.PAUSE, fanout=True)
-async def handle_pause(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_pause(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator, with ``mode`` keep (or none), abort or drain. Confirmed
     once no step runs, on the accelerator too: a barrier. With ``drain`` only after every
     request in flight finished; with ``abort`` after each ended with an ``abort`` final."""
@@ -123,28 +80,28 @@ async def handle_pause(engine: EngineContext, incoming: Incoming, payload: Contr
 
 
 @engine_handler(Header.UNPAUSE, fanout=True)
-async def handle_unpause(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_unpause(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator. Stepping resumes; confirmed at once."""
     await engine.unpause()
     await engine.confirm(incoming)
 
 
 @engine_handler(Header.SUSPEND, fanout=True)
-async def handle_suspend(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_suspend(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator while paused. Confirmed once the backend freed its memory."""
     await engine.suspend()
     await engine.confirm(incoming)
 
 
 @engine_handler(Header.RESUME, fanout=True)
-async def handle_resume(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_resume(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator. Confirmed once the backend restored its memory."""
     await engine.resume()
     await engine.confirm(incoming)
 
 
 @engine_handler(Header.STOP, fanout=True)
-async def handle_stop(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_stop(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator. Every request fails with 503, the confirmation says how
     many, then the engine leaves."""
     detail = await engine.stop_serving()
@@ -153,7 +110,7 @@ async def handle_stop(engine: EngineContext, incoming: Incoming, payload: Contro
 
 
 @engine_handler(Header.SET_GENERATION_EPOCH, fanout=True)
-async def handle_set_generation_epoch(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_set_generation_epoch(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator: the ``epoch`` that tokens generated from now on carry."""
     engine.set_epoch(payload.epoch)
     await engine.confirm(incoming)
@@ -185,13 +142,13 @@ async def handle_discard_weights(engine: EngineContext, incoming: Incoming, payl
 
 
 @engine_handler(Header.START_CUDA_PROFILER, fanout=True)
-async def handle_start_profiler(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_start_profiler(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator. The confirmation's detail says what was started."""
     await engine.confirm(incoming, engine.start_profiler())
 
 
 @engine_handler(Header.STOP_CUDA_PROFILER, fanout=True)
-async def handle_stop_profiler(engine: EngineContext, incoming: Incoming, payload: ControlSignal) -> None:
+async def handle_stop_profiler(engine: EngineContext, incoming: Incoming, payload: EngineSignal) -> None:
     """Broadcast by the coordinator. The confirmation's detail names the trace written, if any."""
     await engine.confirm(incoming, engine.stop_profiler())
 

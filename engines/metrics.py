@@ -1,4 +1,8 @@
-"""Prometheus metrics of one engine, read from the runtime when scraped."""
+"""Prometheus metrics of one engine, read from the runtime when scraped.
+
+The chart's dashboard and alerts (helm/dpcoord/dashboards, templates/prometheusrule.yaml) query
+these names; tests/integration/test_monitoring_queries.py holds them to what is exported here.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from prometheus_client.registry import Collector
 
 from engines.backend import ExecutionPath, PrefixCacheStats
 from engines.runtime import EngineRuntime
-from service.ops.metrics import nats_families
+from service.ops.metrics import histogram_family, nats_families
 
 
 class EngineCollector(Collector):
@@ -23,6 +27,22 @@ class EngineCollector(Collector):
         active = GaugeMetricFamily("dpcoord_engine_active_requests", "Requests this engine is generating")
         active.add_metric([], runtime.load)
         yield active
+
+        waiting = GaugeMetricFamily(
+            "dpcoord_engine_waiting_requests",
+            "Of the active requests, those not running yet (waiting for a place in the batch or for KV-cache pages)",
+        )
+        waiting.add_metric([], runtime.backend.waiting_requests())
+        yield waiting
+
+        generated = CounterMetricFamily("dpcoord_engine_generated_tokens", "Tokens this engine generated")
+        generated.add_metric([], runtime.pace.generated)
+        yield generated
+        yield histogram_family(
+            "dpcoord_engine_inter_token_seconds",
+            "Time between a request's consecutive tokens, one step apart (pauses included)",
+            runtime.pace.inter_token,
+        )
 
         registered = GaugeMetricFamily("dpcoord_engine_registered", "1 once a coordinator acknowledged this engine")
         registered.add_metric([], 1.0 if runtime.registered.is_set() else 0.0)

@@ -1,7 +1,10 @@
 """Replies on their way from an engine to the coordinator.
 
 :class:`ActiveRequest` accumulates one request's tokens and builds its replies, already encoded
-for its client from the return path it carries, so the coordinator only forwards bytes.
+for its client from the return path it carries, so the coordinator only forwards bytes. It is
+the request table's record (:mod:`engines.requests`): only the table creates one and calls the
+methods that change it (an import-linter contract keeps the runtime's jobs from importing this
+module).
 :class:`ReplyPublisher` sends them, on ``<prefix>.<header>.<engine_id>``, in as few messages as
 the server's ``max_payload`` allows, counting every byte of each reply (its body and its whole
 return path, in UTF-8), so one oversized reply never takes its batch neighbours with it. A
@@ -15,6 +18,10 @@ carries its ``offset`` (the index of its first token among the generated ones) a
 client's body, its token ids, so the coordinator keeps what was streamed for a migration. A
 resumed request (:meth:`ActiveRequest.resume`) starts with the tokens and text an earlier run
 streamed: its partials continue at their offset and its final holds every token.
+
+A request that asked for log-probabilities has a :class:`~engines.logprob_record.LogprobRecord`
+beside its tokens, whose values its replies carry; the others' partials are encoded without
+those fields (:class:`~service.protocol.messages.PartialWithoutLogprobs`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from engines.backend import TokenOutput
+from engines.logprob_record import LogprobRecord
 from service.bus.batches import fits_alone, item_size, split_batches
 from service.bus.direct import DirectClient
 from service.protocol.codec import Encoding, encode, encode_msgpack
@@ -39,6 +47,7 @@ from service.protocol.messages import (
     Final,
     FinishReason,
     Partial,
+    PartialWithoutLogprobs,
     ReturnPath,
     RoutedReply,
     WeightVersion,
@@ -67,6 +76,7 @@ class ActiveRequest:
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     body: bytes = b""  # the client's, handed to the adopter of a dead coordinator with the request
     attempt: int = 0
+    logprobs: LogprobRecord | None = None  # a request that asked for log-probabilities
 
     def resume(self, tokens: list[int], text: str, epoch: int | None) -> None:
         """Start after ``tokens`` (and their ``text``) that an earlier run streamed; their span
@@ -94,6 +104,8 @@ class ActiveRequest:
                 versions[-1].end = end
             else:
                 versions.append(WeightVersionSpan(weight_version, start, end))
+        if self.logprobs is not None:
+            self.logprobs.record(output)
         self.tokens.extend(output.new_tokens)
         self.text.append(output.text)
         self.unsent_tokens.extend(output.new_tokens)
@@ -102,14 +114,30 @@ class ActiveRequest:
     def partial(self) -> RoutedReply:
         return_path = self.return_path
         tokens = self.unsent_tokens
-        message = Partial(
-            return_path.request_id,
-            return_path.client_request_id,
-            tokens,
-            "".join(self.unsent_text),
-            len(self.tokens) - len(tokens),
-            self.attempt,
-        )
+        logprobs = self.logprobs
+        message: Partial | PartialWithoutLogprobs
+        if logprobs is None or not logprobs.generated:
+            message = PartialWithoutLogprobs(
+                return_path.request_id,
+                return_path.client_request_id,
+                tokens,
+                "".join(self.unsent_text),
+                len(self.tokens) - len(tokens),
+                self.attempt,
+            )
+        else:
+            fields = logprobs.partial(tokens)
+            message = Partial(
+                return_path.request_id,
+                return_path.client_request_id,
+                tokens,
+                "".join(self.unsent_text),
+                len(self.tokens) - len(tokens),
+                self.attempt,
+                fields.token_logprobs,
+                fields.top_logprobs,
+                fields.token_bytes,
+            )
         self.unsent_tokens, self.unsent_text = [], []
         reply = RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, tokens, self.attempt)
         self.partials_sent += 1
@@ -128,6 +156,14 @@ class ActiveRequest:
             prompt_tokens=self.prompt_tokens,
             weight_versions=self.weight_versions or None,
         )
+        if self.logprobs is not None:
+            fields = self.logprobs.final(self.tokens)
+            message.token_logprobs, message.top_logprobs = fields.token_logprobs, fields.top_logprobs
+            message.token_bytes = fields.token_bytes
+            prompt = fields.prompt
+            if prompt is not None:
+                message.prompt_token_ids, message.prompt_logprobs = prompt.token_ids, prompt.logprobs
+                message.prompt_top_logprobs = prompt.top_logprobs
         return RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, attempt=self.attempt)
 
     def error(self, err: WireError) -> RoutedReply:

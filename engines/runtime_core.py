@@ -1,85 +1,61 @@
-"""The engine runtime's shared state, and the two ways it answers a message.
+"""What every job of the engine runtime shares, and how a message routed to a job is described.
 
-:class:`RuntimeCore` holds what every part of the runtime reads: settings, the backend, the
-NATS client, the requests in flight (``_active``), the step loop's events and lock, counters
-and the reply publisher. The jobs are built on it, one module each, and
-:class:`engines.runtime.EngineRuntime` puts them together:
+:class:`EngineCore` holds the engine's id, settings, backend, connection, subjects, counters
+and task spawner, and the step loop's events and lock. A job takes this core, the request
+table (:mod:`engines.requests`) and the few other owners it reads, rather than a dozen
+collaborators or a base class (docs/architecture.md, *The engine runtime, by job*).
 
-- :mod:`engines.runtime_membership`: registration and heartbeats;
-- :mod:`engines.runtime_requests`: routed requests in, aborts and replies sent again;
-- :mod:`engines.runtime_steps`: the step loop and the replies of each step;
-- :mod:`engines.runtime_control`: broadcasts (control signals, weights, hand-overs).
+:class:`Route` is one message a job serves: the payload type it is decoded into and the job's
+method that receives it, checked against each other by mypy. The wiring
+(:mod:`engines.runtime`) lists the routes and :mod:`engines.runtime_dispatch` serves them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from engines.backend import Backend, TokenOutput
-from engines.handlers import EngineContext
-from engines.replies import ActiveRequest, ReplyPublisher
-from engines.weight_updates import EngineWeights
+from msgspec import Struct
+
+from engines.backend import Backend
 from service.bus.direct import DirectClient
-from service.bus.registry import HandlerSpec, Incoming
-from service.ops.log_limit import RateLimitedLog
+from service.bus.registry import Incoming
 from service.ops.settings import Settings
-from service.protocol.codec import detect_encoding, encode_msgpack
-from service.protocol.messages import EngineAck
+from service.protocol.codec import PayloadDecoder, encode_msgpack
 from service.protocol.subjects import Subjects
 
-log = logging.getLogger("engines.runtime")
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+Payload = TypeVar("Payload")
 
 
-class RuntimeCore:
-    def __init__(self, settings: Settings, backend: Backend) -> None:
-        self.settings = settings
-        self.backend = backend
-        self.engine_id = settings.engine_id or f"e{uuid.uuid4().hex[:12]}"
-        self.served_model_name = settings.served_model_name or backend.default_model_name
-        self.subjects = Subjects(settings.subject_prefix)
-        self.paused = False
-        self.epoch: int | None = None
-        self.control_revision = 0  # of the shared control state, as last applied
-        self.counters: Counter[str] = Counter()
-        self.registered = asyncio.Event()
-        self._malformed_log = RateLimitedLog(log)
-        self._active: dict[str, ActiveRequest] = {}
-        self._wake = asyncio.Event()
-        self._connected = asyncio.Event()
-        self._connected.set()
-        self._step_lock = asyncio.Lock()
-        self._stepped = asyncio.Event()  # set after every step and abort: a drain waits on it
-        self.weights = EngineWeights(self.engine_id, backend, self._step_lock)
-        self._stop_requested = asyncio.Event()
-        self._stopped = False
-        self._tasks: list[asyncio.Task[None]] = []
-        self._heartbeat_task: asyncio.Task[None] | None = None
-        self._steps = 0
-        self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
-        self._nc = DirectClient()
-        self._replies = ReplyPublisher(
-            self.engine_id, self._nc, self.subjects, self.counters, settings.recent_replies_bytes
-        )
+@dataclass(frozen=True, slots=True)
+class EngineCore:
+    engine_id: str
+    settings: Settings
+    backend: Backend
+    nc: DirectClient
+    subjects: Subjects
+    counters: Counter[str]
+    spawn: Spawn  # runs a coroutine in the background until the engine stops
+    wake: asyncio.Event  # set when the step loop may have work: a request in, unpaused, registered, reconnected
+    connected: asyncio.Event  # set while NATS is reachable
+    step_lock: asyncio.Lock  # held by a step, and by whatever must not overlap one (pause, weight swap)
 
-    @property
-    def nc(self) -> DirectClient:
-        return self._nc
-
-    @property
-    def load(self) -> int:
-        return len(self._active)
-
-    def _context(self) -> EngineContext:
-        """The runtime as its handlers see it: :class:`engines.runtime.EngineRuntime` is one."""
-        raise NotImplementedError
-
-    async def _dispatch(self, spec: HandlerSpec[EngineContext], reply: str, data: bytes) -> None:
-        incoming = Incoming(spec.header, reply or None, detect_encoding(data), data)
-        await spec.fn(self._context(), incoming, spec.decoder.decode(data, incoming.encoding))
-
-    async def _answer(self, reply: str | None, ack: EngineAck) -> None:
+    async def answer(self, reply: str | None, message: Struct) -> None:
+        """Send ``message`` (msgpack, as between dpcoord processes) to ``reply``, if the sender gave one."""
         if reply:
-            await self.nc.publish(reply, encode_msgpack(ack))
+            await self.nc.publish(reply, encode_msgpack(message))
+
+
+@dataclass(frozen=True, slots=True)
+class Route(Generic[Payload]):
+    decoder: PayloadDecoder
+    serve: Callable[[Incoming, Payload], Awaitable[None]]
+
+    @classmethod
+    def to(cls, payload: type[Payload], serve: Callable[[Incoming, Payload], Awaitable[None]]) -> Route[Payload]:
+        """``serve`` receives each message as ``payload``."""
+        return cls(PayloadDecoder(payload), serve)

@@ -1,5 +1,14 @@
-"""The step loop: steps the backend while there is work, and publishes each step's replies
-(partials every ``stream_interval`` tokens, finals) while the next step runs."""
+"""The step loop: steps the backend while there is work, and has each step's outputs recorded
+in the request table (which sends their partials and finals) while the next step runs.
+
+Contract: it steps only while the engine is not paused, the backend has work and NATS is
+reachable (tokens generated with nowhere to send them would only fill the outbound buffer).
+A step that fails fails every request held; a step whose replies cannot be built or sent
+fails its requests (an error rather than a stream with a gap). :meth:`publish_unsent` sends
+what the last step produced and is called by whatever must leave no generated token unsent
+(a confirmed pause, a suspend, the engine stopping). Tracing spans around the step and the
+KV-cache events of a step would go in :meth:`step_once`, once per step.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +16,38 @@ import asyncio
 import logging
 
 from engines.backend import TokenOutput
-from engines.replies import ActiveRequest
-from engines.runtime_core import RuntimeCore
+from engines.control_state import ControlState
+from engines.requests import RequestTable
+from engines.runtime_core import EngineCore
+from engines.token_pace import TokenPace
+from engines.weight_updates import EngineWeights
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import RoutedReply
-from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
 
 
-class StepLoop(RuntimeCore):
-    async def _step_once(self) -> None:
-        """One round of the step loop (run by :func:`~service.ops.loops.keep_running`). Steps
-        while there is work, the fleet is not paused and NATS is reachable: tokens generated
-        with nowhere to send them would only fill the outbound buffer.
+class StepLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        requests: RequestTable,
+        control: ControlState,
+        weights: EngineWeights,
+    ) -> None:
+        self._engine_id = core.engine_id
+        self._backend = core.backend
+        self._wake = core.wake
+        self._connected = core.connected
+        self._step_lock = core.step_lock
+        self._requests = requests
+        self._control = control
+        self._weights = weights
+        self.steps = 0  # steps taken, in heartbeats: an engine that holds requests and never steps is suspected
+        self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
+        self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
+
+    async def step_once(self) -> None:
+        """One round of the step loop (run by :func:`~service.ops.loops.keep_running`).
 
         A step's replies stay off the critical path either way: a backend that launches steps
         ahead (``Backend.launches_ahead``) has its next step queued on the device when ``step``
@@ -29,23 +56,22 @@ class StepLoop(RuntimeCore):
         next step runs (its kernels launch on the backend's thread meanwhile), and at once when
         no step follows."""
         await self._wake.wait()
-        if self.paused or not self.backend.has_work() or not self._connected.is_set():
-            await self._publish_unsent()
-            self._stepped.set()
+        backend = self._backend
+        if self._control.paused or not backend.has_work() or not self._connected.is_set():
+            await self.publish_unsent()
             self._wake.clear()
             return
         async with self._step_lock:
-            if self.paused:  # a pause confirmed while this step waited for the lock
+            if self._control.paused:  # a pause confirmed while this step waited for the lock
                 return
-            step = asyncio.ensure_future(self.backend.step())
+            step = asyncio.ensure_future(backend.step())
             try:
-                await self._publish_unsent()
+                await self.publish_unsent()
             finally:
                 outputs = await self._finish_step(step)
         self._unsent = outputs
-        if self.backend.launches_ahead or not self.backend.has_work():
-            await self._publish_unsent()
-        self._stepped.set()
+        if backend.launches_ahead or not backend.has_work():
+            await self.publish_unsent()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not
         # yield, and yielding after publishing sends this step's replies a loop turn sooner.
         await asyncio.sleep(0)
@@ -55,54 +81,24 @@ class StepLoop(RuntimeCore):
         try:
             outputs = await step
         except Exception as exc:
-            log.exception("engine_id=%s: step failed; failing its %d requests", self.engine_id, len(self._active))
-            await self._fail_all(WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} step failed: {exc}"))
+            log.exception("engine_id=%s: step failed; failing its %d requests", self._engine_id, len(self._requests))
+            await self._requests.fail_all(WireError(ErrorCode.INTERNAL, f"engine {self._engine_id} step failed: {exc}"))
             return []
-        self._steps += 1
+        self.steps += 1
+        self.pace.stepped(outputs, self._requests.records)  # the last step's outputs are recorded by now
         return outputs
 
-    async def _publish_unsent(self) -> None:
-        """Publish the last step's replies, if not yet sent."""
+    async def publish_unsent(self) -> None:
+        """Record the last step's outputs and send their replies, if not done yet."""
         outputs, self._unsent = self._unsent, []
         if not outputs:
             return
         try:
-            await self._publish_outputs(outputs)
+            await self._requests.record_step(outputs, self._control.epoch, self._weights.version)
         except Exception:
             # Tokens of this step may be lost: its requests end with an error rather than a gap.
             log.exception(
-                "engine_id=%s: replies of a step failed; failing its %d requests", self.engine_id, len(outputs)
+                "engine_id=%s: replies of a step failed; failing its %d requests", self._engine_id, len(outputs)
             )
-            err = WireError(ErrorCode.INTERNAL, f"engine {self.engine_id} could not send a step's replies")
-            await self._fail([output.request_id for output in outputs], err)
-
-    async def _fail_all(self, err: WireError) -> list[ActiveRequest]:
-        return await self._fail(list(self._active), err)
-
-    async def _fail(self, request_ids: list[str], err: WireError) -> list[ActiveRequest]:
-        """End the named requests this engine still holds with ``err``."""
-        failed = [active for request_id in request_ids if (active := self._active.pop(request_id, None)) is not None]
-        for active in failed:
-            self.backend.abort(active.return_path.request_id)
-        await self._replies.publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
-        self._stepped.set()
-        return failed
-
-    async def _publish_outputs(self, outputs: list[TokenOutput]) -> None:
-        interval = self.settings.stream_interval
-        partials: list[RoutedReply] = []
-        finals: list[RoutedReply] = []
-        for output in outputs:
-            active = self._active.get(output.request_id)
-            if active is None:
-                continue
-            active.record(output, self.epoch, self.weights.version)
-            if output.finish_reason is not None:
-                del self._active[output.request_id]
-                if active.return_path.stream and active.unsent_tokens:
-                    partials.append(active.partial())
-                finals.append(active.final(self.engine_id, output.finish_reason))
-            elif active.return_path.stream and len(active.unsent_tokens) >= interval:
-                partials.append(active.partial())
-        await self._replies.publish(Header.ENGINE_REPLY_PARTIAL, partials)
-        await self._replies.publish(Header.ENGINE_REPLY, finals)
+            err = WireError(ErrorCode.INTERNAL, f"engine {self._engine_id} could not send a step's replies")
+            await self._requests.fail([output.request_id for output in outputs], err)

@@ -40,20 +40,38 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 context() { rm -rf "$WORK/ctx" && mkdir -p "$WORK/ctx" && cp "$@" "$WORK/ctx/" && echo "$WORK/ctx"; }
 
-python_base() {
-    local inputs label rootfs
-    inputs=$(echo "$DEBIAN_MIRROR" | cat - "$HERE/python-standin.Dockerfile" "$CA_BUNDLE" | sha256sum | cut -c1-16)
+standin_inputs() { echo "$DEBIAN_MIRROR" | cat - "$HERE/python-standin.Dockerfile" "$CA_BUNDLE" | sha256sum | cut -c1-16; }
+ROOTFS_IMAGE=dpcoord-standin/bookworm-minbase:$(echo "$DEBIAN_MIRROR $ROOTFS_RECIPE" | sha256sum | cut -c1-16)
+
+# Whether python:3.11-slim is there to build on: present (official, or a stand-in of these
+# inputs), or pulled now. Else a stand-in is due.
+python_present() {
+    local label
     label=$(label_of "$PYTHON_IMAGE")
-    if [[ $label == "$inputs" || ($label != missing && -z $label) ]]; then
+    if [[ $label == "$(standin_inputs)" || ($label != missing && -z $label) ]]; then
         say "$PYTHON_IMAGE: present (${label:+stand-in }${label:-official})"
-        return
+        return 0
     fi
     if [[ $label == missing ]] && timeout 60 "$DOCKER" pull -q "$PYTHON_IMAGE" >/dev/null 2>&1; then
         say "$PYTHON_IMAGE: pulled"
-        return
+        return 0
     fi
+    return 1
+}
+
+# The host tools the bases need that are missing, one per line (for .ci/run, which installs
+# them): debootstrap when a stand-in is due and no root filesystem image is there to make it from.
+missing_tools() {
+    python_present && return
+    "$DOCKER" image inspect "$ROOTFS_IMAGE" >/dev/null 2>&1 && return
+    command -v debootstrap >/dev/null || echo debootstrap
+}
+
+python_base() {
+    local inputs rootfs=$ROOTFS_IMAGE
+    python_present && return
+    inputs=$(standin_inputs)
     say "$PYTHON_IMAGE: no registry answers; making a stand-in ($inputs)"
-    rootfs=dpcoord-standin/bookworm-minbase:$(echo "$DEBIAN_MIRROR $ROOTFS_RECIPE" | sha256sum | cut -c1-16)
     if ! "$DOCKER" image inspect "$rootfs" >/dev/null 2>&1; then
         command -v debootstrap >/dev/null || {
             say "debootstrap is needed to make the stand-in (apt-get install debootstrap)"
@@ -111,6 +129,11 @@ nats_image() {
 }
 
 # Arguments pick some of them (python torch nats); none: all three, in that order.
+# --missing-tools only prints the host tools they would need and lack (and builds nothing).
+if [[ ${1:-} == --missing-tools ]]; then
+    missing_tools
+    exit 0
+fi
 bases=("$@")
 [[ ${#bases[@]} -gt 0 ]] || bases=(python torch nats)
 for base in "${bases[@]}"; do

@@ -7,5 +7,8 @@ network), ``kernels`` (its swappable pieces: eager, or fused on CUDA), ``paged_a
 detokenisation), ``sequence``, ``block_manager`` (cache pages and the prefix cache, no torch),
 ``scheduler`` (batching, no torch), ``memory`` (cache sizing and allocation), ``batch`` (step
 inputs), ``cuda_graphs`` (decode graphs per batch bucket), ``sampling``, ``request_state``
-(stop rules), ``profiler``, ``setup`` (device, dtype and kernel choice), ``backend`` (the glue).
+(stop rules), ``profiler``, ``setup`` (device, dtype and kernel choice), and the three parts a
+step runs on, each the one owner of its state: ``request_table`` (the requests, the scheduler
+and their lock), ``model_runner`` (the model, the KV cache and the graphs) and ``step_phases``
+(the step in flight, over the other two); ``backend`` composes them (the glue).
 """

@@ -1,19 +1,25 @@
 """The torch backend: a Llama-family model served with continuous batching.
 
-Glue in the nano-vllm shape: requests in and out (``add``, ``abort``), memory (suspend, resume),
-weight updates and the profiler. A step (:mod:`engines.torch_backend.step_phases`: launch →
-collect → emit, steps launched ahead on CUDA) runs in a worker thread, so the event loop never
-waits on torch.
+Thin glue in the nano-vllm shape over three parts, each the one owner of its state:
+
+- the request table (:mod:`engines.torch_backend.request_table`): the requests by id and the
+  scheduler that batches them, under the lock the step thread shares with ``add`` and ``abort``;
+- the model runner (:mod:`engines.torch_backend.model_runner`): the model, the KV cache and the
+  decode CUDA graphs;
+- the step phases (:mod:`engines.torch_backend.step_phases`): launch → collect → emit over the
+  other two, owning the step in flight (steps are launched ahead on CUDA).
+
+The backend itself turns requests into sequences (``add``), runs each step in a worker thread
+(so the event loop never waits on torch) and sequences what touches all three under its step
+lock: suspend and resume, weight swaps and close. The profiler is its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections.abc
-import contextlib
 import logging
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -22,38 +28,29 @@ from engines.backend import Backend, ExecutionPath, GenerationRequest, PrefixCac
 from engines.chat_template import plain_prompt
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.cuda_graphs import DecodeGraphs
-from engines.torch_backend.fast_path import (
-    LoadPhases,
-    capture_graphs,
-    execution_path,
-    possible_path,
-    require_fast,
-)
+from engines.torch_backend.fast_path import LoadPhases, possible_path, require_fast
 from engines.torch_backend.kernels import Kernels
 from engines.torch_backend.loading import load_model
-from engines.torch_backend.memory import (
-    allocate_cache,
-)
+from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model_runner import ModelRunner
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.profiler import StepProfiler
 from engines.torch_backend.request_state import RequestState
+from engines.torch_backend.request_table import RequestTable
 from engines.torch_backend.sampling import request_key
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence
 from engines.torch_backend.setup import resolve_device
 from engines.torch_backend.step_phases import StepPhases
-from engines.torch_backend.step_records import Launched, StepRows
-from engines.torch_backend.tokenizer import (
-    IncrementalDetokenizer,
-)
-from engines.torch_backend.weight_update import StagedWeights, stage_checkpoint, swap_in
+from engines.torch_backend.tokenizer import IncrementalDetokenizer
+from engines.torch_backend.weight_update import StagedWeights
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import ChatMessage
 
 log = logging.getLogger(__name__)
 
 
-class TorchBackend(StepPhases, Backend):
+class TorchBackend(Backend):
     name = "torch"
     max_context: int  # set from the model and the KV cache; the runtime holds max_tokens to it
 
@@ -68,37 +65,40 @@ class TorchBackend(StepPhases, Backend):
             require_fast(possible_path(self.device, options.cuda_graphs, options.torch_compile))
         self.load_phases = phases = LoadPhases()
         loaded = load_model(options, model_path, self.device, phases)
-        self.config, self.dtype, self.model, self.tokenizer = (
-            loaded.config,
-            loaded.dtype,
-            loaded.model,
-            loaded.tokenizer,
-        )
+        self.config, self.dtype, self.tokenizer = loaded.config, loaded.dtype, loaded.tokenizer
         self.model_name, self.default_model_name = loaded.model_name, loaded.default_model_name
         self.chat_template = loaded.chat_template
-        self._rotary, self._failures = loaded.rotary, loaded.failures
         self.max_context = loaded.max_context
-        self._cache_shape = loaded.cache_shape
-        self._kv_cache: torch.Tensor | None = loaded.kv_cache
-        plan, page = loaded.plan, loaded.page_bytes
-        self._use_graphs = options.cuda_graphs and self.device.type == "cuda" and self.kernels.paged_decode is not None
-        self._graphs: DecodeGraphs | None = self._capture_graphs()
-        phases.done("graph capture")
-        self._path = execution_path(self.device, self.kernels, self._graphs is not None, self._failures)
-        if options.require_fast_path:
-            require_fast(self._path)
-        self.scheduler = Scheduler(
-            BlockManager(plan.num_blocks, options.kv_block_size, options.prefix_caching),
-            options.max_batch,
-            options.max_prefill_tokens,
+        self.runner = ModelRunner(
+            loaded.model,
+            loaded.rotary,
+            loaded.kv_cache,
+            loaded.failures,
+            device=self.device,
+            dtype=self.dtype,
+            max_batch=options.max_batch,
+            max_context=self.max_context,
+            block_size=options.kv_block_size,
+            cuda_graphs=options.cuda_graphs,
         )
-        self._overlap = options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda"
-
-        self._requests: dict[str, RequestState] = {}
-        self._launched: Launched | None = None
-        self._rows = StepRows()
-        self._lock = threading.Lock()  # scheduler and request table: step thread vs add/abort on the loop
-        self._step_lock = asyncio.Lock()  # step, suspend and resume never overlap
+        phases.done("graph capture")
+        if options.require_fast_path:
+            require_fast(self.runner.path)
+        self.requests = RequestTable(
+            Scheduler(
+                BlockManager(loaded.plan.num_blocks, options.kv_block_size, options.prefix_caching),
+                options.max_batch,
+                options.max_prefill_tokens,
+            )
+        )
+        self.steps = StepPhases(
+            self.requests,
+            self.runner,
+            self.config.eos_token_ids,
+            self.max_context,
+            launches_ahead=options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda",
+        )
+        self._step_lock = asyncio.Lock()  # step, suspend, resume, weight swaps and close never overlap
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
@@ -109,45 +109,38 @@ class TorchBackend(StepPhases, Backend):
             self.device,
             torch.get_num_threads(),
             self.max_context,
-            plan.describe(page),
+            loaded.plan.describe(loaded.page_bytes),
             self.kernels.describe(),
-            "replays CUDA graphs" if self._graphs else "runs eagerly",
-            self._path.describe(),
+            "replays CUDA graphs" if self.graphs else "runs eagerly",
+            self.runner.path.describe(),
             "on" if options.prefix_caching else "off",
-            "overlapped" if self._overlap else "one at a time",
+            "overlapped" if self.launches_ahead else "one at a time",
             phases.describe(),
         )
 
     @property
+    def model(self) -> LlamaModel:
+        return self.runner.model
+
+    @property
     def kernels(self) -> Kernels:
-        return self.model.kernels
+        return self.runner.model.kernels
 
     @property
     def graphs(self) -> DecodeGraphs | None:
-        return self._graphs
+        return self.runner.graphs
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.requests.scheduler
 
     @property
     def launches_ahead(self) -> bool:
-        return self._overlap
+        return self.steps.launches_ahead
 
     def execution_path(self) -> ExecutionPath:
         """The path decode runs: while suspended, the one it ran and resumes on."""
-        return self._path
-
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        if not self._use_graphs or self._kv_cache is None:
-            return None
-        pages = -(-self.max_context // self.options.kv_block_size)
-        with self._on_device():
-            return capture_graphs(
-                self.model,
-                self._rotary,
-                self._kv_cache,
-                self.options.max_batch,
-                pages,
-                self.options.kv_block_size,
-                self._failures,
-            )
+        return self.runner.path
 
     # ------------------------------------------------------------ requests
 
@@ -191,30 +184,23 @@ class TorchBackend(StepPhases, Backend):
             IncrementalDetokenizer(self.tokenizer, prompt),
         )
         state.resume(resume)
-        with self._lock:
-            if request.request_id in self._requests:
-                raise WireError(ErrorCode.CONFLICT, f"request {request.request_id} is already running")
-            self.scheduler.add(state.sequence)
-            self._requests[request.request_id] = state
+        self.requests.add(state)
         return len(prompt)
 
     def resumed_text(self, request_id: str) -> str:
-        with self._lock:
-            return self._requests[request_id].resumed_text
+        return self.requests.resumed_text(request_id)
 
     def abort(self, request_id: str) -> bool:
-        with self._lock:
-            state = self._requests.pop(request_id, None)
-            if state is None:
-                return False
-            self.scheduler.remove(state.sequence)
-            return True
+        return self.requests.abort(request_id)
 
     def has_work(self) -> bool:
-        return self._kv_cache is not None and (self._launched is not None or self.scheduler.has_work())
+        return self.runner.kv_cache is not None and self.steps.has_work()
+
+    def waiting_requests(self) -> int:
+        return len(self.scheduler.waiting)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return self.scheduler.blocks.stats()
+        return self.requests.scheduler.blocks.stats()
 
     # ------------------------------------------------------------ steps
 
@@ -222,35 +208,25 @@ class TorchBackend(StepPhases, Backend):
         async with self._step_lock:
             return await asyncio.to_thread(self._step)
 
-    def _on_device(self) -> contextlib.AbstractContextManager[object]:
-        """A worker thread's current CUDA device is the first until set: make it the engine's."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
     def _step(self) -> list[TokenOutput]:
-        with self._on_device():
-            return self._step_on_device()
+        with self.runner.on_device():
+            return self.steps.step()
 
     # ------------------------------------------------------------ memory
 
     async def suspend(self) -> None:
         """Free the KV cache; running requests go back to the queue and are recomputed on resume."""
         async with self._step_lock:
-            self._drop_launched()
-            with self._lock:
-                self.scheduler.drop_cache()
-                self._kv_cache = None
-                self._graphs = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            log.info("torch backend suspended: KV cache released, %d requests kept for recompute", len(self._requests))
+            self.steps.drop_launched()
+            self.requests.drop_cache()
+            self.runner.release()
+            log.info("torch backend suspended: KV cache released, %d requests kept for recompute", len(self.requests))
 
     async def resume(self) -> None:
         async with self._step_lock:
-            if self._kv_cache is None:
-                self._kv_cache = await asyncio.to_thread(allocate_cache, self._cache_shape, self.dtype, self.device)
-                self._graphs = await asyncio.to_thread(self._capture_graphs)
-                self._path = execution_path(self.device, self.kernels, self._graphs is not None, self._failures)
-                log.info("torch backend resumed: KV cache reallocated; path %s", self._path.describe())
+            if self.runner.kv_cache is None:
+                path = await asyncio.to_thread(self.runner.restore)
+                log.info("torch backend resumed: KV cache reallocated; path %s", path.describe())
 
     # ------------------------------------------------------------ weight updates (engines/torch_backend/weight_update.py)
 
@@ -260,7 +236,7 @@ class TorchBackend(StepPhases, Backend):
                 await asyncio.to_thread(torch.cuda.synchronize, self.device)
 
     def stage_weights(self, path: Path) -> object:
-        return stage_checkpoint(self.model, self.dtype, path)
+        return self.runner.stage_weights(path)
 
     async def swap_weights(self, staged: object) -> None:
         """A step launched ahead is dropped (its tokens are sampled again with the new weights),
@@ -271,12 +247,11 @@ class TorchBackend(StepPhases, Backend):
     def _swap(self, staged: object) -> None:
         if not isinstance(staged, StagedWeights):
             raise TypeError(f"swap_weights takes what stage_weights returned, not {type(staged).__name__}")
-        with self._on_device():
-            self._drop_launched()
-            swap_in(self.model, staged)
-            with self._lock:
-                self.scheduler.drop_cache()
-        log.info("torch backend: weights swapped, %d requests to recompute", len(self._requests))
+        with self.runner.on_device():
+            self.steps.drop_launched()
+            self.runner.swap_weights(staged)
+            self.requests.drop_cache()
+        log.info("torch backend: weights swapped, %d requests to recompute", len(self.requests))
 
     # ------------------------------------------------------------ profiler
 
@@ -289,11 +264,6 @@ class TorchBackend(StepPhases, Backend):
     async def close(self) -> None:
         async with self._step_lock:
             self.profiler.close()
-            self._drop_launched()
-            with self._lock:
-                self._requests.clear()
-                self.scheduler.drop_cache()
-                self._kv_cache = None
-                self._graphs = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.steps.drop_launched()
+            self.requests.clear()
+            self.runner.release()

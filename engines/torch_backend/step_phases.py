@@ -1,5 +1,10 @@
 """The torch backend's step: launch → collect → emit, with steps launched ahead.
 
+:class:`StepPhases` composes the request table (:mod:`engines.torch_backend.request_table`: the
+requests, the scheduler and their lock) and the model runner
+(:mod:`engines.torch_backend.model_runner`: the model, the KV cache and the graphs) and owns only
+the step in flight. Each phase asks those two for what it needs:
+
 - **launch** schedules (pure bookkeeping, under the lock shared with ``add`` and ``abort``),
   then runs one forward pass, eagerly or as a CUDA graph replay (decode-only steps on CUDA),
   and one batched sampling pass; on CUDA the sampled ids start their copy to the host. Each
@@ -22,96 +27,81 @@ a row's token depends only on its own sequence and its count of generated tokens
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from engines.backend import TokenOutput
-from engines.torch_backend.batch import build_batch
-from engines.torch_backend.config import ModelConfig
-from engines.torch_backend.cuda_graphs import DecodeGraphs
-from engines.torch_backend.model import LlamaModel
-from engines.torch_backend.placeholders import decode_sources
-from engines.torch_backend.request_state import RequestState
+from engines.torch_backend.model_runner import ModelRunner
+from engines.torch_backend.request_table import RequestTable
 from engines.torch_backend.sampling import sample
-from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import SequenceStatus, feed
-from engines.torch_backend.step_records import Launched, Sampled, StepRows, sampling_params
+from engines.torch_backend.step_records import Launched, Sampled, sampling_params
 
 
 class StepPhases:
-    """The step's phases, on the backend's state (``TorchBackend`` sets every field)."""
+    """One step at a time (the backend's step lock sees to it), on the step thread, with the
+    runner's device current (``ModelRunner.on_device``). ``launches_ahead``: whether step n + 1
+    is launched before step n is collected."""
 
-    device: torch.device
-    dtype: torch.dtype
-    config: ModelConfig
-    model: LlamaModel
-    max_context: int
-    scheduler: Scheduler
-    _rotary: torch.Tensor
-    _kv_cache: torch.Tensor | None
-    _graphs: DecodeGraphs | None
-    _overlap: bool
-    _requests: dict[str, RequestState]
-    _launched: Launched | None
-    _lock: threading.Lock
-    _rows: StepRows
+    def __init__(
+        self,
+        requests: RequestTable,
+        runner: ModelRunner,
+        eos_token_ids: tuple[int, ...],
+        max_context: int,
+        launches_ahead: bool,
+    ) -> None:
+        self._requests, self._runner = requests, runner
+        self._eos_token_ids, self._max_context = eos_token_ids, max_context
+        self.launches_ahead = launches_ahead
+        self._launched: Launched | None = None
 
-    def _step_on_device(self) -> list[TokenOutput]:
-        if self._kv_cache is None:  # suspended: has_work() says so; a step that slips in does nothing
+    @property
+    def in_flight(self) -> Launched | None:
+        """The step launched and not yet collected, if any."""
+        return self._launched
+
+    def has_work(self) -> bool:
+        return self._launched is not None or self._requests.has_work()
+
+    def step(self) -> list[TokenOutput]:
+        """Launch a step (or take the one launched ahead), launch the next one when launching
+        ahead, then collect and emit this one. Nothing while the runner has no cache."""
+        if self._runner.kv_cache is None:  # released: has_work() says so; a step that slips in does nothing
             return []
         launched, self._launched = self._launched or self._launch(None), None
         if launched is None:
             return []
-        if self._overlap:
+        if self.launches_ahead:
             self._launched = self._launch(launched)
         return self._emit(self._collect(launched))
+
+    def drop_launched(self) -> None:
+        """Forget a step in flight: its tokens are never written in, so they are sampled again
+        later. Callers drop the cache next, which preempts every sequence and so removes the
+        placeholders the step left (``RequestTable.drop_cache``)."""
+        launched, self._launched = self._launched, None
+        if launched is not None and launched.ready is not None:
+            launched.ready.synchronize()
 
     def _launch(self, previous: Launched | None) -> Launched | None:
         """Schedule and launch a step; ``previous``: the step still in flight, whose sampled ids
         this step's decode rows feed."""
-        cache = self._kv_cache
-        assert cache is not None, "steps run only with a cache"
-        graphs = self._graphs
+        requests, runner = self._requests, self._runner
+        scheduler = requests.scheduler
         earlier = previous.device_tokens if previous is not None else None
         with torch.inference_mode():
-            with self._lock:
-                scheduled = self.scheduler.schedule()
+            with requests.lock:
+                scheduled = scheduler.schedule()
                 if not scheduled:
                     return None
                 sequences = scheduled.sequences
-                states = self._rows.states(sequences, self._requests)
-                params = None if self._rows.greedy else sampling_params(states, self.device)
-                decode = scheduled.decode
-                replay = (
-                    graphs.inputs(decode, self.scheduler.grown, earlier is not None)
-                    if graphs and not scheduled.prefill and graphs.fits(len(decode))
-                    else None
-                )
-                if graphs is not None and replay is not None:
-                    sources = None if earlier is None or graphs.rows_reused else decode_sources(decode)
-                    batch = None
-                else:
-                    if graphs is not None:
-                        graphs.forget_rows()
-                    batch = build_batch(
-                        scheduled,
-                        self.scheduler.blocks.block_size,
-                        self.config.group_size,
-                        self.dtype,
-                        self.device,
-                        self.model.kernels.paged_decode is not None,
-                        earlier,
-                    )
+                states, greedy = requests.states(sequences)
+                params = None if greedy else sampling_params(states, runner.device)
+                inputs = runner.prepare(scheduled, scheduler.grown, earlier)
                 positions = feed(sequences)
-                mark = self.scheduler.num_preempted
-            if graphs is not None and replay is not None:
-                logits = graphs.replay(replay, earlier, sources)
-            else:
-                assert batch is not None, "an eager step has its batch"
-                logits = self.model(batch, self._rotary, cache)
-            tokens = sample(logits, params)
-        if self.device.type != "cuda":
+                mark = scheduler.num_preempted
+            tokens = sample(runner.forward(inputs, earlier), params)
+        if runner.device.type != "cuda":
             return Launched(states, positions, tokens, tokens, None, mark)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -128,11 +118,12 @@ class StepPhases:
         tokens = launched.tokens.tolist()  # the step's one host sync
         sampled: list[Sampled] = []
         keep = sampled.append
-        eos, max_context, mark = self.config.eos_token_ids, self.max_context, launched.mark
+        eos, max_context, mark = self._eos_token_ids, self._max_context, launched.mark
         running = SequenceStatus.RUNNING
-        blocks = self.scheduler.blocks
+        requests = self._requests
+        blocks = requests.scheduler.blocks
         page = blocks.block_size
-        with self._lock:
+        with requests.lock:
             for state, position, token in zip(launched.states, launched.positions, tokens, strict=True):
                 sequence = state.sequence
                 # A request aborted, finished or preempted while its step ran: its token is dropped.
@@ -145,35 +136,21 @@ class StepPhases:
                 if finish is None:
                     keep((state, token, None, position + 1 - sequence.num_prompt_tokens))
                     continue
-                self._finish(state)
+                requests.finish(state)
                 keep((state, token, finish, position + 1 - sequence.num_prompt_tokens))
         return sampled
 
     def _emit(self, sampled: list[Sampled]) -> list[TokenOutput]:
         outputs = []
+        requests = self._requests
         for state, token, finish, generated in sampled:
             text, stopped = state.text(token, generated)
             if stopped and finish != "stop":
                 if finish is None:
-                    with self._lock:
-                        self._finish(state)
+                    with requests.lock:
+                        requests.finish(state)
                 finish = "stop"
             if finish is not None:
                 text += state.detokenizer.flush()
             outputs.append(TokenOutput(state.request.request_id, [token], text, finish))
         return outputs
-
-    def _finish(self, state: RequestState) -> None:
-        """Under the lock: the request leaves the scheduler (its pages are free) and the table."""
-        if state.sequence.status is SequenceStatus.FINISHED:
-            return
-        self.scheduler.remove(state.sequence)
-        del self._requests[state.request.request_id]
-
-    def _drop_launched(self) -> None:
-        """Forget a step in flight: its tokens are never written in, so they are sampled again
-        later. Callers drop the cache next, which preempts every sequence and so removes the
-        placeholders the step left (``Scheduler.drop_cache``)."""
-        launched, self._launched = self._launched, None
-        if launched is not None and launched.ready is not None:
-            launched.ready.synchronize()

@@ -3,14 +3,27 @@
 Settings choose at most one authentication method (user and password, token, nkey seed file,
 or creds file; see docs/security.md). TLS is used whenever the server requires it; the CA,
 client certificate and key, the expected server name and handshake-first come from settings.
+
+The first connection: a service (coordinator, engine) retries until a server answers, since
+it may start before NATS does; a client that someone waits on (the client library, the CLI)
+gives up (``give_up=True``) after ``nats_connect_timeout_s`` per server in ``nats_url`` with
+:class:`NatsUnreachable`, one error naming the URL and the last failure, its attempts logged
+at debug level only.
+
+Leaving: :func:`close_nats` drains when it can and never raises, and :func:`unless_lost`
+bounds any other goodbye to the server (a service's unsubscriptions): when NATS goes away in
+the middle, the step is given up (nats-py would wait out its 10 s flush timeout and raise), so
+a process told to stop while NATS is going away still stops at once and cleanly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NATS
 from nats.errors import Error as NatsError
@@ -97,7 +110,7 @@ def connect_options(
             on_reconnect()
 
     options: dict[str, Any] = {
-        "servers": [url.strip() for url in settings.nats_url.split(",") if url.strip()],
+        "servers": server_urls(settings.nats_url),
         "name": name,
         "allow_reconnect": True,
         "max_reconnect_attempts": -1,
@@ -127,6 +140,23 @@ def connect_options(
     return options
 
 
+class NatsUnreachable(ConnectionError):
+    """No NATS server in ``nats_url`` accepted a connection within the time given to the first one."""
+
+
+def server_urls(nats_url: str) -> list[str]:
+    return [url.strip() for url in nats_url.split(",") if url.strip()]
+
+
+def shown_url(nats_url: str) -> str:
+    """``nats_url`` without user names, passwords or tokens, fit for an error message."""
+    shown = []
+    for url in server_urls(nats_url):
+        parts = urlsplit(url if "://" in url else f"nats://{url}")
+        shown.append(f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}")
+    return ",".join(shown)
+
+
 async def connect_nats(
     settings: ConnectionSettings,
     name: str,
@@ -135,11 +165,39 @@ async def connect_nats(
     *,
     on_error: ErrorListener | None = None,
     nc: DirectClient | None = None,
+    give_up: bool = False,
 ) -> DirectClient:
     """Connect ``nc`` (a new client when None) with unbounded reconnects; the optional
-    callbacks run on each disconnect, reconnect and asynchronous error."""
+    callbacks run on each disconnect, reconnect and asynchronous error. The first connection
+    is retried until a server answers, or with ``give_up`` for ``nats_connect_timeout_s`` per
+    server in ``nats_url``, then :class:`NatsUnreachable`."""
     nc = nc or DirectClient()
-    await nc.connect(**connect_options(settings, name, nc, on_disconnect, on_reconnect, on_error=on_error))
+    options = connect_options(settings, name, nc, on_disconnect, on_reconnect, on_error=on_error)
+    if not give_up:
+        await nc.connect(**options)
+        return nc
+    on_nats_error = options["error_cb"]
+    connected = False
+
+    async def quiet_until_connected(exc: Exception) -> None:
+        """A failed attempt of the first connection is for the debug log: the error raised names the last one."""
+        if connected:
+            await on_nats_error(exc)
+        else:
+            log.debug("nats connect attempt failed (%s): %s", name, exc)
+
+    options["error_cb"] = quiet_until_connected
+    budget_s = settings.nats_connect_timeout_s * len(options["servers"])
+    try:
+        await asyncio.wait_for(nc.connect(**options), budget_s)
+        connected = True
+    except TimeoutError:
+        last = nc.last_error
+        await close_nats(nc)
+        raise NatsUnreachable(
+            f"cannot connect to NATS at {shown_url(settings.nats_url)} within {budget_s:g} s"
+            f"{f' ({last})' if last else ''}; is a server running there? (--nats-url, DPCOORD_NATS_URL)"
+        ) from None
     return nc
 
 
@@ -156,13 +214,55 @@ async def flush_subscriptions(nc: NATS) -> None:
     await nc.flush()
 
 
+LOSS_POLL_S = 0.05  # how often a goodbye to the server checks whether the connection is lost
+LOSS_GRACE_S = 0.5  # how long it may still take once the connection is gone (a drain closing it)
+
+
+async def unless_lost(nc: NATS, goodbye: Awaitable[object], what: str) -> bool:
+    """Await ``goodbye``, a step that talks to the server on the way out, unless the connection
+    is or gets lost (reconnecting or closed) first: then, after a short grace, it is given up.
+    Never raises a NATS or socket error (it is logged); returns whether the step completed."""
+    step = asyncio.ensure_future(goodbye)
+    try:
+        while not step.done() and nc.is_connected:
+            await asyncio.wait((step,), timeout=LOSS_POLL_S)
+        if not step.done():
+            await asyncio.wait((step,), timeout=LOSS_GRACE_S)
+    except asyncio.CancelledError:
+        step.cancel()
+        raise
+    if not step.done():
+        step.cancel()
+        await asyncio.gather(step, return_exceptions=True)
+        log.info("%s given up: the NATS connection is gone", what)
+        return False
+    error = step.exception()
+    if error is None:
+        return True
+    if not isinstance(error, NatsError | OSError | RuntimeError):  # RuntimeError: uvloop's closed transport
+        raise error
+    log.info("%s given up: %s", what, error or type(error).__name__)
+    return False
+
+
 async def close_nats(nc: NATS) -> None:
-    """Drain when connected (flushes what is pending); a connection that is reconnecting or
-    breaks while draining can only be closed."""
+    """Drain when connected (flushes what is pending), else close, and never raise: a
+    connection that is reconnecting, or breaks while draining, can only be closed.
+
+    A round trip comes first: nats-py's drain, cut once NATS is gone, would leave an internal
+    future whose exception nobody reads (asyncio logs it with a traceback), so the drain starts
+    only on a connection that just answered; a round trip is cut cleanly."""
+    if nc.is_closed:
+        return
+    if (
+        nc.is_connected
+        and await unless_lost(nc, nc.flush(), "flushing the NATS connection")
+        and await unless_lost(nc, nc.drain(), "draining the NATS connection")
+    ):
+        return
     if nc.is_closed:
         return
     try:
-        await nc.drain()
-    except (NatsError, OSError) as exc:
-        log.info("nats connection closed without draining: %s", exc)
         await nc.close()
+    except (NatsError, OSError, RuntimeError) as exc:  # RuntimeError: uvloop's transport already closed
+        log.info("nats connection closed uncleanly: %s", exc or type(exc).__name__)

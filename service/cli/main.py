@@ -11,15 +11,16 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any, get_args
+from typing import get_args
 
-import msgspec
 from pydantic import ValidationError
 
-from service.cli import terminal
+from service.cli import fleet_commands
+from service.cli.fleet_commands import CONTROL_COMMANDS, CommandFailed
 from service.ops import event_loop, gc_tuning
 from service.ops.settings import SettingGroup, Settings, group_of, settings_in
-from service.protocol.subjects import Header
+
+log = logging.getLogger(__name__)
 
 BENCHMARK_MODULE = "benchmarks.coordinator"
 GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
@@ -27,19 +28,6 @@ GATEWAY_BENCHMARK_MODULE = "benchmarks.gateway"  # dpcoord bench --gateway
 GATEWAY_SHARED_SETTINGS = ("max_payload_bytes", "request_timeout_s")
 FLEET_BENCHMARK_MODULE = "benchmarks.fleet"  # dpcoord bench --simulated-engines N,...
 INSTRUCTIONS_BENCHMARK_MODULE = "benchmarks.instructions"  # dpcoord bench --instructions
-
-CONTROL_COMMANDS: dict[str, Header] = {
-    "pause": Header.PAUSE,
-    "unpause": Header.UNPAUSE,
-    "suspend": Header.SUSPEND,
-    "resume": Header.RESUME,
-    "stop": Header.STOP,
-    "epoch": Header.SET_GENERATION_EPOCH,
-    "profile-start": Header.START_CUDA_PROFILER,
-    "profile-stop": Header.STOP_CUDA_PROFILER,
-    "shutdown": Header.SHUTDOWN,
-    "update-weights": Header.UPDATE_WEIGHTS,
-}
 
 
 def _settings_parser(*groups: SettingGroup, shared: tuple[str, ...] = ()) -> argparse.ArgumentParser:
@@ -82,7 +70,10 @@ Engines: the torch backend runs the model in --model, a local Hugging Face-forma
 model whose output is noise. --backend echo runs the protocol test double instead.
 
 Logs: every process logs to this command's stderr (dpcoord up 2> up.log keeps them in a file);
-the banner goes to stdout.
+the banner goes to stdout, once every part serves (the gateway included).
+
+Exit: 0 after Ctrl-C or SIGTERM, or when a part was asked to stop (dpcoord control stop after a
+pause, dpcoord control shutdown); 1 when a part fails, named with its last log lines.
 """
 
 
@@ -139,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--top-p", type=float, default=None)
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    submit.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the reply")
+    submit.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the reply (default 60); reaching NATS has --nats-connect-timeout-s",
+    )
     control = commands.add_parser("control", parents=[client_settings], help="send a control signal")
     control.add_argument("signal", choices=sorted(CONTROL_COMMANDS))
     control.add_argument(
@@ -150,7 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     control.add_argument("--version", dest="weight_version", help="the weights' version, for 'update-weights'")
     control.add_argument("--mode", choices=["keep", "abort", "drain"], help="what 'pause' does to requests in flight")
-    control.add_argument("--timeout", type=float, default=30.0)
+    control.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the answer; default: as long as the coordinator may take, by its limits "
+        "in this environment (DPCOORD_CONTROL_TIMEOUT_S; DPCOORD_LONG_CONTROL_TIMEOUT_S for a drain pause "
+        "and update-weights) plus 10 s, at least 30 s; reaching NATS has --nats-connect-timeout-s",
+    )
     bench = commands.add_parser(
         "bench",
         add_help=False,
@@ -192,8 +195,31 @@ def _run_bench(argv: list[str]) -> int:
         GATEWAY_BENCHMARK_MODULE: "dpcoord bench --gateway",
         INSTRUCTIONS_BENCHMARK_MODULE: "dpcoord bench --instructions",
     }.get(module, "dpcoord bench")
-    args = benchmark.build_parser(prog=prog).parse_args(argv)
-    return int(benchmark.main(args))
+    parser = benchmark.build_parser(prog=prog)
+    if module == BENCHMARK_MODULE:
+        _name_other_benchmarks(parser)
+    return int(benchmark.main(parser.parse_args(argv)))
+
+
+def _name_other_benchmarks(parser: argparse.ArgumentParser) -> None:
+    """List, in the coordinator benchmark's ``--help``, the options that run another benchmark
+    instead (``_run_bench`` routes them before this parser sees them)."""
+    others = parser.add_argument_group(
+        "other benchmarks", "each runs instead of this one, with options of its own: dpcoord bench --gateway --help"
+    )
+    others.add_argument(
+        "--gateway", action="store_true", help="OpenAI HTTP requests through dpcoord gateway against the client library"
+    )
+    others.add_argument(
+        "--simulated-engines",
+        metavar="N,N,...",
+        help="the fleet-size benchmark: the coordinator with N simulated engines, for each N",
+    )
+    others.add_argument(
+        "--instructions",
+        action="store_true",
+        help="the coordinator's instructions per request under callgrind (--baseline REV compares a revision)",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -212,15 +238,22 @@ def _configure_logging(settings: Settings) -> None:
 
 
 async def _serve(
+    name: str,
     start: Callable[[], Awaitable[None]],
     wait: Callable[[], Awaitable[None]],
     request_stop: Callable[[], None],
     stop: Callable[[], Awaitable[None]],
 ) -> None:
-    """Run a service until it stops itself or SIGINT/SIGTERM asks it to."""
+    """Run a service until it stops itself or SIGINT/SIGTERM asks it to (logged: what follows is
+    its way out)."""
     loop = asyncio.get_running_loop()
+
+    def signalled(signum: signal.Signals) -> None:
+        log.info("%s stopping on %s", name, signum.name)
+        request_stop()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, request_stop)
+        loop.add_signal_handler(signum, signalled, signum)
     await start()
     try:
         await wait()
@@ -251,7 +284,7 @@ async def _run_coordinator(settings: Settings) -> int:
         await coordinator.stop()
 
     try:
-        await _serve(start, coordinator.run_until_stopped, coordinator.request_stop, stop)
+        await _serve("coordinator", start, coordinator.run_until_stopped, coordinator.request_stop, stop)
     except ReplicaConflict as exc:
         print(f"dpcoord: {exc}", file=sys.stderr)
         return 1
@@ -279,7 +312,7 @@ async def _run_engine(settings: Settings, model: str | None) -> int:
         await observability.stop()
         await runtime.stop()
 
-    await _serve(start, runtime.run_until_stopped, runtime.request_stop, stop)
+    await _serve("engine", start, runtime.run_until_stopped, runtime.request_stop, stop)
     return 0
 
 
@@ -295,65 +328,6 @@ async def _run_gateway(settings: Settings, api_keys: list[str]) -> int:
     return await serve(settings, keys)
 
 
-def _print_json(message: msgspec.Struct, shown: Callable[[str], str] = str) -> None:
-    print(shown(msgspec.json.encode(message).decode()))
-
-
-async def _submit(settings: Settings, args: argparse.Namespace) -> int:
-    from service.client import DpcoordClient
-    from service.protocol.messages import Partial
-
-    sampling: dict[str, Any] = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "stop": args.stop,
-    }
-    shown = terminal.shown_on(sys.stdout, raw=args.raw)
-    async with await DpcoordClient.connect(settings, timeout=args.timeout) as client:
-        if not args.stream:
-            async with terminal.Spinner(sys.stderr, "waiting for the reply"):
-                final = await client.submit(args.prompt, timeout=args.timeout, **sampling)
-            _print_json(final, shown)
-            return 0
-        async for reply in client.stream(args.prompt, timeout=args.timeout, **sampling):
-            if isinstance(reply, Partial):
-                print(shown(reply.text), end="", flush=True)
-            else:
-                print()
-                _print_json(reply, shown)
-    return 0
-
-
-async def _control(settings: Settings, args: argparse.Namespace) -> int:
-    from service.client import DpcoordClient
-
-    header = CONTROL_COMMANDS[args.signal]
-    epoch = None
-    if header is Header.SET_GENERATION_EPOCH:
-        try:
-            epoch = int(args.epoch)
-        except (TypeError, ValueError):
-            raise SystemExit("dpcoord control epoch needs an integer: dpcoord control epoch 3") from None
-    if header is Header.UPDATE_WEIGHTS and (args.epoch is None or args.weight_version is None):
-        raise SystemExit(
-            "dpcoord control update-weights needs a directory and a version: update-weights DIR --version 3"
-        )
-    if args.mode is not None and header is not Header.PAUSE:
-        raise SystemExit("--mode applies to 'dpcoord control pause' only")
-    async with await DpcoordClient.connect(settings, timeout=args.timeout) as client:
-        if header is Header.SHUTDOWN:
-            _print_json(await client.shutdown(timeout=args.timeout))
-        elif header is Header.UPDATE_WEIGHTS:
-            version: str | int = int(args.weight_version) if args.weight_version.isdigit() else args.weight_version
-            _print_json(await client.update_weights(args.epoch, version, timeout=args.timeout))
-        else:
-            _print_json(await client.control(header, epoch=epoch, timeout=args.timeout, mode=args.mode))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the benchmark parses its own arguments, options included
@@ -365,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpcoord: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     _configure_logging(settings)
+    from service.bus.connection import NatsUnreachable
     from service.client import ClientError
 
     try:
@@ -379,13 +354,21 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(run_stack(settings, args.engines, args.model, gateway=not args.no_gateway))
         if args.command == "submit":
-            return asyncio.run(_submit(settings, args))
-        return asyncio.run(_control(settings, args))
+            return asyncio.run(fleet_commands.submit(settings, args))
+        return asyncio.run(fleet_commands.control(settings, args))
     except ClientError as exc:
         print(f"dpcoord: error {exc.code}: {exc.message}", file=sys.stderr)
         return 1
-    except (TimeoutError, OSError) as exc:
-        print(f"dpcoord: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (CommandFailed, NatsUnreachable, TimeoutError) as exc:
+        print(f"dpcoord {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"dpcoord {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if args.command == "control":
+            print(
+                f"dpcoord control: interrupted; a {args.signal} already sent may still be taking effect",
+                file=sys.stderr,
+            )
         return 130

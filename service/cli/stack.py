@@ -4,8 +4,15 @@ URL is given), one coordinator, N engines and the OpenAI-compatible HTTP gateway
 
 The parts are supervised (service/cli/supervise.py): when any of them exits, during start or
 later, ``up`` names it with its exit code, its last log lines and a fix when it knows one (the
-``gateway`` extra missing, the gateway's port taken), stops the rest and exits 1. Without the
-gateway extra installed it says so before starting anything."""
+``gateway`` extra missing, the gateway's port taken), stops the rest and exits 1; a part asked
+to stop (``dpcoord control stop``) ends the stack with exit 0. Without the gateway extra
+installed it says so before starting anything; a NATS URL that cannot be reached is named
+within the connect timeout, before anything starts.
+
+The banner prints once every part serves: every engine registered with the coordinator, and
+the gateway listening (its own log says so) with its ``/readyz`` answering 200. The gateway's
+port is 8000 when the gateway could bind it: the check binds as the gateway does
+(``SO_REUSEADDR``), so connections in TIME_WAIT from a previous run do not make it look taken."""
 
 from __future__ import annotations
 
@@ -17,18 +24,15 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import sys
 from pathlib import Path
 
-import msgspec
-from nats.errors import Error as NatsError
-
+from service.bus.connection import NatsUnreachable, close_nats, connect_nats
 from service.bus.server import EmbeddedNatsServer, free_port
+from service.cli.fleet_commands import coordinator_status
 from service.cli.supervise import GATEWAY_EXTRA_HINT, Parts
 from service.client import ClientError, DpcoordClient
 from service.ops.children import die_with_parent
-from service.ops.services_api import CoordinatorStatus
 from service.ops.settings import SettingGroup, Settings, settings_in
 
 log = logging.getLogger(__name__)
@@ -79,13 +83,8 @@ async def _wait_for_coordinator(settings: Settings, timeout_s: float = 30.0) -> 
 
 async def _registered_engines(client: DpcoordClient) -> int | None:
     """How many engines the coordinator knows; None while its status endpoint is not up yet."""
-    subject = client.subjects.status("coordinator", client.coordinator_id)
-    try:
-        reply = await client.nc.request(subject, b"", timeout=2.0)
-    except NatsError as exc:
-        log.debug("coordinator status not read yet: %s", exc)
-        return None
-    return len(msgspec.json.decode(reply.data, type=CoordinatorStatus).engines)
+    status = await coordinator_status(client)
+    return None if status is None else len(status.engines)
 
 
 async def _until_ready(settings: Settings, engines: int) -> int:
@@ -145,17 +144,30 @@ def _model_line(settings: Settings, model: str | None, dpcoord: str) -> str:
 
 GATEWAY_PORT = 8000  # the gateway's port when it is free and --gateway-port is not given
 GATEWAY_READY_TIMEOUT_S = 30.0
+GATEWAY_LISTENING = "gateway on http://"  # what the gateway logs once it listens (service/gateway/server.py)
 
 
-def gateway_port(settings: Settings) -> int:
-    """--gateway-port when given, else 8000 when free, else a free port."""
+def gateway_port(settings: Settings, host: str) -> int:
+    """--gateway-port when given, else 8000 when the gateway could listen on it on ``host``, else a
+    free port. The check listens as the gateway will (its own ``listener``, with
+    ``SO_REUSEADDR``, as uvicorn and asyncio bind), so a port whose last connections are in
+    TIME_WAIT is free, as it is for the gateway."""
+    from service.gateway.server import listener  # the gateway extra: checked present by run_stack
+
     if "gateway_port" in settings.model_fields_set:
         return settings.gateway_port
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", GATEWAY_PORT))
-        except OSError:
-            return free_port()
+    try:
+        listener(host, GATEWAY_PORT, reuse_port=False).close()
+    except OSError as exc:
+        port = free_port()
+        log.warning(
+            "port %d is taken on %s (%s): the gateway takes port %d (--gateway-port chooses)",
+            GATEWAY_PORT,
+            host,
+            exc.strerror,
+            port,
+        )
+        return port
     return GATEWAY_PORT
 
 
@@ -176,14 +188,21 @@ async def _http_status(host: str, port: int, path: str) -> int | None:
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
 
 
+class StackNotUp(Exception):
+    """A part that runs but does not serve: ``up`` stops the stack and says which (exit 1)."""
+
+
 async def _gateway_lines(settings: Settings, host: str, port: int) -> str:
     """The banner's lines for the gateway, once its /readyz says a model is served."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + GATEWAY_READY_TIMEOUT_S
-    while await _http_status(host, port, "/readyz") != 200:
+    while (status := await _http_status(host, port, "/readyz")) != 200:
         if loop.time() > deadline:
-            log.warning("the gateway on port %d is not ready after %.0f s", port, GATEWAY_READY_TIMEOUT_S)
-            break
+            answer = "nothing answered" if status is None else f"the last answer was {status}"
+            raise StackNotUp(
+                f"the gateway on http://{host}:{port} is not ready after {GATEWAY_READY_TIMEOUT_S:.0f} s "
+                f"(/readyz: {answer}); its log above says why"
+            )
         await asyncio.sleep(0.1)
     async with await _wait_for_coordinator(settings) as client:
         models = [served.name for served in (await client.list_models()).models]
@@ -220,7 +239,8 @@ def missing_gateway_modules() -> list[str]:
 
 
 async def run_stack(settings: Settings, engines: int, model: str | None, gateway: bool = True) -> int:
-    """Run the stack until Ctrl-C or SIGTERM (exit 0) or until any part exits (exit 1, naming it)."""
+    """Run the stack until Ctrl-C or SIGTERM (exit 0), until a part is asked to stop (exit 0), or
+    until any part fails (exit 1, naming it)."""
     missing = missing_gateway_modules() if gateway else []
     if missing:
         sys.stderr.write(
@@ -236,6 +256,12 @@ async def run_stack(settings: Settings, engines: int, model: str | None, gateway
             return 1
         settings = settings.model_copy(update={"nats_url": server.url})
         settings.model_fields_set.add("nats_url")
+    else:
+        try:
+            await close_nats(await connect_nats(settings, "dpcoord-up", give_up=True))
+        except NatsUnreachable as exc:
+            sys.stderr.write(f"dpcoord up: {exc}\n")
+            return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -268,30 +294,38 @@ async def _supervise(
     for rank, port in enumerate(ports[1:]):
         await parts.start(f"engine {rank}", [*python, "engine", *engine_args], env | {_PORT_ENV: str(port)})
     gateway_host = settings.gateway_host if "gateway_host" in settings.model_fields_set else "127.0.0.1"
-    gateway_address = ("127.0.0.1" if gateway_host == "0.0.0.0" else gateway_host, gateway_port(settings))
+    gateway_address = ("127.0.0.1" if gateway_host == "0.0.0.0" else gateway_host, 0)
+    gateway_listens: asyncio.Future[str] | None = None
     if gateway:
+        gateway_address = (gateway_address[0], gateway_port(settings, gateway_host))
         gateway_env = env | {"DPCOORD_GATEWAY_HOST": gateway_host, "DPCOORD_GATEWAY_PORT": str(gateway_address[1])}
-        await parts.start("gateway", [*python, "gateway"], gateway_env)
+        gateway_listens = (await parts.start("gateway", [*python, "gateway"], gateway_env)).logged(GATEWAY_LISTENING)
 
     async def start_up() -> None:
         registered = await _until_ready(settings, engines)
-        lines = await _gateway_lines(settings, *gateway_address) if gateway else ""
-        sys.stdout.write(_banner(settings, model, registered, ports, lines))
-        sys.stdout.flush()
+        lines = ""
+        if gateway_listens is not None:
+            await gateway_listens
+            lines = await _gateway_lines(settings, *gateway_address)
+        if not parts.exited.done():
+            sys.stdout.write(_banner(settings, model, registered, ports, lines))
+            sys.stdout.flush()
 
     stopping = asyncio.ensure_future(stop.wait())
     starting = asyncio.ensure_future(start_up())
     try:
         await asyncio.wait((starting, stopping, parts.exited), return_when=asyncio.FIRST_COMPLETED)
-        if starting.done() and starting.exception() is not None:
+        if starting.done() and starting.exception() is not None and not parts.exited.done():
             sys.stderr.write(f"dpcoord up: the stack did not come up: {starting.exception()}\n")
             return 1
         if starting.done():
             await asyncio.wait((stopping, parts.exited), return_when=asyncio.FIRST_COMPLETED)
         if parts.exited.done() and not stop.is_set():
-            sys.stderr.write(parts.exited.result().report())
-            return 1
+            ended = parts.exited.result()
+            sys.stderr.write(ended.report())
+            return 0 if ended.asked else 1
         return 0
     finally:
-        starting.cancel()
-        stopping.cancel()
+        for task in (starting, stopping):
+            task.cancel()
+        await asyncio.gather(starting, stopping, return_exceptions=True)

@@ -1,5 +1,10 @@
 """The parts ``dpcoord up`` runs, watched: the first to exit stops the stack, named with why.
 
+A part that exits with code 0 was asked to stop: by ``dpcoord control stop`` or ``shutdown``
+(an engine leaves once it confirmed the stop, every coordinator leaves on a shutdown) or by a
+SIGTERM sent to it. ``up`` says so and stops the rest, exit 0; any other exit is a failure,
+reported with the part's last log lines, exit 1.
+
 Each part is a child process started with ``PR_SET_PDEATHSIG`` (service/ops/children.py), so none
 outlives ``up`` even when it is SIGKILLed. A part's standard error is copied line by line to
 ``up``'s own (every process still logs to this command's stderr) and its last lines are kept, so
@@ -32,6 +37,20 @@ class Part:
     name: str
     process: asyncio.subprocess.Process
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    _awaited: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
+
+    def logged(self, text: str) -> asyncio.Future[str]:
+        """The first line containing ``text`` that this part logs after this call (make it
+        right after :meth:`Parts.start`); never done if the part exits first."""
+        line: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._awaited.append((text, line))
+        return line
+
+    def read(self, line: str) -> None:
+        self.tail.append(line)
+        for text, awaited in self._awaited:
+            if text in line and not awaited.done():
+                awaited.set_result(line)
 
 
 @dataclass(frozen=True)
@@ -42,8 +61,19 @@ class Exit:
     code: int | None
     tail: Sequence[str]
     hint: str = ""
+    stops_when_asked: bool = True  # exit 0 means asked to stop; not so for NATS, which the stack cannot lose
+
+    @property
+    def asked(self) -> bool:
+        """Whether the part was asked to stop (exit 0), rather than failed."""
+        return self.code == 0 and self.stops_when_asked
 
     def report(self) -> str:
+        if self.asked:
+            return (
+                f"dpcoord up: the {self.name} stopped, as it was asked to (dpcoord control stop or shutdown, "
+                "or a SIGTERM). Stopping the rest.\n"
+            )
         code = f"code {self.code}" if self.code is not None else "an unknown status"
         lines = "".join(f"   | {line}\n" for line in self.tail) or "   (it logged nothing)\n"
         hint = f"{self.hint}\n" if self.hint else ""
@@ -71,7 +101,8 @@ class Parts:
         async def poll() -> None:
             while (code := server.exit_code()) is None:  # noqa: ASYNC110 (a Popen child has nothing to await)
                 await asyncio.sleep(NATS_POLL_S)
-            self._exited(Exit("NATS server (embedded nats-server)", code, list(server.log_tail)[-TAIL_LINES:]))
+            tail = list(server.log_tail)[-TAIL_LINES:]
+            self._exited(Exit("NATS server (embedded nats-server)", code, tail, stops_when_asked=False))
 
         task = asyncio.ensure_future(poll())
         self._copies.append(task)
@@ -83,7 +114,7 @@ class Parts:
             async for raw in stream:
                 sys.stderr.buffer.write(raw)
                 sys.stderr.buffer.flush()
-                part.tail.append(raw.decode("utf-8", "replace").rstrip())
+                part.read(raw.decode("utf-8", "replace").rstrip())
         code = await part.process.wait()
         self._exited(Exit(part.name, code, list(part.tail), _hint(part)))
 
@@ -92,16 +123,26 @@ class Parts:
             self.exited.set_result(ended)
 
     async def stop(self) -> None:
-        """SIGTERM every part still running, SIGKILL those not gone within STOP_TIMEOUT_S; safe twice."""
-        running = [part.process for part in self._parts if part.process.returncode is None]
-        for process in running:
-            process.send_signal(signal.SIGTERM)
+        """SIGTERM every part still running, SIGKILL those not gone within STOP_TIMEOUT_S, and
+        name any that failed on its way out (an exit code above 0; a part that was already
+        leaving by itself, past its signal handlers, ends by the SIGTERM, which is no failure);
+        safe twice."""
+        running = [part for part in self._parts if part.process.returncode is None]
+        for part in running:
+            part.process.send_signal(signal.SIGTERM)
         if running:
-            _, late = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in running], timeout=STOP_TIMEOUT_S)
-            for process in running:
-                if process.returncode is None:
-                    log.warning("dpcoord up: pid %d did not stop within %.0f s; killed", process.pid, STOP_TIMEOUT_S)
-                    process.kill()
+            waits = [asyncio.ensure_future(part.process.wait()) for part in running]
+            _, late = await asyncio.wait(waits, timeout=STOP_TIMEOUT_S)
+            for part in running:
+                if part.process.returncode is None:
+                    log.warning("dpcoord up: the %s did not stop within %.0f s; killed", part.name, STOP_TIMEOUT_S)
+                    part.process.kill()
+                elif part.process.returncode > 0:  # < 0: ended by the SIGTERM itself, once past its own handlers
+                    log.warning(
+                        "dpcoord up: the %s exited with code %d while stopping; its log above says why",
+                        part.name,
+                        part.process.returncode,
+                    )
             for waiting in late:
                 await waiting
         for copy in self._copies:

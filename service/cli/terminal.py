@@ -6,7 +6,9 @@ what follows. On a terminal those characters are written as ``\\uXXXX`` escapes,
 spelling, so an escaped JSON line is still valid JSON; pipes and ``--raw`` get the text as it is.
 A non-streamed submission shows a spinner while it waits, on a terminal only, and only while its
 process is in the terminal's foreground process group: a submission held in the background
-(``dpcoord submit ... &``) draws nothing over the next command's output.
+(``dpcoord submit ... &``) draws nothing over the next command's output. A control signal, which
+may wait minutes (a drain), shows the spinner on a terminal and otherwise one line once the wait
+lasts (:class:`Waiting`), so a log says why the command has not returned.
 """
 
 from __future__ import annotations
@@ -89,3 +91,33 @@ class Spinner:
                 self._stream.flush()
                 self._drawn = True
             await asyncio.sleep(self._interval_s)
+
+
+class Waiting:
+    """The spinner on a terminal; elsewhere (a pipe, a log file) ``label`` on a line of its own,
+    written once the block has run ``line_after_s``, so that answers that come at once print
+    nothing more."""
+
+    def __init__(self, stream: TextIO, label: str, line_after_s: float = 1.0) -> None:
+        self._stream = stream
+        self._label = label
+        self._line_after_s = line_after_s
+        self._spinner = Spinner(stream, label)
+        self._line: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> Self:
+        if self._stream.isatty():
+            await self._spinner.__aenter__()
+        else:
+            self._line = asyncio.get_running_loop().call_later(self._line_after_s, self._write_line)
+        return self
+
+    def _write_line(self) -> None:
+        self._stream.write(f"{self._label}\n")
+        self._stream.flush()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        line, self._line = self._line, None
+        if line is not None:
+            line.cancel()
+        await self._spinner.__aexit__(*exc_info)

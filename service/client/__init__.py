@@ -106,7 +106,9 @@ class DpcoordClient:
         cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
-        caller's business) and shake hands with a coordinator."""
+        caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
+        cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
+        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         subjects = Subjects(settings.subject_prefix)
@@ -123,7 +125,7 @@ class DpcoordClient:
             exchanges.reconnected()
 
         connection = nc or await connect_nats(
-            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error
+            settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error, give_up=True
         )
         exchanges.inbox = connection.new_inbox()
         replies: Subscription | DirectSubscription
@@ -193,7 +195,17 @@ class DpcoordClient:
         hashes = prefix_hashes(prompt, chat) or None
         envelope = encode_msgpack(
             SubmitEnvelope(
-                1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes, batched_replies=True
+                1,
+                body,
+                stream,
+                request_id,
+                self.client_id,
+                None,
+                params.timeout_s,
+                model,
+                hashes,
+                batched_replies=True,
+                logprobs=params.asks_logprobs,
             )
         )
         watch, client_id = self._watch, self.client_id
@@ -217,6 +229,12 @@ class DpcoordClient:
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
+
+        Log-probabilities: ``logprobs=k`` (0 to 20) gives each generated token's logprob with its
+        ``k`` most likely alternatives (``token_logprobs``, ``top_logprobs`` and ``token_bytes``
+        of the replies), ``prompt_logprobs=k`` the prompt's (``prompt_logprobs``,
+        ``prompt_top_logprobs``, ``prompt_token_ids`` of the final), ``logprobs_mode="processed"``
+        those of the distribution sampled from rather than the model's (``"raw"``).
 
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``

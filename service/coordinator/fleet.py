@@ -228,6 +228,7 @@ class Fleet:
         now = time.monotonic()
         silent = [record.engine_id for record in self.pool.silent_since(now - timeout)]
         if silent:
+            self._counters["engines_silent"] += len(silent)
             reason = f"no heartbeat for {timeout:g} s"
             await self._guarded(self.remove_many(silent, reason, departed=False), ", ".join(silent))
         for record in self._stalled(now):

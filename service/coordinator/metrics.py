@@ -19,6 +19,8 @@ Which coordinator counter feeds which metric:
 - ``routed_messages`` and ``routed_requests`` → ``dpcoord_routed_messages_total`` and
   ``dpcoord_routed_requests_total`` (requests to engines, and the NATS messages that carried
   them), and their ratio → ``dpcoord_requests_per_routed_message``
+- ``engines_silent`` (engines removed after ``heartbeat_timeout_s`` without a heartbeat) →
+  ``dpcoord_engines_silent_total``
 - every counter, by its name → ``dpcoord_coordinator_events_total{event}``, so counters added
   to the coordinator are exported without a change here
 """
@@ -79,6 +81,12 @@ class CoordinatorCollector(Collector):
         retried.add_metric([], counters["retried"])
         yield retried
 
+        silent = CounterMetricFamily(
+            "dpcoord_engines_silent", "Engines removed from the pool after heartbeat_timeout_s without a heartbeat"
+        )
+        silent.add_metric([], counters["engines_silent"])
+        yield silent
+
         late = CounterMetricFamily("dpcoord_late_replies", "Engine replies that arrived after their request ended")
         late.add_metric([], counters["late_replies"])
         yield late
@@ -109,6 +117,13 @@ class CoordinatorCollector(Collector):
         in_flight = GaugeMetricFamily("dpcoord_requests_in_flight", "Requests admitted and not yet answered")
         in_flight.add_metric([], len(coordinator.requests))
         yield in_flight
+
+        queued = GaugeMetricFamily(
+            "dpcoord_requests_queued",
+            "Of the requests in flight, those waiting in this coordinator's queue for an engine",
+        )
+        queued.add_metric([], coordinator.requests.queued)
+        yield queued
 
         engines = GaugeMetricFamily("dpcoord_engines_connected", "Engines in the coordinator's pool")
         engines.add_metric([], len(coordinator.engines))

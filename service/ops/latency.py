@@ -43,6 +43,23 @@ FIRST_TOKEN_BUCKETS: tuple[float, ...] = (
     5.0,
     10.0,
 )
+# A request's consecutive tokens, one decode step apart (engines/token_pace.py).
+INTER_TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 class LatencyHistogram:
@@ -60,6 +77,11 @@ class LatencyHistogram:
     def observe(self, seconds: float) -> None:
         self.counts[bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
+
+    def observe_many(self, seconds: float, count: int) -> None:
+        """``count`` observations of the same value, at the cost of one."""
+        self.counts[bisect_left(self.bounds, seconds)] += count
+        self.sum += seconds * count
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count)`` pairs as Prometheus wants them, ending with ``+Inf``."""

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from nats.micro.service import Service
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from service.bus.connection import unless_lost
 from service.ops.http_endpoints import Check, HttpEndpoints
 from service.ops.services_api import add_status_service
 
@@ -71,9 +72,10 @@ class Observability:
         )
 
     async def stop(self) -> None:
-        """Safe to call twice."""
+        """Safe to call twice; the Services API entry's unsubscription is given up when NATS
+        is going away (:func:`~service.bus.connection.unless_lost`)."""
         service, self._service = self._service, None
         if service is not None and self._nc is not None and self._nc.is_connected:
-            await service.stop()
+            await unless_lost(self._nc, service.stop(), "leaving the NATS Services API")
         if self.http is not None:
             await self.http.stop()

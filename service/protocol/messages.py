@@ -25,6 +25,14 @@ FinishReason = Literal["length", "stop", "abort"]
 WeightVersion = str | Int64
 # What pause does to requests in flight: freeze them (keep), end them (abort), or let them finish (drain).
 PauseMode = Literal["keep", "abort", "drain"]
+# Log-probabilities (an extension, docs/protocol.md): how many alternatives a token may list,
+# and which distribution they are of: the model's own ("raw") or the one sampled from, after
+# temperature, top-k and top-p ("processed").
+MAX_LOGPROBS = 20
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+LogprobsMode = Literal["raw", "processed"]
+# One alternative at a position: a token id and its log-probability, encoded as a pair.
+TopLogprob = tuple[int, float]
 
 
 # ---------------------------------------------------------------- from clients
@@ -44,6 +52,18 @@ class SamplingParams(Struct, omit_defaults=True):
     # or stop string ends the request before ``min_tokens`` tokens.
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] = 0
+    # Extensions (log-probabilities): each generated token's, with the ``logprobs`` most likely
+    # tokens at its position; each prompt token's, with ``prompt_logprobs`` alternatives. None:
+    # nothing computed, nothing sent. Older engines ignore them: the coordinator routes such a
+    # request only to engines that announce them (docs/protocol.md).
+    logprobs: LogprobCount | None = None
+    prompt_logprobs: LogprobCount | None = None
+    logprobs_mode: LogprobsMode = "raw"
+
+    @property
+    def asks_logprobs(self) -> bool:
+        """Whether a reply must carry log-probabilities (generated or prompt ones)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
 
 
 class ChatMessage(Struct, omit_defaults=True):
@@ -103,6 +123,9 @@ class SubmitEnvelope(Struct, array_like=True):
     # An extension: the client reads reply batches (service/protocol/reply_batches.py), so this
     # request's replies may arrive together with its other requests' ones.
     batched_replies: bool = False
+    # An extension: the body asks for log-probabilities (``sampling_params.logprobs`` or
+    # ``prompt_logprobs``), so only engines that compute them may run it.
+    logprobs: bool = False
 
 
 class ConnectRequest(Struct):
@@ -154,7 +177,30 @@ class Partial(Struct, tag="partial", tag_field="type"):
     Extensions (docs/protocol.md, exact streams): ``offset`` is the index, within the generated
     tokens, of the first of ``new_tokens`` (None from engines of earlier releases: unknown);
     ``attempt`` is the run that produced it (0 for the first, one more per migration or retry).
-    A client keeps a stream exact with them (:mod:`service.protocol.streams`)."""
+    A client keeps a stream exact with them (:mod:`service.protocol.streams`).
+
+    Extensions (log-probabilities), only when the request asked for them: ``token_logprobs``,
+    aligned with ``new_tokens``; ``top_logprobs`` (None when it asked for 0 alternatives), for
+    each of them the most likely ``[token_id, logprob]`` pairs, most likely first;
+    ``token_bytes``: every token id those fields name, mapped to its bytes. A request that asked
+    none gets :class:`PartialWithoutLogprobs` on the wire, so it pays no byte for them."""
+
+    request_id: str
+    client_request_id: ClientRequestId | None
+    new_tokens: list[int]
+    text: str
+    offset: Int64 | None = None
+    attempt: Int64 = 0
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    token_bytes: dict[int, bytes] | None = None
+
+
+class PartialWithoutLogprobs(Struct, tag="partial", tag_field="type"):
+    """A :class:`Partial` as an engine encodes it for a request that asked no log-probabilities:
+    the same message, its fields up to ``attempt``. ``Partial`` cannot omit its defaults (its
+    ``attempt`` 0 stays on the wire), so its logprob fields would otherwise travel as nulls.
+    Encode only: every reader decodes a :class:`Partial`."""
 
     request_id: str
     client_request_id: ClientRequestId | None
@@ -191,6 +237,15 @@ class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     epochs: list[EpochSpan] | None = None
     prompt_tokens: int | None = None  # the prompt's length in the engine's tokens (usage)
     weight_versions: list[WeightVersionSpan] | None = None  # an extension, like ``epochs``
+    # Extensions (log-probabilities), only when asked: as :class:`Partial`'s, aligned with
+    # ``generated_tokens``; with prompt logprobs, the prompt's tokens and theirs (the first has
+    # none: null), ``token_bytes`` naming the prompt's tokens and alternatives too.
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[TopLogprob] | None] | None = None
+    token_bytes: dict[int, bytes] | None = None
 
 
 class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):

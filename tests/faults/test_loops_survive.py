@@ -118,7 +118,7 @@ async def test_held_replies_are_released_even_if_one_fails(nc: NATS) -> None:
 
 async def test_engine_heartbeat_survives_a_failed_beat(coordinator: Coordinator, settings: Settings, nc: NATS) -> None:
     engine = EngineRuntime(settings, EchoBackend())
-    engine._heartbeat_once = fails_once(engine._heartbeat_once)  # type: ignore[method-assign]
+    engine.requests.ids = fails_once(engine.requests.ids)  # type: ignore[method-assign]
     async with engine:
         await asyncio.wait_for(engine.registered.wait(), 10)
         beats = await nc.subscribe(coordinator.subjects.sent_by("heartbeat", engine.engine_id))
@@ -144,7 +144,7 @@ async def test_a_step_whose_replies_fail_ends_its_requests_with_an_error(
 ) -> None:
     """Its tokens may be lost: an error, not a final with a gap in it."""
     engine = EngineRuntime(settings, EchoBackend())
-    engine._publish_outputs = fails_once(engine._publish_outputs)  # type: ignore[method-assign]
+    engine.requests.record_step = fails_once(engine.requests.record_step)  # type: ignore[method-assign]
     async with engine:
         await asyncio.wait_for(engine.registered.wait(), 10)
         first = await request_json(

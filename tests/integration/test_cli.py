@@ -82,7 +82,7 @@ def test_invalid_settings_are_reported_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2 and "heartbeat_interval_s" in result.stderr
 
 
-def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
+def test_up_submit_control_and_stop(tmp_path: Path) -> None:
     env = new_shell_env(os.environ)  # `make up` without the virtual environment activated
     env["DPCOORD_BACKEND"] = "echo"
     env["DPCOORD_SUBJECT_PREFIX"] = "clitest"
@@ -146,9 +146,17 @@ def test_up_submit_control_and_ctrl_c(tmp_path: Path) -> None:
         again = run(["control", "unpause"], client_env)
         assert again.returncode == 1 and "409" in again.stderr
         assert json.loads(run(["control", "epoch", "9"], client_env).stdout)["epoch"] == 9
-    finally:
-        stack.send_signal(signal.SIGINT)
+
+        # The engines leave once they confirmed a stop; up says so and ends, exit 0 (make: no Error 1).
+        assert json.loads(run(["control", "stop"], client_env).stdout)["state"] == "stopping"
         assert stack.wait(timeout=30) == 0
+        up_log = Path(log.name).read_text()
+        assert "stopped, as it was asked to (dpcoord control stop or shutdown, or a SIGTERM)" in up_log
+        assert "Traceback" not in up_log and "while stopping" not in up_log
+    finally:
+        if stack.poll() is None:
+            stack.send_signal(signal.SIGINT)
+            stack.wait(timeout=30)
         log.close()
 
 
@@ -176,9 +184,11 @@ def test_coordinator_exits_0_on_shutdown(nats_url: str) -> None:
             coordinator.kill()
 
 
-def test_bench_passes_its_own_options_through() -> None:
+def test_bench_passes_its_own_options_through_and_its_help_names_the_other_benchmarks() -> None:
     result = run(["bench", "--help"], dict(os.environ))
     assert result.returncode == 0 and "--quick" in result.stdout and "dpcoord bench" in result.stdout
+    for other in ("--gateway", "--simulated-engines N,N,...", "--instructions"):
+        assert f"\n  {other}" in result.stdout, other  # an option of its own, with its help
 
 
 def test_bench_says_clearly_when_the_benchmarks_are_not_installed(

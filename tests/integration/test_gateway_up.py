@@ -1,18 +1,23 @@
 """``dpcoord up`` supervising its parts, run as a user runs it: a part that cannot start (the
-gateway's port taken, the gateway extra missing) is named with why and the rest stopped, exit 1;
-Ctrl-C during start stops everything within seconds; SIGKILL of ``up`` takes its children with
-it; health and metrics listen on the loopback only."""
+gateway's port taken, the gateway extra missing) is named with why and the rest stopped, exit 1,
+with no banner even when something else answers HTTP on that port; the gateway keeps port 8000
+when only TIME_WAIT connections of an earlier run hold it; Ctrl-C during start stops everything
+within seconds; SIGKILL of ``up`` takes its children with it; health and metrics listen on the
+loopback only."""
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,26 +72,77 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def test_a_gateway_port_in_use_is_named_with_the_fix_and_everything_stops(tmp_path: Path) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        started = time.monotonic()
-        result = subprocess.run(
-            [*DPCOORD, "up", "--engines", "1", "--gateway-port", str(port)],
-            env=_env("upbusy"),
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+class _AlwaysReady(http.server.BaseHTTPRequestHandler):
+    """Another HTTP server, which answers 200 to everything, /readyz included."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok: not dpcoord\n")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def other_http_server() -> Iterator[int]:
+    """The port of another HTTP server on this host, answering 200 to every path."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _AlwaysReady)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_gateway_port_in_use_is_named_with_the_fix_and_everything_stops(other_http_server: int) -> None:
+    """The port is another server's, which answers /readyz with 200 itself: no banner all the
+    same, since the gateway never said it listens."""
+    port = other_http_server
+    started = time.monotonic()
+    result = subprocess.run(
+        [*DPCOORD, "up", "--engines", "1", "--gateway-port", str(port)],
+        env=_env("upbusy"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and result.stdout == ""
     assert "dpcoord up: the gateway exited with code 1; its last log lines:" in result.stderr
     assert "cannot listen on 127.0.0.1" in result.stderr and "--gateway-port PORT" in result.stderr
     assert time.monotonic() - started < 30
     nats = NATS_READY.search(result.stderr)
     assert nats is not None and not _listening(int(nats.group(1)))  # the embedded nats-server is gone too
+
+
+def _time_wait_on(port: int) -> bool:
+    return any(
+        int(line.split()[1].rpartition(":")[2], 16) == port and line.split()[3] == "06"  # TIME_WAIT
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        for line in Path(table).read_text().splitlines()[1:]
+    )
+
+
+def test_connections_in_time_wait_do_not_make_the_gateway_port_look_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a restart, the last run's connections to port 8000 linger in TIME_WAIT; the gateway
+    (SO_REUSEADDR, as uvicorn and asyncio bind) can listen there, so ``up`` keeps the port."""
+    with socket.socket() as listening:
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listening.accept()
+            accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+    deadline = time.monotonic() + 5
+    while not _time_wait_on(port):  # the last ACK crosses the loopback
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # a bind without SO_REUSEADDR, as up's check did, fails here
+    monkeypatch.setattr(stack, "GATEWAY_PORT", port)
+    assert stack.gateway_port(Settings(), "127.0.0.1") == port
 
 
 def test_a_missing_gateway_extra_is_named_before_anything_starts(

@@ -218,14 +218,15 @@ def test_decoder_tells_envelopes_from_plain_bodies() -> None:
 
 def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
     decoded = _decoder.decode(
-        msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, False, False, "future", 42]), Encoding.MSGPACK
+        msgpack.packb([1, b"{}", True, 9, "c", None, None, None, None, False, False, False, "future", 42]),
+        Encoding.MSGPACK,
     )
     assert decoded == SubmitEnvelope(1, b"{}", True, 9, "c")
     with_model = _decoder.decode(
-        msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], True, True, "future"]), Encoding.MSGPACK
+        msgpack.packb([1, b"{}", True, 9, "c", None, None, "m", [7], True, True, True, "future"]), Encoding.MSGPACK
     )
     assert with_model == SubmitEnvelope(
-        1, b"{}", True, 9, "c", model="m", prefix_hashes=[7], resubmission=True, batched_replies=True
+        1, b"{}", True, 9, "c", model="m", prefix_hashes=[7], resubmission=True, batched_replies=True, logprobs=True
     )
 
 

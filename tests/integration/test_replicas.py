@@ -298,7 +298,7 @@ async def test_concurrent_random_signals_leave_one_state_and_one_valid_path(
     assert set(statuses) == set(IDS)
     for engine in fleet_engines:
         assert (engine.paused, engine.epoch) == (record.state is not CoordinatorState.RUNNING, record.epoch)
-        assert engine.control_revision == final_revision
+        assert engine.control_state.revision == final_revision
     print(f"\n[replicas] 200 signals: {len(acks)} acked, {len(refused)} refused (409), {final_revision - 1} writes")
 
 

@@ -58,7 +58,7 @@ def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
 
 def record_token(sequence: Sequence, token: int, blocks: BlockManager | None = None) -> None:
     """What a step without the backend records of a sampled token: every token fed before it is
-    now cached (the engine writes it over its placeholder instead, ``step_phases._collect``);
+    now cached (the engine writes it over its placeholder instead, ``StepPhases._collect``);
     with ``blocks``, the pages it filled join the prefix cache."""
     sequence.num_cached = len(sequence.token_ids)
     sequence.token_ids.append(token)

@@ -186,7 +186,7 @@ async def test_suspend_releases_the_cache_and_requests_survive(backend: TorchBac
         for output in await backend.step():
             got[output.request_id] += output.new_tokens
     await backend.suspend()
-    assert backend._kv_cache is None and not backend.has_work()
+    assert backend.runner.kv_cache is None and not backend.has_work()
     assert await backend.step() == []  # a step that slips in while suspended does nothing
     await backend.suspend()  # twice is harmless
     await backend.resume()

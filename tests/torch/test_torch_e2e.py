@@ -94,7 +94,7 @@ async def test_suspend_and_resume_keep_requests_in_flight(torch_engine: EngineRu
     received = [await anext(stream)]
     await client.pause()
     await client.suspend()  # allowed from paused, as in Megatron
-    assert torch_engine.backend._kv_cache is None  # type: ignore[attr-defined]
+    assert torch_engine.backend.runner.kv_cache is None  # type: ignore[attr-defined]
     assert torch_engine.load == 1  # still in flight
     await client.resume()  # back to paused
     await client.unpause()

@@ -64,8 +64,9 @@ def test_float32_greedy_on_cuda_matches_transformers_on_cuda() -> None:
 
 async def test_suspend_gives_the_cache_memory_back_to_the_device() -> None:
     backend = TorchBackend(cuda_settings(kv_cache_gb=1.0, max_batch=128, max_context=2048))
-    assert backend._kv_cache is not None
-    cache_bytes = backend._kv_cache.numel() * backend._kv_cache.element_size()
+    cache = backend.runner.kv_cache
+    assert cache is not None
+    cache_bytes = cache.numel() * cache.element_size()
     assert cache_bytes >= 128 << 20
     expected = generate(backend, GenerationRequest("r", "Suspend me", max_tokens=30, seed=3))["r"]
     backend.add(GenerationRequest("r", "Suspend me", max_tokens=30, seed=3))

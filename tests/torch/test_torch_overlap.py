@@ -37,11 +37,11 @@ class RecordingModel(torch.nn.Module):
 def test_the_next_step_is_launched_before_this_one_is_read_and_feeds_its_tokens() -> None:
     backend = TorchBackend(engine_options(model_seed=SEED, overlap_steps=True))
     model = RecordingModel(backend.model)
-    backend.model = model  # type: ignore[assignment]
+    backend.runner.model = model  # type: ignore[assignment]
     order: list[str] = []
 
     def recorded(name: str) -> Callable[..., Any]:
-        method = getattr(backend, name)
+        method = getattr(backend.steps, name)
 
         def call(*args: Any) -> Any:
             order.append(name)
@@ -50,7 +50,7 @@ def test_the_next_step_is_launched_before_this_one_is_read_and_feeds_its_tokens(
         return call
 
     for name in ("_launch", "_collect"):
-        setattr(backend, name, recorded(name))
+        setattr(backend.steps, name, recorded(name))
     for index in range(3):
         backend.add(GenerationRequest(f"r{index}", [index + 1, 2, 3], max_tokens=6, temperature=0.0))
     emitted: list[list[int]] = []
@@ -58,7 +58,7 @@ def test_the_next_step_is_launched_before_this_one_is_read_and_feeds_its_tokens(
         outputs = backend._step()
         if outputs:
             emitted.append([token for output in outputs for token in output.new_tokens])
-        launched = backend._launched
+        launched = backend.steps.in_flight
         if launched is not None:  # in flight: the host knows its tokens only as placeholders
             assert all(state.sequence.token_ids[-1] == PLACEHOLDER for state in launched.states)
     assert order[:4] == ["_launch", "_launch", "_collect", "_launch"]  # step 2 launched before step 1 is read
@@ -84,7 +84,7 @@ def test_a_stop_string_ends_a_request_one_step_late_without_emitting_the_extra_t
         step = overlapped._step()
         got += step
         if any(output.finish_reason == "stop" for output in step):
-            launched = overlapped._launched
+            launched = overlapped.steps.in_flight
             in_flight_after_stop = launched is not None and any(
                 state.request.request_id == "s" for state in launched.states
             )

@@ -80,6 +80,7 @@ def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
 def test_hf_tokenizer_adds_bos_and_skips_specials_in_text(hf_tokenizer: HFTokenizer) -> None:
     ids = hf_tokenizer.encode("the fox")
     assert ids[0] == 0
+    assert hf_tokenizer.encode("") == [0]  # an empty text is the prompt [BOS], which runs (docs/engines.md)
     assert hf_tokenizer.decode(ids + [1]) == "the fox"
 
 

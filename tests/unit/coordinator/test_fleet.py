@@ -133,6 +133,7 @@ async def test_the_watchdog_removes_a_silent_engine_and_suspects_a_stalled_one(l
         floor.pool.heard(heard)  # type: ignore[arg-type]
     await job.watch_once()
     assert floor.pool.get("silent") is None and floor.pool.get("stalled") is None
+    assert floor.core.counters["engines_silent"] == 1
     assert floor.core.counters["engines_suspected"] == 1 and entry.engine_id == "healthy" and healthy.load == 1
     assert aborts(floor, "stalled") == [entry.return_path.request_id]  # a live engine answers it
 

@@ -1,0 +1,86 @@
+"""The torch backend's requests: the one owner of its request table and of the scheduler that
+batches their sequences, both under one lock.
+
+Two threads touch them: the event loop adds and aborts requests (:meth:`RequestTable.add`,
+:meth:`RequestTable.abort`) while the step thread schedules, writes sampled tokens into the
+sequences and finishes requests (:mod:`engines.torch_backend.step_phases`). A step's launch
+and collect are compound (schedule, read every row's tokens and pages, leave placeholders;
+write tokens back, commit pages, finish), so they hold :attr:`RequestTable.lock` across them
+and call the transitions marked "under the lock" and the scheduler's own methods (it owns the
+batching state, its block manager the pages). Nothing else writes the table.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from engines.torch_backend.request_state import RequestState
+from engines.torch_backend.scheduler import Scheduler
+from engines.torch_backend.sequence import Sequence, SequenceStatus
+from engines.torch_backend.step_records import StepRows
+from service.protocol.errors import ErrorCode, WireError
+
+
+class RequestTable:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.lock = threading.Lock()  # the table, the scheduler and every sequence's tokens and pages
+        self._requests: dict[str, RequestState] = {}
+        self._rows = StepRows()
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, state: RequestState) -> None:
+        """Queue a request; a request id already running is a conflict, a sequence that could
+        never fit the cache a ``ValueError`` (``Scheduler.add``)."""
+        request_id = state.request.request_id
+        with self.lock:
+            if request_id in self._requests:
+                raise WireError(ErrorCode.CONFLICT, f"request {request_id} is already running")
+            self.scheduler.add(state.sequence)
+            self._requests[request_id] = state
+
+    def resumed_text(self, request_id: str) -> str:
+        with self.lock:
+            return self._requests[request_id].resumed_text
+
+    def abort(self, request_id: str) -> bool:
+        """The request leaves the table and the scheduler (its pages are free); False when it
+        is not here (finished or never added)."""
+        with self.lock:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                return False
+            self.scheduler.remove(state.sequence)
+            return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def states(self, sequences: list[Sequence]) -> tuple[list[RequestState], bool]:
+        """Under the lock: the requests of a step's rows, and whether every one samples greedily."""
+        rows = self._rows
+        return rows.states(sequences, self._requests), rows.greedy
+
+    def finish(self, state: RequestState) -> None:
+        """Under the lock: the request leaves the scheduler (its pages are free) and the table;
+        a request already finished or aborted stays so."""
+        if state.sequence.status is SequenceStatus.FINISHED:
+            return
+        self.scheduler.remove(state.sequence)
+        del self._requests[state.request.request_id]
+
+    def drop_cache(self) -> None:
+        """The cache's contents are gone or stale (suspend, new weights): every running sequence
+        waits to be recomputed and every prefix is forgotten."""
+        with self.lock:
+            self.scheduler.drop_cache()
+
+    def clear(self) -> None:
+        """Close: every request leaves the scheduler and the table, and every prefix is forgotten."""
+        with self.lock:
+            for state in self._requests.values():
+                self.scheduler.remove(state.sequence)
+            self._requests.clear()
+            self.scheduler.drop_cache()
