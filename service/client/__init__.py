@@ -28,7 +28,6 @@ callback, so the call would otherwise wait out its timeout.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import Any
@@ -44,9 +43,8 @@ from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
 from service.client.signals import signal_answered
-from service.client.submission import Submission
+from service.client.submission import Submission, envelope
 from service.ops.settings import Settings
-from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
     AbortRequest,
@@ -61,13 +59,9 @@ from service.protocol.messages import (
     ModelList,
     Partial,
     PauseMode,
-    SamplingParams,
-    SubmitEnvelope,
-    SubmitRequest,
     UpdateWeights,
     WeightVersion,
 )
-from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
 
@@ -178,45 +172,13 @@ class DpcoordClient:
         timeout: float,
         sampling: dict[str, Any],
     ) -> Submission:
-        """A :class:`SubmitEnvelope` in flight, so the coordinator routes it without decoding the
-        prompt; it carries the prompt's prefix hashes for prefix-aware routing (none for a
-        prompt shorter than one block), and goes to the replica arbitrating its id."""
-        params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
-        if params.timeout_s is None:
-            params.timeout_s = timeout
-        # 128 random bits in hex (uuid4 gives 122, for five times the CPU), drawn per request: an
-        # id one caller learns tells nothing of the next (docs/security.md, blind aborts)
-        request_id = client_request_id if client_request_id is not None else os.urandom(16).hex()
-        chat = list(messages) if messages is not None else None
-        try:
-            body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
-        except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
-            raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
-        hashes = prefix_hashes(prompt, chat) or None
-        envelope = encode_msgpack(
-            SubmitEnvelope(
-                1,
-                body,
-                stream,
-                request_id,
-                self.client_id,
-                None,
-                params.timeout_s,
-                model,
-                hashes,
-                batched_replies=True,
-                logprobs=params.asks_logprobs,
-            )
+        """A submission in flight to the replica arbitrating its id (:func:`.submission.envelope`)."""
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, stream, client_request_id, timeout, sampling
         )
         watch, client_id = self._watch, self.client_id
-        return Submission(
-            self._publish,
-            self._exchanges,
-            watch,
-            envelope,
-            timeout,
-            address=lambda: watch.arbiter_subject(client_id, request_id),
-        )
+        address = lambda: watch.arbiter_subject(client_id, request_id)  # noqa: E731  # the id's arbiter now
+        return Submission(self._publish, self._exchanges, watch, body, timeout, address=address)
 
     async def submit(
         self,

@@ -18,8 +18,10 @@ raised after the replies that came before it were handed over: a reader never lo
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -36,7 +38,16 @@ from service.client.exchanges import (
 )
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import Final, Partial, SubmitEnvelope
+from service.protocol.messages import (
+    ChatMessage,
+    ClientRequestId,
+    Final,
+    Partial,
+    SamplingParams,
+    SubmitEnvelope,
+    SubmitRequest,
+)
+from service.protocol.prefix import prefix_hashes
 
 MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
@@ -155,6 +166,47 @@ class Submission:
             await self._send(self._again)
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
+
+
+def envelope(
+    client_id: str,
+    prompt: str | list[int] | None,
+    messages: Sequence[ChatMessage] | None,
+    model: str | None,
+    stream: bool,
+    client_request_id: ClientRequestId | None,
+    timeout: float,
+    sampling: dict[str, Any],
+) -> tuple[bytes, ClientRequestId]:
+    """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt, and
+    its id; it carries the prompt's prefix hashes for prefix-aware routing (none for a prompt
+    shorter than one block). Sampling keywords are SamplingParams fields."""
+    params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
+    if params.timeout_s is None:
+        params.timeout_s = timeout
+    # 128 random bits in hex (uuid4 gives 122, for five times the CPU), drawn per request: an id
+    # one caller learns tells nothing of the next (docs/security.md, blind aborts)
+    request_id = client_request_id if client_request_id is not None else os.urandom(16).hex()
+    chat = list(messages) if messages is not None else None
+    try:
+        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, client_id, None, model, chat))
+    except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
+        raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
+    hashes = prefix_hashes(prompt, chat) or None
+    wrapped = SubmitEnvelope(
+        1,
+        body,
+        stream,
+        request_id,
+        client_id,
+        None,
+        params.timeout_s,
+        model,
+        hashes,
+        batched_replies=True,
+        logprobs=params.asks_logprobs,
+    )
+    return encode_msgpack(wrapped), request_id
 
 
 def _as_resubmission(body: bytes) -> bytes:

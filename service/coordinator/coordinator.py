@@ -64,7 +64,6 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.handover import ArbiterClaims
 from service.protocol.messages import (
     Ack,
     RoutedReply,
@@ -129,31 +128,16 @@ class Coordinator:
             request_stop=self.request_stop,
         )
         # The jobs across replicas and engines' weights, composed of those above.
-        self._adoption = Adoption(
-            core,
-            ledger,
-            answers,
-            self.engines,
-            self.peers,
-            self._kept,
-            self._relay,
-            self.replies,
-            adopted=lambda: self._arbitration.adopted(),
+        self._adoption = Adoption(  # once it adopted, the arbitration's claims include what it did
+            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies, self._adopted
         )
         self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
         self._ownership = Ownership(core, ledger, self.peers, self._admission, self._forwarding, self.replies)
         self.arbiters = Arbiters(self.id, quiet_s(settings.heartbeat_interval_s), 2 * settings.result_cache_size)
         self._arbitration = Arbitration(
-            core,
-            ledger,
-            self.results,
-            self.peers,
-            self.arbiters,
-            self._admission,
-            self._ownership,
-            adopting=lambda: self._adoption.adopting,
-            refuse=lambda incoming, err: self._dispatch.refuse(incoming, err),
-        )
+            core, ledger, self.results, self.peers, self.arbiters, self._admission, self._ownership,
+            lambda: self._adoption.adopting, self._refuse,
+        )  # fmt: skip
         self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption, self._arbitration)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
         self._enrolment = Enrolment(core, ledger, self.control_state, self._control.shared, self._fleet, self._weights)
@@ -171,6 +155,7 @@ class Coordinator:
         self.register_engine = self._enrolment.register
         self.engine_heartbeat = self._enrolment.heartbeat
         self.remove_engine = self._fleet.remove
+        self.take_claims = self._arbitration.take_claims
         self._dispatch = Dispatch(core, self, self.replies)
         self._submit_subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
         self._handed: HandlerSpec[CoordinatorContext] | None = None
@@ -318,9 +303,6 @@ class Coordinator:
     async def _admit_handed(self, _: CoordinatorContext, incoming: Incoming, submit: object) -> None:
         await self._arbitration.admit(incoming, submit, handed=True)  # type: ignore[arg-type]  # the submit decoder's
 
-    async def take_claims(self, claims: ArbiterClaims) -> None:
-        await self._arbitration.take_claims(claims)
-
     @property
     def settling(self) -> bool:
         return self._adoption.settling
@@ -375,6 +357,12 @@ class Coordinator:
         since = time.monotonic()
         await asyncio.sleep(self.settings.heartbeat_interval_s)
         self._stalls.slept(since, self.settings.heartbeat_interval_s)
+
+    def _adopted(self) -> None:
+        self._arbitration.adopted()
+
+    async def _refuse(self, incoming: Incoming, err: WireError) -> None:
+        await self._dispatch.refuse(incoming, err)
 
     def _stalled(self, _: float) -> None:
         """This replica's loop stalled: the silence it saw of peers and engines was its own."""
