@@ -325,7 +325,7 @@ class DpcoordClient:
         TimeoutError."""
         subject = self.subjects.coordinator(signal)
         reply = await signal_answered(
-            self.nc, self._refusals, self._exchanges, subject, ControlSignal(epoch, mode), timeout
+            self.nc, self._refusals, self._exchanges, self._watch, subject, ControlSignal(epoch, mode), timeout
         )
         if not isinstance(reply, Ack):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {signal}: {reply!r}")

@@ -220,6 +220,7 @@ class CoordinatorWatch:
         self._subjects: dict[str, str] = {}
         self.addressing = address is not None  # False once NATS refused a replica's own subject
         self._task: asyncio.Task[None] | None = None
+        self._started_at = time.monotonic()
 
     async def on_heartbeat(self, msg: Msg) -> None:
         if msg.reply:
@@ -261,7 +262,13 @@ class CoordinatorWatch:
             self._last_seen[coordinator_id] = time.monotonic()
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._task = asyncio.ensure_future(self._watch())
+
+    async def heard_all(self) -> None:
+        """Until every live replica has surely been heard (each beats every interval): only a
+        replica heard can be reported lost."""
+        await asyncio.sleep(max(0.0, self._started_at + 1.5 * self._interval_s - time.monotonic()))
 
     def stop(self) -> None:
         if self._task is not None:

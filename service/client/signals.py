@@ -19,19 +19,34 @@ from nats.aio.client import Client as NATS
 
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, check, reply_decoder
-from service.client.exchanges import EXPIRED, NO_RESPONDERS, RECONNECTED, CoordinatorLost, Exchanges
+from service.client.exchanges import (
+    EXPIRED,
+    NO_RESPONDERS,
+    RECONNECTED,
+    CoordinatorLost,
+    CoordinatorWatch,
+    Exchanges,
+)
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import ControlSignal, Reply
 
 
 async def signal_answered(
-    nc: NATS, refusals: PublishRefusals, exchanges: Exchanges, subject: str, signal: ControlSignal, timeout: float
+    nc: NATS,
+    refusals: PublishRefusals,
+    exchanges: Exchanges,
+    watch: CoordinatorWatch,
+    subject: str,
+    signal: ControlSignal,
+    timeout: float,
 ) -> Reply:
     """Send ``signal`` on ``subject`` and return its answer, sending it again (as a retry) when a
-    replica stopped heartbeating or NATS reconnected meanwhile. Raises ClientError for an error
-    answer (503 when no coordinator listens, 403 when NATS refuses the publish), TimeoutError
-    after ``timeout``."""
+    replica stopped heartbeating or NATS reconnected meanwhile. A client that just connected
+    first hears every replica (within 1.5 heartbeat intervals): the one taking the signal
+    could otherwise die unnoticed. Raises ClientError for an error answer (503 when no
+    coordinator listens, 403 when NATS refuses the publish), TimeoutError after ``timeout``."""
+    await watch.heard_all()
     inbox, mailbox = exchanges.open(timeout)
     refused: list[str] = []
 

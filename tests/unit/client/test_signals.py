@@ -12,7 +12,7 @@ import pytest
 
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError
-from service.client.exchanges import EXPIRED, Exchanges
+from service.client.exchanges import EXPIRED, CoordinatorWatch, Exchanges
 from service.client.signals import signal_answered
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import Ack, ControlSignal, ErrorBody, ErrorReply
@@ -35,6 +35,12 @@ class Bus:
         return self.sent[-1]
 
 
+def sent(bus: Bus, exchanges: Exchanges, subject: str, signal: ControlSignal) -> asyncio.Future[object]:
+    """The call in flight, on the double (a watch that has heard every replica at once)."""
+    watch = CoordinatorWatch(exchanges, 0.0, 1.0)
+    return asyncio.ensure_future(signal_answered(bus, PublishRefusals(), exchanges, watch, subject, signal, 10.0))  # type: ignore[arg-type]
+
+
 def mailbox_token(reply: str) -> bytes:
     return reply.rpartition(".")[2].encode()
 
@@ -42,9 +48,7 @@ def mailbox_token(reply: str) -> bytes:
 async def test_a_signal_goes_again_as_a_retry_when_a_replica_is_lost_and_the_first_answer_wins() -> None:
     bus, exchanges = Bus(), Exchanges()
     exchanges.inbox = "_INBOX.me"
-    call = asyncio.ensure_future(
-        signal_answered(bus, PublishRefusals(), exchanges, "p.pause", ControlSignal(mode="drain"), 10.0)  # type: ignore[arg-type]
-    )
+    call = sent(bus, exchanges, "p.pause", ControlSignal(mode="drain"))
     subject, body, reply = await bus.next_publish()
     assert subject == "p.pause" and not msgspec.msgpack.decode(body, type=ControlSignal).retry
     exchanges.coordinator_lost("c1")  # perhaps the one taking it
@@ -61,13 +65,13 @@ async def test_an_error_answer_and_the_deadline_are_raised() -> None:
     bus, exchanges = Bus(), Exchanges()
     exchanges.inbox = "_INBOX.me"
     refusal = encode_msgpack(ErrorReply(ErrorBody(409, "unpause is not allowed in state suspended")))
-    call = asyncio.ensure_future(signal_answered(bus, PublishRefusals(), exchanges, "p.unpause", ControlSignal(), 10.0))  # type: ignore[arg-type]
+    call = sent(bus, exchanges, "p.unpause", ControlSignal())
     _, _, reply = await bus.next_publish()
     exchanges.on_inline(reply.encode(), refusal, None)
     with pytest.raises(ClientError) as raised:
         await call
     assert raised.value.code == 409 and "suspended" in raised.value.message
-    call = asyncio.ensure_future(signal_answered(bus, PublishRefusals(), exchanges, "p.stop", ControlSignal(), 10.0))  # type: ignore[arg-type]
+    call = sent(bus, exchanges, "p.stop", ControlSignal())
     _, _, reply = await bus.next_publish()
     exchanges.queues[mailbox_token(reply)].put_nowait(EXPIRED)
     with pytest.raises(TimeoutError):
