@@ -131,13 +131,6 @@ class Arbiters:
         self._received[holder] = frozenset(view)
         self._awaiting.discard(holder)
 
-    def drop_claim(self, key: ClientKey) -> None:
-        """The holder no longer holds ``key``."""
-        holder = self._claims.pop(key, None)
-        if holder is not None:
-            self._by_holder.get(holder, set()).discard(key)
-            self.claimed = bool(self._claims)
-
     def _forget_claims(self, holder: str) -> None:
         claims = self._claims
         for key in self._by_holder.pop(holder, ()):

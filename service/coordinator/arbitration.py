@@ -114,7 +114,8 @@ class Arbitration:
         key = (submit.client_id, client_request_id)
         if arbiters.settled and arbiters.of(key) == self._id:
             if arbiters.claimed and (holder := arbiters.holder(key)) is not None and not self._admission.holds(key):
-                arbiters.drop_claim(key)  # asked now, and not again
+                # Asked each time until held here: the holder answers while it holds it (its
+                # result expires after result_ttl_s), then this replica runs it and holds it.
                 if self._ownership.admit_unless_held(incoming, submit, holder):
                     return
             await self._run_here(incoming, submit)
@@ -298,12 +299,16 @@ class Arbitration:
     # ------------------------------------------------------------ stopping
 
     async def stop_arbitrating(self) -> None:
-        """This replica stops while peers live: its claims for the view without it, then a heartbeat
-        saying it no longer arbitrates, so its peers hand it nothing more."""
+        """This replica stops while peers live: its claims for the view without it (then its
+        heartbeat says it no longer arbitrates, so its peers hand it nothing more), and what it
+        held handed to the others."""
         self._arbiters.stop_arbitrating()
         self._arbiters.set_view(self._peers.live())
         self._arbiters.refresh(self._adopting())
         await self.send_claims()
+        for _ in range(len(self._held)):  # what waited here goes to its arbiter among the others
+            held = self._held.popleft()
+            await self._guarded(held, self.admit(held.incoming, held.submit, held.handed))
 
 
 def quiet_s(heartbeat_interval_s: float) -> float:

@@ -158,7 +158,10 @@ async def test_an_id_a_peer_claims_is_asked_of_it_first_and_its_answer_is_the_cl
     await floor.spawned.settle()
     assert [question.client_request_id for question in asked] == [held, gone]
     assert [entry.client_key for entry in floor.ledger] == [("alice", gone)]  # the holder answers the other
-    assert job.arbiters.holder(("alice", held)) is None  # asked once
+    await job.arbitration.admit(*named(held, reply="_INBOX.client.2"))  # asked again while the holder holds it
+    await job.arbitration.admit(*named(gone))  # held here now: answered here
+    await floor.spawned.settle()
+    assert [question.client_request_id for question in asked] == [held, gone, held] and len(floor.ledger) == 1
 
 
 async def test_claims_go_to_each_peer_with_the_ids_it_arbitrates() -> None:
@@ -219,3 +222,23 @@ async def test_claims_in_parts_count_once_the_last_arrives(parts: int) -> None:
         assert not arbiters.refresh(False)
         arbiters.take_claims(PEER, view, [key], part, part == parts - 1)
     assert arbiters.refresh(False) and all(arbiters.holder(key) == PEER for key in keys)
+
+
+async def test_a_replica_that_stops_hands_what_it_held_to_the_arbiters_left() -> None:
+    floor = build()
+    floor.engine("e1")
+    job = Job(floor)
+    floor.peers.saw(PEER)
+    job.arbitration.heard(PEER, arbitrates=True)
+    await floor.spawned.settle()  # unsettled: the peer's claims are not in
+    [mine] = ids_of(COORDINATOR_ID, 1)
+    await job.arbitration.admit(*named(mine))
+    await job.arbitration.stop_arbitrating()
+    await asyncio.sleep(0)
+    await floor.spawned.settle()
+    [handed] = floor.bus.on(floor.core.subjects.addressed_to(Header.ARBITER_SUBMISSION, PEER))
+    assert [msgspec.json.decode(body)["client_request_id"] for _, body in handed.decode(HandedSubmissions).items] == [
+        mine
+    ]
+    claims = floor.bus.on(floor.core.subjects.addressed_to(Header.ARBITER_CLAIMS, PEER))[-1]
+    assert claims.decode(ArbiterClaims).view == [PEER] and not job.arbitration.arbitrating
