@@ -105,17 +105,26 @@ class Arbitration:
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope, handed: bool = False) -> None:
         """A submission (``handed``: by a replica that took it for the arbiter); one naming no
-        ``client_request_id`` goes straight to admission."""
+        ``client_request_id`` goes straight to admission. The hot path is the first lines: a
+        settled arbiter that no other replica claims anything of admits at once."""
         client_request_id = submit.client_request_id
-        if client_request_id is None:
-            await self._admission.admit(incoming, submit)
-            return
         arbiters = self._arbiters
+        if client_request_id is None or (
+            arbiters.settled
+            and not arbiters.claimed
+            and (arbiters.alone or arbiters.table.of(submit.client_id, client_request_id) == self._id)
+        ):
+            if type(submit) is SubmitEnvelope and submit.resubmission and client_request_id is not None:
+                await self._ownership.admit(incoming, submit)
+            else:
+                await self._admission.admit(incoming, submit)
+            return
         key = (submit.client_id, client_request_id)
         if arbiters.settled and arbiters.of(key) == self._id:
-            if arbiters.claimed and (holder := arbiters.holder(key)) is not None and not self._admission.holds(key):
-                # Asked each time until held here: the holder answers while it holds it (its
-                # result expires after result_ttl_s), then this replica runs it and holds it.
+            holder = arbiters.holder(key)
+            # A claimed id is asked of its holder each time until held here: the holder answers
+            # while it holds it (its result expires after result_ttl_s), then this one runs it.
+            if holder is not None and not self._admission.holds(key):
                 if self._ownership.admit_unless_held(incoming, submit, holder):
                     return
             await self._run_here(incoming, submit)

@@ -67,8 +67,6 @@ from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import (
     Ack,
     RoutedReply,
-    SubmitEnvelope,
-    SubmitRequest,
 )
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import (
@@ -156,6 +154,7 @@ class Coordinator:
         self.engine_heartbeat = self._enrolment.heartbeat
         self.remove_engine = self._fleet.remove
         self.take_claims = self._arbitration.take_claims
+        self.admit = self._arbitration.admit
         self._dispatch = Dispatch(core, self, self.replies)
         self._submit_subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
         self._handed: HandlerSpec[CoordinatorContext] | None = None
@@ -291,9 +290,6 @@ class Coordinator:
     async def reply(self, incoming: Incoming, message: Struct) -> None:
         if incoming.reply:
             await self.nc.publish(incoming.reply, encode(message, incoming.encoding))
-
-    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        await self._arbitration.admit(incoming, submit)
 
     async def admit_handed(self, reply: str, body: bytes) -> None:
         if self._handed is None:
