@@ -17,7 +17,8 @@ callgrind_control (``apt install valgrind``).
 
 Three workloads: ``plain``, msgpack bodies of 10 tokens as `nats pub` sends them; ``envelope``,
 the client library's envelope of a named client (its idempotency bookkeeping and reply batches
-included); ``long``, the envelope around a 10,000-token prompt.
+included); ``long``, the envelope around a 10,000-token prompt. On request (``--kinds``),
+``shared``: the envelope sent to the subject every replica shares, as a raw named client does.
 
 With ``--replicas N`` the stack runs N coordinator replicas, each under callgrind, and their
 counts add up (engine replies reach every replica). The envelopes then go as the client library
@@ -56,6 +57,9 @@ from service.protocol.subjects import Header
 BURST = 256
 WARMUP_BURSTS = 4
 KINDS = ("plain", "envelope", "long")
+# Measured when asked (--kinds): the envelope of a named client that does not address the
+# arbiter of its ids (a raw client's named submission): with several replicas, most are handed over.
+EXTRA_KINDS = ("shared",)
 # Under callgrind a process runs some 50 times slower: it must not seem silent or stalled.
 SLOW_PEER = {
     "DPCOORD_HEARTBEAT_TIMEOUT_S": "120",
@@ -71,7 +75,7 @@ def bodies(kind: str, count: int) -> list[bytes]:
     if kind == "plain":
         body = encode_msgpack(SubmitRequest(list(range(1, 11)), SamplingParams(max_tokens=8)))
         return [body] * count
-    prompt = long_prompt(10_000) if kind == "long" else list(range(1, 11))
+    prompt = long_prompt(10_000) if kind == "long" else list(range(1, 11))  # "shared": the envelope
     inner = encode_msgpack(SubmitRequest(prompt, SamplingParams(max_tokens=8)))
     # As the client library sends them: reading reply batches (coordinators before them ignore it).
     return [
@@ -158,7 +162,7 @@ async def measure(
         payloads = bodies(kind, requests + WARMUP_BURSTS * BURST)
         # As the client library sends them: a named one to its id's arbiter, where replicas arbitrate.
         targets = [subject] * len(payloads)
-        if table is not None and kind != "plain":
+        if table is not None and kind in ("envelope", "long"):
             targets = [
                 stack.subjects.addressed_to(Header.SUBMIT_REQUEST, table.of("bench", index))
                 for index in range(len(payloads))
@@ -262,9 +266,10 @@ def main(args: argparse.Namespace) -> int:
 
 def kinds(text: str) -> list[str]:
     chosen = text.split(",")
-    unknown = [kind for kind in chosen if kind not in KINDS]
+    unknown = [kind for kind in chosen if kind not in KINDS + EXTRA_KINDS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown workload {', '.join(unknown)} (choose from {', '.join(KINDS)})")
+        choices = ", ".join(KINDS + EXTRA_KINDS)
+        raise argparse.ArgumentTypeError(f"unknown workload {', '.join(unknown)} (choose from {choices})")
     return chosen
 
 
@@ -282,7 +287,12 @@ def build_parser(prog: str = "python -m benchmarks.instructions") -> argparse.Ar
     parser.add_argument(
         "--process", choices=sorted(PROCESSES), default="coordinator", help="the process counted (default coordinator)"
     )
-    parser.add_argument("--kinds", type=kinds, default=list(KINDS), help="comma-separated: plain,envelope,long")
+    parser.add_argument(
+        "--kinds",
+        type=kinds,
+        default=list(KINDS),
+        help="comma-separated: plain,envelope,long (the default), shared (named envelopes to the shared subject)",
+    )
     parser.add_argument(
         "--requests", type=request_count, default=8192, help="requests measured per workload (a quarter of it for long)"
     )
