@@ -175,11 +175,16 @@ async def test_a_drain_pause_whose_replica_dies_after_writing_the_record_is_stil
                     writer = record.coordinator_id
                     break
             replicas.kill(writer)
+            killed_at = time.monotonic()
             ack = await pausing
+            acked_s = time.monotonic() - killed_at
             final = await asyncio.wait_for(running, 20)
     finally:
         await watcher.stop()
         await engines.close()
+    print(
+        f"\n[control] pause (drain), its replica {writer} SIGKILLed once the record said paused: {ack!r} {acked_s:.1f} s after the kill"
+    )
     assert ack.state == "paused" and ack.mode == "drain"
     assert final.finish_reason == "length" and len(final.generated_tokens) == LONG_TOKENS  # drained, not cut
 
