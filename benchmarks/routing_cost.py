@@ -2,8 +2,10 @@
 
 No NATS and no other process, so the figure is the routing itself, for each policy and fleet
 size: it must not grow with the fleet. Each request carries the 8 prefix hashes of a 1,056-token
-prompt (one of 8 shared system prompts), so ``prefix`` does its lookups; requests are routed 64
-at a time (a loop turn ends every 8) and then all answered. The best of 5 repetitions counts.
+prompt (one of 8 shared system prompts), so ``prefix`` does its lookups; for ``cache_aware``
+every engine publishes KV events and the system prompts are held, each by one engine in 8, as
+their events would have said, so it scores holders (and predicts). Requests are routed 64 at a
+time (a loop turn ends every 8) and then all answered. The best of 5 repetitions counts.
 
 Run: ``python -m benchmarks.routing_cost`` (``--engines 2,1000,3000``).
 """
@@ -15,24 +17,30 @@ import random
 import sys
 import timeit
 
+from service.coordinator.block_index import BlockIndex
 from service.coordinator.pool import EnginePool
 from service.coordinator.routing import make_policy
 from service.ops.settings import Settings
+from service.protocol.kv_events import HeldPrefix
 from service.protocol.messages import SubmitEnvelope
 from service.protocol.prefix import prefix_hashes
 
-POLICIES = ("least_loaded", "p2c", "round_robin", "prefix")
+POLICIES = ("least_loaded", "p2c", "round_robin", "prefix", "cache_aware")
 
 
 def microseconds_per_request(
     policy_name: str, engines: int, batch: int = 64, repeat: int = 5, number: int = 20
 ) -> float:
     pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=6.0)
-    for index in range(engines):
-        pool.add(f"e{index}", 256)
-    policy = make_policy(Settings(routing_policy=policy_name))
+    settings = Settings(routing_policy=policy_name)
+    index = BlockIndex(settings.kv_index_size, settings.cache_aware_prediction_ttl_s)
     rng = random.Random(7)
     systems = [[rng.randrange(32000) for _ in range(1024)] for _ in range(8)]
+    for rank in range(engines):
+        engine = index.track(f"e{rank}", pool.add(f"e{rank}", 256))
+        hashes = prefix_hashes(systems[rank % 8])
+        index.store(engine, [HeldPrefix(value, 1 << position) for position, value in enumerate(hashes)])
+    policy = make_policy(settings, index)
     submissions = [
         SubmitEnvelope(
             1, b"", prefix_hashes=prefix_hashes(systems[index % 8] + [rng.randrange(32000) for _ in range(32)])

@@ -4,8 +4,8 @@ It holds every request routed here and not yet answered, each an
 :class:`~engines.replies.ActiveRequest` (its tokens, text, spans and the replies sent so far),
 and the right to send each one's terminal reply. Nothing else writes that state: the jobs of
 the runtime (intake, step loop, control, weight updates, membership) read it through
-:meth:`ids`, ``len``, ``in`` and the read-only :attr:`records`, and change it only through
-these transitions:
+:meth:`ids`, ``len``, ``in``, the read-only :attr:`records` and :meth:`held_back`, and change
+it only through these transitions:
 
 - :meth:`supersede`: whether a routed request may start; a newer run of one held here
   (a migration back to this engine) replaces the older run silently, one routed twice is ignored.
@@ -16,6 +16,9 @@ these transitions:
 - :meth:`abort`, :meth:`abort_all`: leave with an ``abort`` final; :meth:`fail`,
   :meth:`fail_all`: leave with an error reply; :meth:`drop_all`: leave without a reply (a
   failed weight commit: the engine rejoins as one that restarted).
+- :meth:`hold`: backpressure (docs/protocol.md): a request whose reader fell behind is held
+  back, still here (it counts in the load and the heartbeat), and the backend steps it no more
+  until released; of a hold and a release that arrive out of order, the newer ``seq`` wins.
 - :meth:`hand_over`: a dead coordinator's requests name their adopter from now on.
 - :meth:`resend`: terminal replies sent again, from the publisher's memory.
 
@@ -26,9 +29,7 @@ the backend holds what the table holds. :meth:`emptied` returns once nothing is 
 Per-token log-probabilities travel from ``TokenOutput`` through :meth:`ActiveRequest.record`
 into its partials and final, kept beside its tokens by a
 :class:`~engines.logprob_record.LogprobRecord` that :meth:`start` gives a request that asked
-for them. Where what comes next goes: a request held by backpressure
-stays here (it counts in the load and the heartbeat) and is marked by a hold/release pair of
-transitions that also tell the backend not to step it; timings (queued, time to first token,
+for them. Where what comes next goes: timings (queued, time to first token,
 decode) are stamped by :meth:`start` and :meth:`record_step` and carried on the final. Spans
 and KV-cache events belong to the step loop (:mod:`engines.runtime_steps`), once per step.
 """
@@ -71,6 +72,8 @@ class RequestTable:
         # pace, engines/token_pace.py); nothing but this table changes a record.
         self.records: Mapping[str, ActiveRequest] = MappingProxyType(self._active)
         self._left = asyncio.Event()  # set whenever a request leaves; cleared by whoever waits
+        self._hold_seqs: dict[str, int] = {}  # the newest hold or release applied, by request
+        self._held_back: set[str] = set()  # by backpressure: the backend does not step them
 
     # ------------------------------------------------------------ reading
 
@@ -82,6 +85,10 @@ class RequestTable:
 
     def ids(self) -> list[str]:
         return list(self._active)
+
+    def held_back(self) -> list[str]:
+        """The requests held back by backpressure."""
+        return list(self._held_back)
 
     async def emptied(self) -> None:
         """Return once the table holds no request."""
@@ -103,6 +110,7 @@ class RequestTable:
             return False
         del self._active[request_id]
         self._backend.abort(request_id)
+        self._forget_hold(request_id)  # the newer run starts released
         self._counters["runs_superseded"] += 1
         return True
 
@@ -152,6 +160,8 @@ class RequestTable:
             active.record(output, epoch, weight_version)
             if output.finish_reason is not None:
                 del held[output.request_id]
+                if self._hold_seqs:
+                    self._forget_hold(output.request_id)
                 if active.return_path.stream and active.unsent_tokens:
                     partials.append(active.partial())
                 finals.append(active.final(self._engine_id, output.finish_reason))
@@ -161,6 +171,32 @@ class RequestTable:
             self._left.set()
         await self._publisher.publish(Header.ENGINE_REPLY_PARTIAL, partials)
         await self._publisher.publish(Header.ENGINE_REPLY, finals)
+
+    # ------------------------------------------------------------ backpressure
+
+    def hold(self, request_id: str, held: bool, seq: int) -> bool:
+        """Hold ``request_id`` back (``held``) or release it, when it is here and ``seq`` is
+        newer than the last applied to it; whether that changed what the backend steps. A
+        backend that cannot hold keeps stepping it (its client's bound ends the stream)."""
+        if request_id not in self._active or seq <= self._hold_seqs.get(request_id, -1):
+            return False
+        self._hold_seqs[request_id] = seq
+        if held == (request_id in self._held_back):
+            return False
+        if not held:
+            self._held_back.discard(request_id)
+            self._backend.release(request_id)
+        elif self._backend.hold(request_id):
+            self._held_back.add(request_id)
+        else:
+            self._counters["holds_not_applied"] += 1
+            return False
+        self._counters["holds" if held else "releases"] += 1
+        return True
+
+    def _forget_hold(self, request_id: str) -> None:
+        self._hold_seqs.pop(request_id, None)
+        self._held_back.discard(request_id)
 
     # ------------------------------------------------------------ leaving
 
@@ -199,6 +235,7 @@ class RequestTable:
         active = self._active.pop(request_id, None)
         if active is not None:
             self._backend.abort(request_id)
+            self._forget_hold(request_id)
             self._left.set()
         return active
 

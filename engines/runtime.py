@@ -57,7 +57,7 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, ResendReplies
-from service.protocol.messages import EngineAck, RoutedAbort, RoutedRequestBatch
+from service.protocol.messages import EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
 from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class EngineRuntime:
         routed: dict[str, Route[Any]] = {
             Header.SUBMIT_REQUEST: Route.to(RoutedRequestBatch, self._intake.start_batch),
             Header.ABORT_REQUEST: Route.to(RoutedAbort, self._intake.abort),
+            Header.HOLD_REQUEST: Route.to(RoutedHold, self._intake.hold),
             RESEND_REPLIES: Route.to(ResendReplies, self._intake.resend),
         }
         self._dispatch = EngineDispatch(core, routed, ENGINE_HANDLERS, self, self._signals.superseded)

@@ -1,6 +1,7 @@
 """Request intake: the messages a coordinator routes to this engine alone, on
 ``<prefix>.engine.<engine_id>.<header>``. Routed requests start on the backend (or are refused
-with their own error reply), aborts end them, and terminal replies are sent again on request.
+with their own error reply), aborts end them, holds hold them back from the steps until
+released, and terminal replies are sent again on request.
 
 Contract: a routed request this engine cannot serve (an unknown encoding, an undecodable body,
 over the limits on stop strings or ``max_tokens``, asking for log-probabilities of a backend
@@ -26,7 +27,7 @@ from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import Encoding, PayloadDecoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import ResendAnswer, ResendReplies
-from service.protocol.messages import RoutedAbort, RoutedRequest, RoutedRequestBatch, SubmitRequest
+from service.protocol.messages import RoutedAbort, RoutedHold, RoutedRequest, RoutedRequestBatch, SubmitRequest
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,13 @@ class RequestIntake:
         elsewhere: its request id. Generation stops and the final says ``abort``; no answer
         (nothing happens for a request this engine does not hold)."""
         await self._requests.abort(abort.request_id)
+
+    async def hold(self, incoming: Incoming, hold: RoutedHold) -> None:
+        """Sent by the request's coordinator (``hold_request``) when its client's reader fell
+        behind (``held``) or caught up: the request is held back from the steps or released,
+        the newer ``seq`` winning; no answer (nothing happens for a request not held here)."""
+        if self._requests.hold(hold.request_id, hold.held, hold.seq) and not hold.held:
+            self._core.wake.set()
 
     async def resend(self, incoming: Incoming, resend: ResendReplies) -> None:
         """Sent by a coordinator reconciling after lost messages (``resend_replies``, a request):

@@ -58,8 +58,8 @@ class StepLoop:
         await self._wake.wait()
         backend = self._backend
         if self._control.paused or not backend.has_work() or not self._connected.is_set():
+            self._wake.clear()  # before publishing: a wake while it publishes (a request, a release) is kept
             await self.publish_unsent()
-            self._wake.clear()
             return
         async with self._step_lock:
             if self._control.paused:  # a pause confirmed while this step waited for the lock

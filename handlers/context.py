@@ -14,11 +14,13 @@ from typing import Any, Protocol
 from msgspec import Struct
 
 from service.bus.registry import Incoming
-from service.protocol.handover import ArbiterClaims, ForwardedAbort, ForwardedSubmission
+from service.protocol.handover import ArbiterClaims, ForwardedAbort, ForwardedHold, ForwardedSubmission
+from service.protocol.kv_events import KvEvents
 from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     ClientRequestId,
     ControlSignal,
+    HoldRequest,
     RoutedReply,
     ServedModel,
     SubmitEnvelope,
@@ -50,6 +52,10 @@ class ClientContext(Replier, Protocol):
     ) -> str:
         """End the request so named with an ``abort`` final; its request id. Raises WireError 404,
         or 403 when ``incoming`` comes from another owner than the request's."""
+
+    async def hold(self, incoming: Incoming, payload: HoldRequest) -> str:
+        """Hold (or release) the request so named in its engine; its request id. Raises
+        WireError 404, or 403 when ``incoming`` comes from another owner than the request's."""
 
     def client_connected(self, incoming: Incoming) -> None:
         """Remember the owner of ``incoming``'s reply subject as a client that connected."""
@@ -105,14 +111,21 @@ class EngineContext(Replier, Protocol):
         capacity: int,
         model: str | None,
         weight_version: WeightVersion | None,
+        kv_sequence: int | None,
     ) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
         restarted), and answer with the control state and epoch it must start in. One that
-        serves other weights than the fleet's is not added: the answer names the fleet's."""
+        serves other weights than the fleet's is not added: the answer names the fleet's. One
+        that publishes KV events (``kv_sequence``) is asked for a snapshot of its prefix cache."""
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
         """Refresh an engine's liveness; adopt an unknown one (``own_subjects``: it sends on its
-        own subjects); reconcile what it no longer holds."""
+        own subjects); reconcile what it no longer holds; snapshot its prefix cache when this
+        replica does not know it yet, or missed its last KV event."""
+
+    def kv_events(self, engine_id: str, events: KvEvents) -> None:
+        """Apply one step's KV events of ``engine_id`` to the block index, in their order; a gap
+        in their numbering asks the engine for a snapshot."""
 
     async def relay_finals(self, engine_id: str, replies: list[RoutedReply]) -> None:
         """Send terminal replies to their clients and free their engine slots."""
@@ -149,6 +162,10 @@ class ReplicaContext(Replier, Protocol):
     async def abort_held(self, forwarded: ForwardedAbort) -> str:
         """Abort a request held here for another replica's client; its request id. Raises
         WireError 404 when none is held here, 403 when another owner's."""
+
+    async def hold_held(self, forwarded: ForwardedHold) -> str:
+        """Pass a hold another replica forwarded on to the engine of a request held here; its
+        request id. Raises WireError 404 when none is held here, 403 when another owner's."""
 
 
 class CoordinatorContext(ClientContext, ControlContext, EngineContext, ReplicaContext, Protocol):

@@ -1,4 +1,5 @@
-"""Handlers for engine messages (register, heartbeat, engine_reply(_partial), disconnect) and
+"""Handlers for engine messages (register, heartbeat, engine_reply(_partial), disconnect,
+kv_events) and
 for heartbeats between coordinator replicas. Every replica must see these (``fanout``).
 Engine messages are handled on the reading task (``direct``): replies are the hot path, and a
 fleet of thousands registers and heartbeats thousands of times a second.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
+from service.protocol.kv_events import KvEvents
 from service.protocol.membership import CoordinatorHeartbeat, EngineDisconnect, EngineRegister, Heartbeat
 from service.protocol.messages import EngineReplyBatch
 from service.protocol.subjects import Header
@@ -29,10 +31,11 @@ async def handle_register(coordinator: EngineContext, incoming: Incoming, payloa
     so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start
     in, and the fleet's weights: an engine that serves other ``weight_version`` is not added,
     it loads those and registers again; 400 for an id that cannot be a subject token, 403 for another engine's id (see above),
-    429 when the pool holds ``max_engines``."""
+    429 when the pool holds ``max_engines``. An engine with ``kv_sequence`` publishes KV events:
+    it is asked for a snapshot of its prefix cache (``cache_aware`` routing)."""
     engine_id = coordinator.engine_sender(incoming, payload.engine_id)
     await coordinator.register_engine(
-        incoming, engine_id, payload.capacity, payload.served_model_name, payload.weight_version
+        incoming, engine_id, payload.capacity, payload.served_model_name, payload.weight_version, payload.kv_sequence
     )
 
 
@@ -77,6 +80,17 @@ async def handle_disconnect(coordinator: EngineContext, incoming: Incoming, payl
     await coordinator.remove_engine(
         coordinator.engine_sender(incoming, payload.engine_id), payload.reason or "disconnected"
     )
+
+
+@message_handler(Header.KV_EVENTS, fanout=True, direct=True, per_sender=True)
+async def handle_kv_events(coordinator: EngineContext, incoming: Incoming, payload: KvEvents) -> None:
+    """Sent by an engine with a prefix cache after each step that changed what it holds (or the
+    prompt tokens waiting for their prefill): the prefixes stored and evicted, numbered by
+    ``sequence`` (docs/protocol.md, *KV events*).
+
+    Applied to this replica's block index in their numbering; a gap asks the engine for a
+    snapshot. Dropped unread unless ``routing_policy`` is ``cache_aware``. No answer."""
+    coordinator.kv_events(coordinator.engine_sender(incoming, payload.engine_id), payload)
 
 
 @message_handler(Header.COORDINATOR_HEARTBEAT, fanout=True)

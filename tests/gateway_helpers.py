@@ -34,10 +34,16 @@ class Served:
 
 
 @asynccontextmanager
-async def serve_gateway(settings: Settings, api_keys: ApiKeys | None = None) -> AsyncIterator[Served]:
-    """A gateway connected to the coordinator of ``settings``, accepting on 127.0.0.1."""
+async def serve_gateway(
+    settings: Settings, api_keys: ApiKeys | None = None, send_buffer_bytes: int | None = None
+) -> AsyncIterator[Served]:
+    """A gateway connected to the coordinator of ``settings``, accepting on 127.0.0.1; with
+    ``send_buffer_bytes``, its connections' kernel send buffers that small (``SO_SNDBUF``, which
+    accepted sockets inherit), so a client that stops reading blocks its writes sooner."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1024)
     gateway = Gateway(settings, api_keys or ApiKeys())

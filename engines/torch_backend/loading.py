@@ -1,6 +1,7 @@
 """Loading the torch backend's model: weights, tokenizer, checked kernels and the KV cache.
 
 :func:`load_model` does, in order and timed per phase (:class:`LoadPhases`): read the
+config and with it the model family (:mod:`engines.torch_backend.families`), then the
 checkpoint (or build the seeded random model), check the CUDA kernels (each failing piece is
 named in ``failures`` and replaced by its eager form), measure the activation peak and size the
 KV cache from what memory is left, then allocate it. What it returns is everything the backend
@@ -17,6 +18,7 @@ import torch
 
 from engines.chat_template import ChatTemplate
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.families import read_model_dir
 from engines.torch_backend.fast_path import LoadPhases
 from engines.torch_backend.memory import (
     CachePlan,
@@ -26,7 +28,7 @@ from engines.torch_backend.memory import (
     page_bytes,
     plan_cache,
 )
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.setup import checked_cuda_kernels, resolve_dtype
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     config: ModelConfig
     dtype: torch.dtype
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Tokenizer
     model_name: str  # for the log: the checkpoint's path, or the random model's seed
     default_model_name: str  # served unless --served-model-name says otherwise
@@ -56,7 +58,8 @@ class LoadedModel:
 
 def load_model(options: TorchOptions, model_path: str | None, device: torch.device, phases: LoadPhases) -> LoadedModel:
     model_dir = Path(model_path).expanduser() if model_path else None
-    config = ModelConfig.from_dir(model_dir) if model_dir else ModelConfig()
+    # The family is read (and an unsupported one refused) before any weight is.
+    config = read_model_dir(model_dir) if model_dir else ModelConfig()
     dtype = resolve_dtype(options.dtype, config, device)
     weights = checkpoint_weights(model_dir) if model_dir else iter(random_weights(config, options.model_seed).items())
     model = build_model(config, weights, dtype, device)

@@ -23,7 +23,8 @@ other replica would hand it there, a hop later.
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
-callback, so the call would otherwise wait out its timeout.
+callback, so the call would otherwise wait out its timeout. A stream's unread replies are
+bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
 from service.client.exchanges import CoordinatorWatch, Exchanges
+from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
+from service.client.holds import HoldChannel
 from service.client.signals import signal_answered
 from service.client.submission import Submission, envelope
 from service.ops.settings import Settings
@@ -89,6 +92,7 @@ class DpcoordClient:
         self._replies = replies
         self._watch = watch
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -171,14 +175,17 @@ class DpcoordClient:
         client_request_id: ClientRequestId | None,
         timeout: float,
         sampling: dict[str, Any],
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowControl | None = None,
     ) -> Submission:
         """A submission in flight to the replica arbitrating its id (:func:`.submission.envelope`)."""
         body, request_id = envelope(
-            self.client_id, prompt, messages, model, stream, client_request_id, timeout, sampling
+            self.client_id, prompt, messages, model, stream, client_request_id, timeout, sampling, session_id, group_id
         )
         watch, client_id = self._watch, self.client_id
         address = lambda: watch.arbiter_subject(client_id, request_id)  # noqa: E731  # the id's arbiter now
-        return Submission(self._publish, self._exchanges, watch, body, timeout, address=address)
+        return Submission(self._publish, self._exchanges, watch, body, timeout, flow, address)
 
     async def submit(
         self,
@@ -188,6 +195,8 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
@@ -200,8 +209,13 @@ class DpcoordClient:
 
         Give a ``prompt`` or chat ``messages`` (which the engine renders with its chat template);
         ``model`` sends it only to engines serving that model (404 when none does). ``timeout``
-        bounds the wait and is also the request's deadline at the coordinator."""
-        submission = self._submission(prompt, messages, model, False, client_request_id, timeout, sampling)
+        bounds the wait and is also the request's deadline at the coordinator. With the
+        ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
+        conversation) stay on one engine while it has room, and so do those of one ``group_id``
+        (the samples of one prompt): its prefix cache serves what they share."""
+        submission = self._submission(
+            prompt, messages, model, False, client_request_id, timeout, sampling, session_id, group_id
+        )
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -219,16 +233,29 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        ``flow`` bounds the replies not read: past it the request is held; stalled, aborted (``StreamStalled``).
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
         partial is yielded and the final (every token) fills the rest in; a final that does not
         extend the partials yielded raises ClientError 502."""
         batches = self.stream_batches(
-            prompt, messages=messages, model=model, client_request_id=client_request_id, timeout=timeout, **sampling
+            prompt,
+            messages=messages,
+            model=model,
+            client_request_id=client_request_id,
+            timeout=timeout,
+            session_id=session_id,
+            group_id=group_id,
+            flow=flow,
+            **sampling,
         )
         async with aclosing(batches):
             async for replies in batches:
@@ -243,13 +270,19 @@ class DpcoordClient:
         model: str | None = None,
         client_request_id: ClientRequestId | None = None,
         timeout: float = 60.0,
+        session_id: str | None = None,
+        group_id: str | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        submission = self._submission(prompt, messages, model, True, client_request_id, timeout, sampling)
         check = StreamCheck()
+        control = FlowControl(flow, self._holds)
+        submission = self._submission(
+            prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id, control
+        )
         try:
             await submission.start()
             while replies := await submission.replies():
@@ -383,4 +416,4 @@ class DpcoordClient:
         return reply
 
 
-__all__ = ["ClientError", "DpcoordClient"]
+__all__ = ["ClientError", "DpcoordClient", "FlowLimits", "StreamStalled"]

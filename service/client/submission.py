@@ -13,6 +13,8 @@ replicas share, whose replica hands it to the arbiter).
 
 An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
 raised after the replies that came before it were handed over: a reader never loses a reply.
+A stream with flow control (:mod:`service.client.flow`) is the exception: when it stalls, the
+replies its reader did not take are dropped and the next call raises ``StreamStalled``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from service.client.exchanges import (
     Exchanges,
     Refused,
 )
+from service.client.flow import FlowControl, StreamFlow, StreamStalled
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
@@ -65,10 +68,10 @@ _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
 
 class Submission:
     """One envelope ``body`` in flight; :meth:`start` publishes it, :meth:`close` (always, in a
-    ``finally``) forgets its reply subject."""
+    ``finally``) forgets its reply subject. With ``flow``, its replies not read are bounded."""
 
     __slots__ = (
-        "_address", "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure",
+        "_address", "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow",
         "_inbox", "_mailbox", "_publish", "_request_id", "_sent_to", "_timeout", "_watch",
     )  # fmt: skip
 
@@ -79,6 +82,7 @@ class Submission:
         watch: CoordinatorWatch,
         body: bytes,
         timeout: float,
+        flow: FlowControl | None = None,
         address: Address | None = None,
     ) -> None:
         wait_s = timeout + DEADLINE_MARGIN_S
@@ -97,6 +101,10 @@ class Submission:
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
         self._address = address
         self._sent_to: str | None = None  # the subject of the last publish (None: the shared one)
+        self._flow: StreamFlow | None = None
+        if flow is not None:
+            inbox = self._inbox
+            self._flow = StreamFlow(self._mailbox, flow, lambda: self._request_id, lambda: exchanges.close(inbox))
 
     async def start(self) -> None:
         await self._send(self._body)
@@ -108,6 +116,8 @@ class Submission:
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
+        if self._flow is not None:
+            self._flow.close()
 
     async def replies(self) -> list[Partial | Final]:
         """The replies that arrived since the last call (waiting for one), in order; the last
@@ -164,8 +174,12 @@ class Submission:
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
             await self._send(self._again)
+            if self._flow is not None:
+                self._flow.again()
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
+        elif isinstance(item, StreamStalled):
+            raise item
 
 
 def envelope(
@@ -177,10 +191,13 @@ def envelope(
     client_request_id: ClientRequestId | None,
     timeout: float,
     sampling: dict[str, Any],
+    session_id: str | None = None,
+    group_id: str | None = None,
 ) -> tuple[bytes, ClientRequestId]:
     """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt, and
     its id; it carries the prompt's prefix hashes for prefix-aware routing (none for a prompt
-    shorter than one block). Sampling keywords are SamplingParams fields."""
+    shorter than one block), and the session and group for cache-aware routing. Sampling
+    keywords are SamplingParams fields."""
     params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
     if params.timeout_s is None:
         params.timeout_s = timeout
@@ -193,19 +210,9 @@ def envelope(
     except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
         raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
     hashes = prefix_hashes(prompt, chat) or None
-    wrapped = SubmitEnvelope(
-        1,
-        body,
-        stream,
-        request_id,
-        client_id,
-        None,
-        params.timeout_s,
-        model,
-        hashes,
-        batched_replies=True,
-        logprobs=params.asks_logprobs,
-    )
+    wrapped = SubmitEnvelope(1, body, stream, request_id, client_id, None, params.timeout_s, model, hashes)
+    wrapped.batched_replies, wrapped.logprobs = True, params.asks_logprobs
+    wrapped.session_id, wrapped.group_id = session_id, group_id
     return encode_msgpack(wrapped), request_id
 
 

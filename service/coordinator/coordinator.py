@@ -10,8 +10,8 @@ life in this replica), from the replica that owns it or the one that adopted it
 and a background task that fails is logged and counted. This class owns the connection, the
 background tasks and the lifecycle, and wires three floors (docs/architecture.md): the owners
 of state (the ledger, the pool, the peers, …), the jobs side by side above them (admission,
-outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, adoption
-and the replica watch composed of them), and this class.
+outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, holds,
+adoption and the replica watch composed of them), and this class.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from service.coordinator.adoption import Adoption
 from service.coordinator.answers import Answers
 from service.coordinator.arbiters import Arbiters
 from service.coordinator.arbitration import Arbitration, quiet_s
+from service.coordinator.block_index import BlockIndex
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
@@ -44,7 +45,9 @@ from service.coordinator.dispatch import Dispatch
 from service.coordinator.enrolment import Enrolment
 from service.coordinator.fleet import Fleet
 from service.coordinator.forwarding import Forwarding
+from service.coordinator.holds import Holds
 from service.coordinator.known_clients import KnownClients
+from service.coordinator.kv_feed import KvFeed
 from service.coordinator.ledger import RequestLedger
 from service.coordinator.outbox import Outbox
 from service.coordinator.ownership import Ownership
@@ -64,9 +67,11 @@ from service.ops.loops import keep_running
 from service.ops.settings import Settings
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     Ack,
     RoutedReply,
+    WeightVersion,
 )
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import (
@@ -105,8 +110,14 @@ class Coordinator:
             self.peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, self.counters
         )
         answers = Answers(core, self._deliveries, self.results)
+        self.blocks = BlockIndex(settings.kv_index_size, settings.cache_aware_prediction_ttl_s)
         self.requests = RequestLedger(
-            core, self.engines, make_policy(settings), self.control_state, self.peers, answers
+            core,
+            self.engines,
+            make_policy(settings, self.blocks),
+            self.control_state,
+            self.peers,
+            answers,
         )
         ledger = self.requests
         # Floor 2: the jobs, side by side; none imports another.
@@ -116,6 +127,7 @@ class Coordinator:
         self._stalls = Stalls(settings.heartbeat_timeout_s / 2)
         self._stalls.listen(self._stalled)
         self._fleet = Fleet(core, ledger, self.engines, self.control_state, self._stalls)
+        self._kv_feed = KvFeed(core, self.blocks, self.engines)
         self._control = Control(
             core,
             ledger,
@@ -146,15 +158,17 @@ class Coordinator:
         self.abort = self._ownership.abort
         self.take_resubmission = self._ownership.take_resubmission
         self.abort_held = self._ownership.abort_held
+        self._holds = Holds(core, ledger, self.peers)
+        self.hold = self._holds.hold
+        self.hold_held = self._holds.hold_held
         self.served_models = self.engines.served
         self.apply_control = self._control.apply
         self.control_engines = self._control.control_engines
         self.update_weights = self._weights.update
-        self.register_engine = self._enrolment.register
-        self.engine_heartbeat = self._enrolment.heartbeat
         self.remove_engine = self._fleet.remove
         self.take_claims = self._arbitration.take_claims
         self.admit = self._arbitration.admit
+        self.kv_events = self._kv_feed.received
         self._dispatch = Dispatch(core, self, self.replies)
         self._submit_subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
         self._handed: HandlerSpec[CoordinatorContext] | None = None
@@ -319,6 +333,22 @@ class Coordinator:
     def check_weight_update(self) -> None:
         self._weights.check(self.state)
 
+    async def register_engine(
+        self,
+        incoming: Incoming,
+        engine_id: str,
+        capacity: int,
+        model: str | None,
+        weight_version: WeightVersion | None,
+        kv_sequence: int | None,
+    ) -> None:
+        await self._enrolment.register(incoming, engine_id, capacity, model, weight_version)
+        self._kv_feed.registered(engine_id, kv_sequence)
+
+    async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
+        await self._enrolment.heartbeat(heartbeat, own_subjects)
+        self._kv_feed.heard(heartbeat)
+
     async def _drop_engine(self, engine_id: str, reason: str) -> None:
         """Remove an engine that could not swap in the fleet's weights. Not as one that left:
         its heartbeats bring it back once they carry the fleet's version, if it registers no sooner."""
@@ -346,9 +376,11 @@ class Coordinator:
 
     async def _heartbeat_once(self) -> None:
         """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten. A beat that came far too late tells of a stall."""
+        owners that hold no slot forgotten, and engines gone from the pool from the block index.
+        A beat that came far too late tells of a stall."""
         self.results.sweep()
         self.requests.forget_idle_owners()
+        self._kv_feed.sweep()
         await self._replica_watch.beat()
         since = time.monotonic()
         await asyncio.sleep(self.settings.heartbeat_interval_s)

@@ -45,7 +45,8 @@ from service.coordinator.models import HeldRequests
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EngineGroup, EnginePool, EngineRecord
 from service.coordinator.requests import ClientKey, InflightRequest, RequestTable
-from service.coordinator.routing import PrefixHashes, RoutingPolicy
+from service.coordinator.route_key import RouteKey
+from service.coordinator.routing import RoutingPolicy
 from service.coordinator.timers import CoarseTimers
 from service.ops.latency import RequestLatency
 from service.protocol.errors import ErrorCode, WireError
@@ -125,10 +126,10 @@ class RequestLedger:
     def running(self) -> bool:
         return self._control.state is RUNNING
 
-    def routing_key(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
+    def routing_key(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
         return self._policy.key_of(submit)
 
-    def engine_for(self, group: EngineGroup | None, model: str | None, key: PrefixHashes | None) -> EngineRecord | None:
+    def engine_for(self, group: EngineGroup | None, model: str | None, key: RouteKey | None) -> EngineRecord | None:
         """The engine a new request of ``model`` goes to at once; None while the coordinator is
         not running, no engine serves the model yet, or requests of the model wait (they go first)."""
         if self._control.state is not RUNNING or group is None or model in self._queue.by_model:

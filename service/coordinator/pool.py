@@ -45,6 +45,9 @@ class EngineRecord:
     # It registered (or was adopted) on its own subjects, <prefix>.<header>.<engine_id>: then no
     # message on the plain <prefix>.<header> of earlier releases may speak for it (fleet.py).
     own_subjects: bool = True
+    # Prompt tokens waiting for their prefill, as its last KV event said plus those routed since
+    # (cache_aware routing); 0 for an engine that publishes no KV events.
+    queued_tokens: int = 0
 
     @property
     def load(self) -> int:
@@ -58,11 +61,13 @@ class EngineRecord:
 class EngineGroup:
     """Engines that may take the same requests, indexed for routing (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model  # the model its members serve; None: the whole fleet (every engine in the pool)
         self._members: list[EngineRecord] = []
         self._position: dict[EngineRecord, int] = {}
         self._by_load: list[OrderedDict[EngineRecord, None]] = [OrderedDict()]  # engines with room, by load
         self.lowest_load = 0  # no engine with room has less load; exact after least_loaded() found one
+        self.requests = 0  # the members' requests in flight, summed (their mean load)
         self._in_turn: OrderedDict[EngineRecord, None] = OrderedDict()  # engines with room, next in turn first
 
     def add(self, record: EngineRecord) -> None:
@@ -74,6 +79,7 @@ class EngineGroup:
         self._in_turn[record] = None
 
     def remove(self, record: EngineRecord) -> None:
+        self.requests -= len(record.requests)
         index = self._position.pop(record)
         last = self._members.pop()
         if last is not record:
@@ -86,6 +92,7 @@ class EngineGroup:
     def raised(self, record: EngineRecord, load: int) -> None:
         """``record``'s load went from ``load`` to ``load + 1``; beyond its capacity (requests
         adopted from a dead replica) it stays full."""
+        self.requests += 1
         if load >= record.capacity:
             return
         by_load = self._by_load
@@ -100,6 +107,7 @@ class EngineGroup:
 
     def lowered(self, record: EngineRecord, load: int) -> None:
         """``record``'s load went from ``load`` to ``load - 1``."""
+        self.requests -= 1
         if load > record.capacity:
             return
         by_load = self._by_load
@@ -184,7 +192,10 @@ class EnginePool:
         self.capacity += record.capacity
         self.everyone.add(record)
         if model is not None:
-            self._models.setdefault(model, EngineGroup()).add(record)
+            serving = self._models.get(model)
+            if serving is None:
+                serving = self._models[model] = EngineGroup(model)
+            serving.add(record)
         return record
 
     def remove(self, engine_id: str, departed: bool) -> EngineRecord | None:

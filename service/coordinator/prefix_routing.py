@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from service.coordinator.pool import EngineGroup, EngineRecord
+from service.coordinator.route_key import RouteKey, hashes_of
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
-from service.protocol.prefix import prefix_hashes
 
 # Engines remembered per prefix: a hot prefix spreads over this many before the oldest is forgotten.
 OWNERS_PER_PREFIX = 4
@@ -43,7 +43,7 @@ SWEEP_EVERY = 64
 
 
 class Fallback(Protocol):
-    def choose(self, group: EngineGroup, key: Sequence[int] | None = None) -> EngineRecord | None: ...
+    def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None: ...
 
     def turn_ended(self) -> None: ...
 
@@ -113,30 +113,30 @@ class PrefixAware:
         self._table = table
         self._load_bound = load_bound
 
-    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> Sequence[int] | None:
-        if isinstance(submit, SubmitEnvelope):
-            return submit.prefix_hashes
-        return prefix_hashes(submit.prompt, submit.messages)
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
+        hashes = hashes_of(submit)
+        return RouteKey(hashes) if hashes else None
 
-    def choose(self, group: EngineGroup, key: Sequence[int] | None = None) -> EngineRecord | None:
-        if not key:
+    def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
+        if key is None or not key.hashes:
             return self._fallback.choose(group)
+        hashes = key.hashes
         if group.least_loaded() is None:
             return None
         bound = group.lowest_load + self._load_bound
         now = time.monotonic()
         table = self._table
-        for index in range(len(key) - 1, -1, -1):  # the longest known prefix first
-            owners = table.owners(key[index], now)
+        for index in range(len(hashes) - 1, -1, -1):  # the longest known prefix first
+            owners = table.owners(hashes[index], now)
             if owners:
                 chosen = _least_loaded_within(owners, bound, group)
                 if chosen is not None:
                     # Shorter prefixes were recorded with this one; the longer ones are new here.
-                    table.record(key[index:], chosen, now)
+                    table.record(hashes[index:], chosen, now)
                     return chosen
         chosen = self._fallback.choose(group)
         if chosen is not None:
-            table.record(key, chosen, now)
+            table.record(hashes, chosen, now)
         return chosen
 
     def turn_ended(self) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from service.coordinator.route_key import RouteKey
 from service.coordinator.timers import CoarseTimer
 from service.protocol.codec import Encoding
 from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply
@@ -41,7 +42,7 @@ class InflightRequest:
     partials_delivered: int = 0
     early_final: RoutedReply | None = None  # arrived ahead of a partial still in flight
     admitted_at: float = field(default_factory=time.monotonic)  # for the latency histograms
-    routing_key: Sequence[int] | None = None  # what the routing policy needs beyond loads (prefix hashes)
+    routing_key: RouteKey | None = None  # what the routing policy needs beyond loads (prefix hashes, …)
     # A stream's delivered tokens, in order, from the partials' RoutedReply.tokens: a migration
     # resumes after them. None until the first; dropped when the stream cannot resume.
     streamed_tokens: list[int] | None = None

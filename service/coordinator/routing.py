@@ -16,27 +16,29 @@ already receiving a batch.
   same slack applies against it). O(1), with no shared order among coordinator replicas.
 - ``round_robin``: each engine with room in turn, ignoring load. O(1).
 - ``prefix``: see :mod:`service.coordinator.prefix_routing`.
+- ``cache_aware``: see :mod:`service.coordinator.cache_routing`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
+from service.coordinator.block_index import BlockIndex
+from service.coordinator.cache_routing import CacheAware
 from service.coordinator.pool import EngineGroup, EngineRecord
 from service.coordinator.prefix_routing import PrefixAware, PrefixTable
+from service.coordinator.route_key import RouteKey
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
 
-PrefixHashes = Sequence[int]
-
 
 class RoutingPolicy(Protocol):
-    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
-        """What ``choose`` needs of a submission beyond the fleet's loads (prefix hashes), if anything."""
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
+        """What ``choose`` needs of a submission beyond the fleet's loads (prefix hashes, session,
+        group), if anything."""
         ...
 
-    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+    def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
         """An engine of ``group`` (the whole fleet, or one model's engines) with room, or None."""
         ...
 
@@ -51,7 +53,7 @@ class _Batching:
         self._current: EngineRecord | None = None
         self._current_group: EngineGroup | None = None
 
-    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
         return None
 
     def _keep(self, group: EngineGroup, chosen: EngineRecord, lowest_load: int) -> EngineRecord:
@@ -69,7 +71,7 @@ class _Batching:
 
 
 class LeastLoaded(_Batching):
-    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+    def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
         least = group.least_loaded()
         if least is None:
             return None
@@ -77,7 +79,7 @@ class LeastLoaded(_Batching):
 
 
 class PowerOfTwoChoices(_Batching):
-    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+    def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
         if len(group) == 0:
             return None
         first, second = group.sample_two()
@@ -91,17 +93,19 @@ class PowerOfTwoChoices(_Batching):
 
 
 class RoundRobin:
-    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> PrefixHashes | None:
+    def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
         return None
 
-    def choose(self, group: EngineGroup, key: PrefixHashes | None = None) -> EngineRecord | None:
+    def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
         return group.next_in_turn()
 
     def turn_ended(self) -> None:
         pass
 
 
-def make_policy(settings: Settings) -> RoutingPolicy:
+def make_policy(settings: Settings, index: BlockIndex | None = None) -> RoutingPolicy:
+    """The policy ``settings`` names; ``cache_aware`` reads ``index`` (which the engines' KV
+    events fill, :mod:`service.coordinator.kv_feed`), an empty one when None."""
     name = settings.routing_policy
     if name == "least_loaded":
         return LeastLoaded(settings.routing_load_slack)
@@ -112,4 +116,8 @@ def make_policy(settings: Settings) -> RoutingPolicy:
     if name == "prefix":
         table = PrefixTable(settings.prefix_table_size, settings.prefix_ttl_s)
         return PrefixAware(LeastLoaded(settings.routing_load_slack), table, settings.prefix_load_bound)
+    if name == "cache_aware":
+        if index is None:
+            index = BlockIndex(settings.kv_index_size, settings.cache_aware_prediction_ttl_s)
+        return CacheAware(LeastLoaded(settings.routing_load_slack), index, settings)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -1,6 +1,8 @@
 """The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``, as plain
 ASGI handlers: API key, then Content-Type, then the body (bounded in bytes and time), then one
-submission per choice through the client library.
+submission per choice through the client library. An ``X-Session-ID`` header names the
+conversation the request continues (its submissions carry it as ``session_id``), and the ``n``
+choices of one prompt share a ``group_id``: with ``cache_aware`` routing both stay on one engine.
 
 A streamed request waits for its first reply before answering, so an error before the first token
 is a plain HTTP error; a choice that fails after that (any of several) ends the stream with an
@@ -28,8 +30,8 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from service.client import ClientError, DpcoordClient
-from service.gateway.asgi import check_json, read_body, respond, respond_error
+from service.client import ClientError, DpcoordClient, FlowLimits
+from service.gateway.asgi import check_json, header, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
@@ -57,6 +59,8 @@ from service.protocol.messages import Final
 
 log = logging.getLogger(__name__)
 Sent = TypeVar("Sent")
+SESSION_HEADER = b"x-session-id"
+MAX_SESSION_ID = 256  # characters, as the wire's session_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,7 @@ class Generation:
         self._requests = requests
         self._draining = draining
         self._timeout = settings.request_timeout_s
+        self._flow = FlowLimits(settings.gateway_stream_buffer_bytes, settings.gateway_stream_stall_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         requests = self._requests
@@ -152,17 +157,20 @@ class Generation:
             plan = endpoint.plan(endpoint.decode(body))
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
             raise from_validation(exc, body) from None
+        session_id = session_of(scope)
         client = self._client()
         ids = [f"{plan.id}-{job.index}" for job in plan.jobs]
         if plan.stream:
             try:
-                return await self._stream(client, plan, ids, DisconnectWatch(receive, lambda: aborted(client, ids)))
+                return await self._stream(
+                    client, plan, ids, DisconnectWatch(receive, lambda: aborted(client, ids)), session_id
+                )
             except asyncio.CancelledError:
                 await self._abort_if_cut(client, ids)
                 raise
         watch = watch_disconnect(scope, receive, lambda: aborted(client, ids))
         try:
-            finals = await self._complete(client, plan, ids)
+            finals = await self._complete(client, plan, ids, session_id)
         except asyncio.CancelledError:
             await self._abort_if_cut(client, ids)
             raise
@@ -179,22 +187,35 @@ class Generation:
         if self._requests.cutting:
             await asyncio.shield(aborted(client, ids))
 
-    def _send(self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str) -> Sent:
-        """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the same arguments."""
+    def _send(
+        self,
+        call: Callable[..., Sent],
+        plan: Plan,
+        job: Job,
+        client_request_id: str,
+        session_id: str | None,
+        **flow: Any,
+    ) -> Sent:
+        """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the
+        same arguments (``stream_batches`` also the bounds of its ``flow``). The ``n`` samples of
+        one prompt form a group."""
         return call(
             job.prompt,
             messages=job.messages,
             model=plan.model,
             client_request_id=client_request_id,
             timeout=self._timeout,
+            session_id=session_id,
+            group_id=f"{plan.id}-g{job.index // plan.n}" if plan.n > 1 else None,
+            **flow,
             **plan.sampling,
         )
 
-    async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str]) -> list[Final]:
+    async def _complete(self, client: DpcoordClient, plan: Plan, ids: list[str], session_id: str | None) -> list[Final]:
         if len(ids) == 1:
-            return [await self._send(client.submit, plan, plan.jobs[0], ids[0])]
+            return [await self._send(client.submit, plan, plan.jobs[0], ids[0], session_id)]
         outcomes = await asyncio.gather(
-            *(self._send(client.submit, plan, job, rid) for job, rid in zip(plan.jobs, ids, strict=True)),
+            *(self._send(client.submit, plan, job, rid, session_id) for job, rid in zip(plan.jobs, ids, strict=True)),
             return_exceptions=True,
         )
         finals = [outcome for outcome in outcomes if isinstance(outcome, Final)]
@@ -203,10 +224,14 @@ class Generation:
                 raise outcome
         return finals
 
-    async def _stream(self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch) -> EventStream:
+    async def _stream(
+        self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch, session_id: str | None
+    ) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
+        flow = self._flow
         replies = Replies(
-            (job, self._send(client.stream_batches, plan, job, rid)) for job, rid in zip(plan.jobs, ids, strict=True)
+            (job, self._send(client.stream_batches, plan, job, rid, session_id, flow=flow))
+            for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:
             first = await replies.batch()
@@ -300,6 +325,20 @@ class Requests:
         for task in self._running:
             task.cancel()
         return len(self._running)
+
+
+def session_of(scope: Scope) -> str | None:
+    """The request's ``X-Session-ID`` (None without one); 400 when it is empty, too long or not UTF-8."""
+    raw = header(scope, SESSION_HEADER)
+    if raw is None:
+        return None
+    try:
+        session_id = raw.decode()
+    except UnicodeDecodeError:
+        session_id = ""
+    if not 0 < len(session_id) <= MAX_SESSION_ID:
+        raise GatewayError(400, f"X-Session-ID must be 1 to {MAX_SESSION_ID} characters of UTF-8", "X-Session-ID")
+    return session_id
 
 
 async def aborted(client: DpcoordClient, ids: list[str]) -> bool:

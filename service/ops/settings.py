@@ -88,10 +88,11 @@ class Settings(BaseSettings):
     queue_group: CoordinatorSetting[str] = Field(
         "dpcoord-coordinators", description="Queue group shared by coordinator replicas"
     )
-    routing_policy: CoordinatorSetting[Literal["least_loaded", "p2c", "round_robin", "prefix"]] = Field(
+    routing_policy: CoordinatorSetting[Literal["least_loaded", "p2c", "round_robin", "prefix", "cache_aware"]] = Field(
         "least_loaded",
         description="How a request picks an engine: least_loaded, p2c (less loaded of two drawn at random), round_robin, "
-        "or prefix (where its prompt's longest prefix went, within prefix_load_bound); see docs/protocol.md",
+        "prefix (where its prompt's longest prefix went, within prefix_load_bound), or cache_aware (the engines' KV "
+        "events blended with load; sessions and groups kept together); see docs/protocol.md",
     )
     routing_load_slack: CoordinatorSetting[int] = Field(
         8,
@@ -109,6 +110,47 @@ class Settings(BaseSettings):
     )
     prefix_ttl_s: CoordinatorSetting[float] = Field(
         600.0, gt=0, description="prefix: a prompt prefix unused this long is forgotten"
+    )
+    cache_aware_request_tokens: CoordinatorSetting[int] = Field(
+        256,
+        ge=1,
+        description="cache_aware: prompt tokens that weigh as one request in flight, in an engine's load (its queued "
+        "tokens) and in its score (the prefix it holds)",
+    )
+    cache_aware_prefix_weight: CoordinatorSetting[float] = Field(
+        2.0,
+        ge=0,
+        description="cache_aware: how many times over the prompt prefix an engine holds (or is computing) counts "
+        "against its load in its score: once for the prefill skipped, more for the compute the fleet saves",
+    )
+    cache_aware_load_factor: CoordinatorSetting[float] = Field(
+        1.25,
+        ge=1,
+        description="cache_aware: an engine's affinity (held prefix, session, group) yields once its requests in "
+        "flight pass this times the mean, and the mean plus cache_aware_load_slack",
+    )
+    cache_aware_load_slack: CoordinatorSetting[float] = Field(
+        8.0,
+        ge=0,
+        description="cache_aware: affinity also holds while an engine's requests in flight are within the mean plus this",
+    )
+    cache_aware_prediction_ttl_s: CoordinatorSetting[float] = Field(
+        2.0,
+        gt=0,
+        description="cache_aware: a routed prompt's prefixes count as held by its engine this long, before the "
+        "engine's KV events say so (a burst of siblings follows the first)",
+    )
+    kv_index_size: CoordinatorSetting[int] = Field(
+        1_000_000,
+        ge=1,
+        description="cache_aware: most (engine, prefix) pairs the block index holds, shared evenly among the engines "
+        "(each forgets its oldest first); predictions are bounded alike",
+    )
+    session_table_size: CoordinatorSetting[int] = Field(
+        100_000, ge=1, description="cache_aware: most sessions and groups whose engine is remembered"
+    )
+    session_ttl_s: CoordinatorSetting[float] = Field(
+        600.0, gt=0, description="cache_aware: a session or group unused this long forgets its engine"
     )
     max_inflight_per_engine: CoordinatorSetting[int] = Field(
         256, ge=1, description="Requests in flight per engine before queueing"
@@ -300,6 +342,16 @@ class Settings(BaseSettings):
         30.0,
         ge=0,
         description="Seconds the gateway lets requests in progress run after SIGTERM: /readyz and /health fail at once and new generation requests get 503 shutting_down; streams still running then end with an error event and [DONE], other requests with a 503 error body. Match the pod's terminationGracePeriodSeconds",
+    )
+    gateway_stream_buffer_bytes: GatewaySetting[int] = Field(
+        1 << 20,
+        ge=65536,
+        description="Bytes of a stream's replies the gateway keeps for an HTTP client that reads slower than its engine generates; past them the request is held in its engine until the client catches up (docs/gateway.md, Backpressure)",
+    )
+    gateway_stream_stall_s: GatewaySetting[float] = Field(
+        60.0,
+        gt=0,
+        description="Seconds a stream may stay held for an HTTP client that reads nothing: its request is then aborted and the stream ends with an error event when the client reads again; a connection whose writes stay blocked twice as long is closed",
     )
     gateway_read_timeout_s: GatewaySetting[float] = Field(
         10.0,

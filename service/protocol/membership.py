@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
+from service.protocol.kv_events import Count
 from service.protocol.messages import Int64, ModelName, WeightVersion
 
 
@@ -22,6 +23,9 @@ class EngineRegister(Struct):
     paused: bool = False
     served_model_name: ModelName | None = None
     weight_version: WeightVersion | None = None  # an extension: the weights it serves (None: its own)
+    # An extension (service/protocol/kv_events.py): the number of its last KV event, 0 before the
+    # first; None when it publishes none (it is then routed by load alone).
+    kv_sequence: Count | None = None
 
 
 class RegisterAck(Struct):
@@ -50,6 +54,10 @@ class Heartbeat(Struct):
     served_model_name: ModelName | None = None  # so a coordinator that adopts the engine routes by model
     steps: Int64 | None = None  # steps taken since the engine started: progress while no reply is due
     weight_version: WeightVersion | None = None  # an extension: the weights it serves
+    kv_sequence: Count | None = None  # an extension, as in EngineRegister: a missed last KV event shows here
+    # An extension: the requests of ``active`` held by backpressure (hold_request), which the
+    # engine rightly does not step; None from engines that predate it.
+    held: list[str] | None = None
 
 
 class ResendReplies(Struct):

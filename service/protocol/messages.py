@@ -76,6 +76,8 @@ class ChatMessage(Struct, omit_defaults=True):
 
 
 ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
+# A session's or a group's name (extensions): routing keeps a session, or a group of samples, on one engine.
+AffinityId = Annotated[str, Meta(min_length=1, max_length=256)]
 
 
 class SubmitRequest(Struct):
@@ -89,6 +91,10 @@ class SubmitRequest(Struct):
     reply_to: Annotated[str, Meta(pattern=r"^[^\s*>]+$")] | None = None  # a subject one can publish to
     model: ModelName | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    # Extensions (docs/protocol.md, *Sessions and groups*): the conversation this turn belongs to,
+    # and the group of submissions (say, the samples of one prompt) to run on one engine.
+    session_id: AffinityId | None = None
+    group_id: AffinityId | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -126,6 +132,9 @@ class SubmitEnvelope(Struct, array_like=True):
     # An extension: the body asks for log-probabilities (``sampling_params.logprobs`` or
     # ``prompt_logprobs``), so only engines that compute them may run it.
     logprobs: bool = False
+    # Extensions, as SubmitRequest's: the body's session and group, for routing without decoding it.
+    session_id: AffinityId | None = None
+    group_id: AffinityId | None = None
 
 
 class ConnectRequest(Struct):
@@ -136,6 +145,18 @@ class AbortRequest(Struct):
     client_request_id: ClientRequestId | None = None
     client_id: str | None = None
     request_id: str | None = None
+
+
+class HoldRequest(Struct):
+    """The body of ``hold_request`` (an extension, docs/protocol.md *Backpressure*): a client
+    whose reader fell behind asks that the request's generation be ``held`` (paused in its
+    engine) or, once the reader caught up, released (``held`` false). ``seq`` counts the
+    client's hold requests for this request, so an engine that gets two out of order keeps the
+    newer."""
+
+    request_id: str
+    held: bool = True
+    seq: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
 
 
 class ControlSignal(Struct):
@@ -362,6 +383,17 @@ class RoutedRequestsOut(Struct, array_like=True):
 
 class RoutedAbort(Struct):
     request_id: str
+
+
+class RoutedHold(Struct):
+    """A :class:`HoldRequest` the request's owner passes on to its engine
+    (``<prefix>.engine.<id>.hold_request``): the engine skips the request in its steps while
+    held, keeping it; unknown request ids and a ``seq`` not newer than the last applied are
+    ignored. An engine of an earlier release does not listen there and keeps generating."""
+
+    request_id: str
+    held: bool
+    seq: int = 0
 
 
 class RoutedReply(Struct, array_like=True, gc=False):

@@ -24,6 +24,7 @@ class Header(enum.StrEnum):
     CONNECT = "connect"
     SUBMIT_REQUEST = "submit_request"
     ABORT_REQUEST = "abort_request"
+    HOLD_REQUEST = "hold_request"  # an extension: backpressure from a client whose reader fell behind
     LIST_MODELS = "list_models"
     PAUSE = "pause"
     UNPAUSE = "unpause"
@@ -41,6 +42,7 @@ class Header(enum.StrEnum):
     ENGINE_REPLY = "engine_reply"
     ENGINE_REPLY_PARTIAL = "engine_reply_partial"
     DISCONNECT = "disconnect"
+    KV_EVENTS = "kv_events"  # an extension: the prefix blocks an engine stored and evicted (kv_events.py)
     # Between coordinator replicas.
     COORDINATOR_HEARTBEAT = "coordinator_heartbeat"
     # A replica that does not hold a request asks the others (``<prefix>.<header>.<recipient>``).
@@ -50,11 +52,15 @@ class Header(enum.StrEnum):
     # and the ids a replica holds that another arbitrates (service/protocol/arbiter.py).
     ARBITER_SUBMISSION = "arbiter_submission"
     ARBITER_CLAIMS = "arbiter_claims"
+    FORWARD_HOLD = "forward_hold"
 
 
 # Routed to one engine only (``<prefix>.engine.<id>.resend_replies``): the coordinator asks for
 # replies it missed; there is no coordinator subject of that name.
 RESEND_REPLIES = "resend_replies"
+# Asked of one engine only (``<prefix>.engine.<id>.kv_snapshot``, an extension): the prefix
+# blocks it holds and the number of its last KV event; there is no coordinator subject of that name.
+KV_SNAPSHOT = "kv_snapshot"
 # Broadcast to every engine (``<prefix>.engines.adopt``) by the replica that adopts a dead one's
 # requests; not a coordinator subject.
 ADOPT = "adopt"
@@ -73,7 +79,14 @@ PROFILER_HEADERS: frozenset[Header] = frozenset({Header.START_CUDA_PROFILER, Hea
 
 # Sent by engines to the coordinator (NATS permissions give engines exactly these).
 ENGINE_HEADERS: frozenset[Header] = frozenset(
-    {Header.REGISTER, Header.HEARTBEAT, Header.DISCONNECT, Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL}
+    {
+        Header.REGISTER,
+        Header.HEARTBEAT,
+        Header.DISCONNECT,
+        Header.ENGINE_REPLY,
+        Header.ENGINE_REPLY_PARTIAL,
+        Header.KV_EVENTS,
+    }
 )
 
 # Second tokens under the prefix that carry routed requests and broadcasts to engines.

@@ -106,9 +106,10 @@ BETWEEN_COORDINATORS = {
     Header.FORWARD_ABORT,
     Header.ARBITER_SUBMISSION,
     Header.ARBITER_CLAIMS,
+    Header.FORWARD_HOLD,
 }
 FROM_ENGINES = set(ENGINE_HEADERS)
-FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}
+FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.HOLD_REQUEST, Header.LIST_MODELS}
 
 
 def test_permissions_follow_the_protocols_subjects() -> None:
@@ -128,6 +129,7 @@ def test_permissions_follow_the_protocols_subjects() -> None:
         "dpcoord.forward_abort.*",
         "dpcoord.arbiter_submission.*",  # a copy handed to its id's arbiter, believed as sent
         "dpcoord.arbiter_claims.*",
+        "dpcoord.forward_hold.*",
     }
     # Replies into inboxes only: the clients' and admin's, and the pods'.
     inboxes = {subject for subject in coordinator["allow"] if subject.startswith("_INBOX")}

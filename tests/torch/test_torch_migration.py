@@ -6,6 +6,7 @@ leaving mid-stream."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,13 +81,37 @@ def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(
     assert streamed_text + "".join(output.text for output in outputs) == "".join(output.text for output in whole)
 
 
+class StallingTorchBackend(TorchBackend):
+    """A test double of an engine that stalls mid-stream: once armed, after ``CUT`` tokens it
+    steps no more until unstalled, as an engine that hangs before it is declared gone. (A pause
+    could not hold it there: the engine may generate every token before the pause lands.)"""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.armed = False
+        self.generated = 0
+        self.unstalled = asyncio.Event()  # not "release": that is Backend.release (backpressure)
+
+    async def step(self) -> list[TokenOutput]:
+        if self.armed and self.generated >= CUT:
+            await self.unstalled.wait()
+        outputs = await super().step()
+        if self.armed:
+            self.generated += sum(len(output.new_tokens) for output in outputs)
+        return outputs
+
+
 @pytest.fixture
 async def torch_engines(settings: Settings, coordinator: Coordinator) -> AsyncIterator[list[EngineRuntime]]:
     engine_settings = settings.model_copy(
-        update={"backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005}
+        update={"backend": "torch", "device": "cpu", "max_context": 128, "kv_cache_gb": 0.005, "stream_interval": 1}
     )
-    engines = [EngineRuntime(engine_settings, TorchBackend(torch_options(engine_settings))) for _ in range(2)]
+    stalling = StallingTorchBackend(torch_options(engine_settings))
+    engines = [
+        EngineRuntime(engine_settings, backend) for backend in (stalling, TorchBackend(torch_options(engine_settings)))
+    ]
     yield engines
+    stalling.unstalled.set()
     for engine in engines:
         await engine.stop()
 
@@ -96,27 +121,27 @@ async def test_an_engine_leaving_mid_stream_changes_no_token(
     torch_engines: list[EngineRuntime], coordinator: Coordinator, settings: Settings, params: dict[str, Any]
 ) -> None:
     lost, survivor = torch_engines
+    stalling = lost.backend
+    assert isinstance(stalling, StallingTorchBackend)
     await lost.start()
     await coordinator.wait_for_engines(1)
     await lost.registered.wait()
     async with await DpcoordClient.connect(settings) as client:
         uninterrupted = await client.submit(PROMPT, max_tokens=TOKENS, timeout=60, **params)
+        stalling.armed = True
         partials: list[Partial] = []
         async for reply in client.stream(PROMPT, max_tokens=TOKENS, timeout=60, **params):
             if isinstance(reply, Final):
                 final = reply
                 break
             partials.append(reply)
-            if len(partials) == CUT:
-                # Paused, the first engine cannot finish the request before the second joins.
-                await client.pause()
+            if sum(len(partial.new_tokens) for partial in partials) == CUT:
                 await survivor.start()
                 await survivor.registered.wait()
                 await coordinator.nc.publish(
                     coordinator.subjects.sent_by("disconnect", lost.engine_id),
                     encode_msgpack(EngineDisconnect(lost.engine_id, "test")),
                 )
-                await client.unpause()
     assert final.engine_id == survivor.engine_id and partials[-1].attempt == 1
     assert final.generated_tokens == uninterrupted.generated_tokens
     assert final.generated_text == uninterrupted.generated_text == "".join(partial.text for partial in partials)

@@ -9,8 +9,10 @@ from collections import Counter
 
 import pytest
 
+from service.coordinator.cache_routing import CANDIDATES
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.prefix_routing import OWNERS_PER_PREFIX, SWEEP_EVERY, PrefixAware, PrefixTable
+from service.coordinator.route_key import RouteKey
 from service.coordinator.routing import LeastLoaded, PowerOfTwoChoices, RoundRobin, RoutingPolicy, make_policy
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
@@ -30,7 +32,7 @@ def pool_of(*loads: int, capacity: int = 4) -> EnginePool:
 
 def route(pool: EnginePool, policy: RoutingPolicy, key: list[int] | None = None) -> EngineRecord | None:
     """Choose and assign, as the coordinator does."""
-    record = policy.choose(pool.everyone, key)
+    record = policy.choose(pool.everyone, RouteKey(key) if key else None)
     if record is not None:
         pool.assign(record, f"r{next(_ids)}")
     return record
@@ -181,7 +183,7 @@ class CountingSet(set[str]):
         return super().__len__()
 
 
-@pytest.mark.parametrize("name", ["least_loaded", "p2c", "round_robin", "prefix"])
+@pytest.mark.parametrize("name", ["least_loaded", "p2c", "round_robin", "prefix", "cache_aware"])
 def test_a_choice_reads_a_bounded_number_of_engines(name: str) -> None:
     """Routing 2,000 requests over 10,000 engines reads a few engines per choice, never the fleet."""
     pool = EnginePool(max_inflight_per_engine=256, departed_memory_s=10.0)
@@ -189,7 +191,7 @@ def test_a_choice_reads_a_bounded_number_of_engines(name: str) -> None:
         record = pool.add(f"e{index}", 256)
         record.requests = CountingSet()
     policy = make_policy(Settings(routing_policy=name))
-    key = prefix_hashes(list(range(40 * TOKENS_PER_BLOCK)))
+    key = RouteKey(prefix_hashes(list(range(40 * TOKENS_PER_BLOCK))), session_id="s")
     CountingSet.reads = 0
     for index in range(2000):
         chosen = policy.choose(pool.everyone, key if index % 2 else None)
@@ -197,7 +199,7 @@ def test_a_choice_reads_a_bounded_number_of_engines(name: str) -> None:
         pool.assign(chosen, f"r{index}")
         if index % 3 == 0:
             policy.turn_ended()
-    bound = 2 * OWNERS_PER_PREFIX * MAX_PREFIX_HASHES if name == "prefix" else 10
+    bound = {"prefix": 2 * OWNERS_PER_PREFIX * MAX_PREFIX_HASHES, "cache_aware": 4 * CANDIDATES}.get(name, 10)
     assert CountingSet.reads / 2000 <= bound
 
 
@@ -289,8 +291,8 @@ def test_longest_known_prefix_wins() -> None:
 def test_prefix_key_comes_from_the_envelope_or_the_plain_prompt() -> None:
     policy = prefix_policy(pool_of(0))
     tokens = list(range(3 * TOKENS_PER_BLOCK))
-    assert policy.key_of(SubmitRequest(tokens)) == prefix_hashes(tokens)
-    assert policy.key_of(SubmitEnvelope(1, b"{}", prefix_hashes=[5, 6])) == [5, 6]
+    assert policy.key_of(SubmitRequest(tokens)) == RouteKey(prefix_hashes(tokens))
+    assert policy.key_of(SubmitEnvelope(1, b"{}", prefix_hashes=[5, 6])) == RouteKey([5, 6])
     assert policy.key_of(SubmitEnvelope(1, b"{}")) is None
     assert LeastLoaded().key_of(SubmitRequest(tokens)) is None
 
@@ -337,7 +339,7 @@ def test_unknown_policy_is_a_clear_error() -> None:
         make_policy(Settings.model_construct(routing_policy="fastest"))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("name", ["least_loaded", "p2c", "round_robin", "prefix"])
+@pytest.mark.parametrize("name", ["least_loaded", "p2c", "round_robin", "prefix", "cache_aware"])
 def test_a_choice_stays_within_the_model_group(name: str) -> None:
     """A request naming a model goes to an engine serving it, even when the engine batching
     this turn serves another model, or a prefix was last given to another model's engine."""
@@ -346,7 +348,7 @@ def test_a_choice_stays_within_the_model_group(name: str) -> None:
         pool.add(f"a{index}", 256, "alpha")
         pool.add(f"b{index}", 256, "beta")
     policy = make_policy(Settings(routing_policy=name, routing_load_slack=100))
-    key = prefix_hashes(list(range(4 * TOKENS_PER_BLOCK)))
+    key = RouteKey(prefix_hashes(list(range(4 * TOKENS_PER_BLOCK))), session_id="s", group_id="g")
     alpha, beta = pool.group("alpha"), pool.group("beta")
     assert alpha is not None and beta is not None
     for index in range(40):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.coordinator.answers import Answers
+from service.coordinator.block_index import BlockIndex
 from service.coordinator.control_state import ControlState
 from service.coordinator.core import Core
 from service.coordinator.deliveries import ClientDeliveries
@@ -60,6 +61,7 @@ class Floor:
     ledger: RequestLedger
     replies: ReplySubjects
     kept: PeerReplies
+    blocks: BlockIndex  # the block index a cache_aware ledger routes by
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def engine(self, engine_id: str = "e1", capacity: int = 4, model: str | None = None) -> EngineRecord:
@@ -99,10 +101,11 @@ def build(max_payload: int = 1024 * 1024, **values: Any) -> Floor:
     control = ControlState()
     results = ResultCache(settings.result_ttl_s, settings.result_cache_size, settings.result_cache_bytes)
     answers = Answers(core, ClientDeliveries(bus, counters), results)
-    ledger = RequestLedger(core, pool, make_policy(settings), control, peers, answers)
+    blocks = BlockIndex(settings.kv_index_size, settings.cache_aware_prediction_ttl_s)
+    ledger = RequestLedger(core, pool, make_policy(settings, blocks), control, peers, answers)
     replies = ReplySubjects(core.subjects, InboxPrefixes(settings.reply_inbox_prefixes.split(",")), 256)
     kept = PeerReplies(peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, counters)
-    return Floor(settings, bus, core, spawned, pool, peers, control, results, answers, ledger, replies, kept)
+    return Floor(settings, bus, core, spawned, pool, peers, control, results, answers, ledger, replies, kept, blocks)
 
 
 def reply(entry: InflightRequest, body: bytes = b'{"type":"final"}', seq: int = 0, **fields: Any) -> RoutedReply:
