@@ -15,11 +15,9 @@ subscribed yet), with backoff until the deadline, and after every reconnect, whe
 have been lost. It also resubmits when the replica that holds a request (the one its id names,
 learnt from the first reply; any, before one came) stops heartbeating, since the requests a
 dead replica had not yet sent to an engine are known to their clients alone. Every publish
-after the first is marked as a resubmission, so a replica that does not hold the request asks
-its peers before running it (docs/reliability.md, ownership). Each goes to the replica that
-arbitrates its id (``<prefix>.submit_request.<coordinator_id>``, :mod:`service.protocol.arbiter`),
-the one replica that may run it, as the client knows the replicas from their heartbeats; any
-other replica would hand it there, a hop later.
+after the first is marked as a resubmission (docs/reliability.md, ownership). Each goes to the
+replica arbitrating its id, the one that may run it (``submit_request.<coordinator_id>``,
+:mod:`service.protocol.arbiter`; another would hand it there, a hop later).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
@@ -29,6 +27,7 @@ bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import Any
@@ -110,12 +109,9 @@ class DpcoordClient:
         exchanges = Exchanges()
         refusals = PublishRefusals()
         subjects = Subjects(settings.subject_prefix)
-        watch = CoordinatorWatch(
-            exchanges,
-            settings.heartbeat_interval_s,
-            settings.heartbeat_timeout_s + settings.heartbeat_interval_s,
-            address=lambda replica: subjects.addressed_to(Header.SUBMIT_REQUEST, replica),
-        )
+        interval_s, timeout_s = settings.heartbeat_interval_s, settings.heartbeat_timeout_s
+        address = functools.partial(subjects.addressed_to, Header.SUBMIT_REQUEST)
+        watch = CoordinatorWatch(exchanges, interval_s, timeout_s + interval_s, address=address)
         owns = nc is None
 
         def reconnected() -> None:
@@ -311,7 +307,7 @@ class DpcoordClient:
             subject = self._submit_subject
         elif subject not in self._watched:  # NATS users of earlier releases may not publish there
             self._watched.add(subject)
-            self._watches.enter_context(self._refusals.watch(subject, self._address_refused))
+            self._watches.enter_context(self._refusals.watch(subject, self._watch.address_refused))
         try:
             await self.nc.publish(subject, body, reply=inbox)
         except MaxPayloadError:
@@ -321,15 +317,9 @@ class DpcoordClient:
             ) from None
 
     def arbiter_of(self, client_request_id: ClientRequestId) -> str | None:
-        """The replica this client sends ``client_request_id`` to (its arbiter); None while it
-        knows none (then any replica takes it and hands it there)."""
+        """The replica this client sends ``client_request_id`` to (its arbiter); None: any."""
         subject = self._watch.arbiter_subject(self.client_id, client_request_id)
         return None if subject is None else subject.rpartition(".")[2]
-
-    def _address_refused(self, message: str) -> None:
-        """NATS refused a replica's own submission subject: every submission goes to the shared one."""
-        self._watch.addressing = False
-        self._exchanges.address_refused()
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0
@@ -347,22 +337,13 @@ class DpcoordClient:
     async def control(
         self, signal: Header, epoch: int | None = None, timeout: float = 30.0, mode: PauseMode | None = None
     ) -> Ack:
-        """Send a control or profiler signal; returns once every engine confirmed it.
-
-        Always answered within ``timeout``: should the replica taking it die before it answers
-        (or NATS reconnect), the same signal goes again, marked ``retry``, to any replica, which
-        acknowledges it once every engine confirmed the state it wrote (:mod:`.signals`). So
-        a ``drain`` pause answers once drained, however long, and ``timeout`` should cover that
-        (up to the coordinators' ``long_control_timeout_s``). Raises ClientError with the wire
-        code (409 when the state forbids the signal: its message names the state), or
-        TimeoutError."""
+        """Send a control or profiler signal; returns once every engine confirmed it. Always
+        answered within ``timeout``, even if the replica taking it dies (:mod:`.signals`): cover
+        how long the signal may take (a ``drain``: up to ``long_control_timeout_s``). Raises
+        ClientError with the wire code (409 names the state), or TimeoutError."""
+        message = ControlSignal(epoch, mode)
         subject = self.subjects.coordinator(signal)
-        reply = await signal_answered(
-            self.nc, self._refusals, self._exchanges, self._watch, subject, ControlSignal(epoch, mode), timeout
-        )
-        if not isinstance(reply, Ack):
-            raise ClientError(ErrorCode.INTERNAL, f"unexpected reply to {signal}: {reply!r}")
-        return reply
+        return await signal_answered(self.nc, self._refusals, self._exchanges, self._watch, subject, message, timeout)
 
     async def pause(self, timeout: float = 30.0, mode: PauseMode | None = None) -> Ack:
         """Returns once no engine runs a step: ``keep`` (the default) freezes the requests in

@@ -209,6 +209,11 @@ class CoordinatorWatch:
                 self._arbitrating.discard(coordinator_id)
             self._arbiters_changed()
 
+    def address_refused(self, message: str) -> None:
+        """NATS refused a replica's own submission subject: every submission goes to the shared one."""
+        self.addressing = False
+        self._exchanges.address_refused()
+
     def arbiter_subject(self, client_id: str | None, client_request_id: ClientRequestId) -> str | None:
         """The submission subject of the replica arbitrating this id; None while none is known
         (or NATS refused such a subject): then the subject all replicas share."""

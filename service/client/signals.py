@@ -29,7 +29,7 @@ from service.client.exchanges import (
 )
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import ControlSignal, Reply
+from service.protocol.messages import Ack, ControlSignal
 
 
 async def signal_answered(
@@ -40,8 +40,8 @@ async def signal_answered(
     subject: str,
     signal: ControlSignal,
     timeout: float,
-) -> Reply:
-    """Send ``signal`` on ``subject`` and return its answer, sending it again (as a retry) when a
+) -> Ack:
+    """Send ``signal`` on ``subject`` and return its ``Ack``, sending it again (as a retry) when a
     replica stopped heartbeating or NATS reconnected meanwhile. A client that just connected
     first hears every replica (within 1.5 heartbeat intervals): the one taking the signal
     could otherwise die unnoticed. Raises ClientError for an error answer (503 when no
@@ -63,7 +63,10 @@ async def signal_answered(
                     if refused:
                         raise ClientError(ErrorCode.FORBIDDEN, refused[0])
                     if isinstance(item, bytes) and item:
-                        return check(reply_decoder.decode(item))
+                        reply = check(reply_decoder.decode(item))
+                        if not isinstance(reply, Ack):
+                            raise ClientError(ErrorCode.INTERNAL, f"unexpected reply on {subject}: {reply!r}")
+                        return reply
                     if item is EXPIRED:
                         raise TimeoutError(f"no reply on {subject} within {timeout} s")
                     if item is NO_RESPONDERS:

@@ -17,7 +17,6 @@ adoption and the replica watch composed of them), and this class.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -30,7 +29,7 @@ from msgspec import Struct
 from handlers.context import CoordinatorContext
 from service.bus.connection import close_nats, connect_nats, flush_subscriptions
 from service.bus.direct import DirectClient
-from service.bus.registry import HandlerRegistry, HandlerSpec, Incoming
+from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
 from service.coordinator.answers import Answers
@@ -129,24 +128,20 @@ class Coordinator:
         self._fleet = Fleet(core, ledger, self.engines, self.control_state, self._stalls)
         self._kv_feed = KvFeed(core, self.blocks, self.engines)
         self._control = Control(
-            core,
-            ledger,
-            self.control_state,
-            self.engines,
-            self.peers,
-            forget_engines=self._fleet.remove_all,
-            request_stop=self.request_stop,
-        )
+            core, ledger, self.control_state, self.engines, self.peers,
+            forget_engines=self._fleet.remove_all, request_stop=self.request_stop,
+        )  # fmt: skip
         # The jobs across replicas and engines' weights, composed of those above.
         self._adoption = Adoption(  # once it adopted, the arbitration's claims include what it did
-            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies, self._adopted
-        )
+            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies,
+            lambda: self._arbitration.adopted(),
+        )  # fmt: skip
         self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
         self._ownership = Ownership(core, ledger, self.peers, self._admission, self._forwarding, self.replies)
         self.arbiters = Arbiters(self.id, quiet_s(settings.heartbeat_interval_s), 2 * settings.result_cache_size)
         self._arbitration = Arbitration(
             core, ledger, self.results, self.peers, self.arbiters, self._admission, self._ownership,
-            lambda: self._adoption.adopting, self._refuse,
+            lambda: self._adoption.adopting, lambda incoming, err: self._dispatch.refuse(incoming, err),
         )  # fmt: skip
         self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption, self._arbitration)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
@@ -170,11 +165,6 @@ class Coordinator:
         self.admit = self._arbitration.admit
         self.kv_events = self._kv_feed.received
         self._dispatch = Dispatch(core, self, self.replies)
-        self._submit_subject = self.subjects.coordinator(Header.SUBMIT_REQUEST)
-        self._handed: HandlerSpec[CoordinatorContext] | None = None
-        if (submit := handlers.get(Header.SUBMIT_REQUEST)) is not None:
-            # A handed copy is dispatched as the client's submission was, then arbitrated as handed.
-            self._handed = dataclasses.replace(submit, fn=self._admit_handed)
         self._failure_log = RateLimitedLog(log)
         self._known_clients = KnownClients()
 
@@ -306,9 +296,8 @@ class Coordinator:
             await self.nc.publish(incoming.reply, encode(message, incoming.encoding))
 
     async def admit_handed(self, reply: str, body: bytes) -> None:
-        if self._handed is None:
-            raise WireError(ErrorCode.NOT_FOUND, "this coordinator takes no submissions")
-        await self._dispatch.dispatch(self._handed, self._submit_subject, reply, body)
+        """A copy handed over is dispatched as its client's submission was, then arbitrated as handed."""
+        await self._dispatch.dispatch_as(Header.SUBMIT_REQUEST, self._admit_handed, reply, body)
 
     async def _admit_handed(self, _: CoordinatorContext, incoming: Incoming, submit: object) -> None:
         await self._arbitration.admit(incoming, submit, handed=True)  # type: ignore[arg-type]  # the submit decoder's
@@ -385,12 +374,6 @@ class Coordinator:
         since = time.monotonic()
         await asyncio.sleep(self.settings.heartbeat_interval_s)
         self._stalls.slept(since, self.settings.heartbeat_interval_s)
-
-    def _adopted(self) -> None:
-        self._arbitration.adopted()
-
-    async def _refuse(self, incoming: Incoming, err: WireError) -> None:
-        await self._dispatch.refuse(incoming, err)
 
     def _stalled(self, _: float) -> None:
         """This replica's loop stalled: the silence it saw of peers and engines was its own."""
