@@ -17,7 +17,7 @@ Contract:
   view (the sender's view differs: one of the two is changing). Held copies are admitted (or
   handed on) as soon as it is settled; after ``heartbeat_timeout_s + control_timeout_s`` they
   run here once no live peer holds them (``arbitration_unsettled``). At most
-  ``max_queued_requests`` are held (429 beyond).
+  ``max_queued_requests`` + :data:`HELD_BEYOND_QUEUE` are held (429 beyond).
 - Claims: whenever its view changes (and twice more, a beat apart, as NATS may lose one), after
   an adoption, and after a reconnect, a replica sends each replica of its view the ids it holds
   that that one arbitrates (``<prefix>.arbiter_claims.<peer>``).
@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 # Beats after a view change on which the claims are sent again (NATS delivers at most once).
 CLAIM_REPEATS = 2
+# Submissions held while the replicas settle, beyond what the queue takes (a start's quiet time
+# holds every named submission: those the queue will take, and the ones it will refuse).
+HELD_BEYOND_QUEUE = 1024
 
 
 @dataclass(slots=True)
@@ -90,7 +93,7 @@ class Arbitration:
         settings = core.settings
         self._patience_s = settings.heartbeat_timeout_s + settings.control_timeout_s
         self._quiet_s = quiet_s(settings.heartbeat_interval_s)
-        self._max_held = settings.max_queued_requests
+        self._max_held = settings.max_queued_requests + HELD_BEYOND_QUEUE
         self._held: deque[Held] = deque()
         self._handing: dict[str, list[tuple[str, bytes]]] = {}  # arbiter -> this turn's copies
         self._repeats = 0  # beats left on which the claims go again
