@@ -10,11 +10,13 @@ Contract:
   what it adopted).
 - Settled: this replica may run an id it arbitrates (or hand it to the holder its claims
   name) only when every replica of its view sent claims for that same view, none is adopting
-  (itself, or the adopter of a peer that departed, until that one's claims arrive), and a
-  short quiet time after it started (or found its own loop stalled) has passed, in which every
-  live peer's heartbeat arrives (a replica that restarts gets its clients' resubmissions at
-  once: it must know its peers first). Two settled replicas have the same view, so they name
-  the same arbiter: no id runs on two replicas. Unsettled, the arbiter holds what it would run.
+  (itself, or the adopter of a peer that departed, until that one's claims arrive), and,
+  unless it sees no peer at all, a short quiet time after it started (or found its own loop
+  stalled) has passed, in which every live peer's heartbeat arrives. Two settled replicas with
+  peers have the same view, so they name the same arbiter: no id runs on two replicas.
+  Unsettled, the arbiter holds what it would run. A replica alone runs new submissions at once
+  but holds resubmissions for its quiet time (``quiet_now``): a replica that restarts gets its
+  clients' resubmissions at once, and a peer it has not heard yet may hold them.
 
 Everything here is read on the hot path as plain attributes (``settled``, ``alone``,
 ``claimed``); it changes only when a heartbeat, a view or claims change.
@@ -36,7 +38,7 @@ class Arbiters:
         self.view: frozenset[str] = frozenset({own_id})
         self.table = ArbiterTable(self.view)
         self.alone = True  # a view of this replica only: every id is its own, no hash needed
-        self.settled = False  # until its quiet time has passed: a peer it has not heard may hold an id
+        self.settled = True  # alone as it starts: it runs new submissions until it hears a peer
         self.claimed = False  # some claims are held (the hot path skips the lookup otherwise)
         self._quiet_s = quiet_s
         self._quiet_until = time.monotonic() + quiet_s
@@ -103,6 +105,11 @@ class Arbiters:
         """Start the quiet time again: this replica's loop stalled, so it may have missed peers."""
         self._quiet_until = time.monotonic() + self._quiet_s
 
+    @property
+    def quiet_now(self) -> bool:
+        """Within the quiet time: a peer not heard yet may hold what is resubmitted here."""
+        return time.monotonic() < self._quiet_until
+
     # ------------------------------------------------------------ claims
 
     def take_claims(
@@ -145,7 +152,7 @@ class Arbiters:
             self.arbitrating
             and not adopting
             and not self._awaiting
-            and time.monotonic() >= self._quiet_until
+            and (self.alone or time.monotonic() >= self._quiet_until)
             and all(received.get(peer) == self.view for peer in self.view if peer != self.own_id)
         )
         return self.settled

@@ -118,7 +118,7 @@ class Arbitration:
             and (arbiters.alone or arbiters.table.of(submit.client_id, client_request_id) == self._id)
         ):
             if type(submit) is SubmitEnvelope and submit.resubmission and client_request_id is not None:
-                await self._ownership.admit(incoming, submit)
+                await self._resubmitted(incoming, submit, handed)
             else:
                 await self._admission.admit(incoming, submit)
             return
@@ -130,15 +130,20 @@ class Arbitration:
             if holder is not None and not self._admission.holds(key):
                 if self._ownership.admit_unless_held(incoming, submit, holder):
                     return
-            await self._run_here(incoming, submit)
+            if type(submit) is SubmitEnvelope and submit.resubmission:
+                await self._resubmitted(incoming, submit, handed)
+            else:
+                await self._admission.admit(incoming, submit)
             return
         await self._elsewhere(incoming, submit, handed, key)
 
-    async def _run_here(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        if type(submit) is SubmitEnvelope and submit.resubmission:
-            await self._ownership.admit(incoming, submit)
-        else:
-            await self._admission.admit(incoming, submit)
+    async def _resubmitted(self, incoming: Incoming, submit: SubmitEnvelope, handed: bool) -> None:
+        """A resubmission this replica arbitrates: its peers are asked first (:mod:`.ownership`);
+        within its quiet time it waits, as a peer not heard yet may hold it."""
+        if self._arbiters.quiet_now and not self._admission.holds((submit.client_id, submit.client_request_id)):  # type: ignore[arg-type]
+            self._hold(incoming, submit, handed)
+            return
+        await self._ownership.admit(incoming, submit)
 
     async def _elsewhere(
         self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope, handed: bool, key: ClientKey
@@ -152,6 +157,9 @@ class Arbitration:
         if arbiter != self._id and (not handed or not arbiters.arbitrating):
             await self._hand_over(arbiter, incoming, submit)
             return
+        self._hold(incoming, submit, handed)
+
+    def _hold(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope, handed: bool) -> None:
         if len(self._held) >= self._max_held:
             raise WireError(
                 ErrorCode.OVERLOADED, f"coordinator queue full ({self._max_held} held while replicas settle)"

@@ -21,7 +21,7 @@ from service.protocol.arbiter import ArbiterTable
 from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.handover import ArbiterClaims, ForwardedSubmission, HandedSubmissions, Holding
-from service.protocol.messages import SubmitRequest
+from service.protocol.messages import SubmitEnvelope, SubmitRequest
 from service.protocol.subjects import Header
 from tests.unit.coordinator.wiring import COORDINATOR_ID, Floor, build
 
@@ -83,18 +83,27 @@ def ids_of(arbiter: str, count: int) -> list[str]:
     return [crid for crid in (f"q{n}" for n in range(1000)) if table.of("alice", crid) == arbiter][:count]
 
 
-async def test_a_replica_holds_named_submissions_for_its_quiet_time_even_alone() -> None:
-    """A replica just started (or restarted, when its clients resubmit at once) may not have
-    heard a peer that holds the id yet: it holds what reaches it until its quiet time passed."""
+def resubmitted(client_request_id: str) -> tuple[Incoming, SubmitEnvelope]:
+    """The client library's resubmission of a named submission (after a lost replica, say)."""
+    envelope = SubmitEnvelope(1, b'{"prompt": "hi"}', False, client_request_id, "alice", resubmission=True)
+    body = encode_msgpack(envelope)
+    return Incoming(Header.SUBMIT_REQUEST, "_INBOX.client.1", Encoding.MSGPACK, body, None, "_INBOX"), envelope
+
+
+async def test_alone_a_replica_runs_new_submissions_at_once_and_resubmissions_after_its_quiet_time() -> None:
+    """A replica just restarted gets its clients' resubmissions at once, and a peer it has not
+    heard yet may hold them: it holds those until its quiet time passed."""
     floor = build()
     floor.engine("e1")
-    quiet = Job(floor, quiet_s=60.0)
-    await quiet.arbitration.admit(*named("q1"))
-    assert len(floor.ledger) == 0 and floor.core.counters["arbitration_held"] == 1
-    job = Job(build(), quiet_s=0.0)
-    job.floor.engine("e1")
+    job = Job(floor, quiet_s=60.0)
     await job.arbitration.admit(*named("q1"))
-    assert [entry.client_key for entry in job.floor.ledger] == [("alice", "q1")]
+    await job.arbitration.admit(*resubmitted("q2"))
+    assert [entry.client_key for entry in floor.ledger] == [("alice", "q1")]
+    assert floor.core.counters["arbitration_held"] == 1
+    settled = Job(build(), quiet_s=0.0)
+    settled.floor.engine("e1")
+    await settled.arbitration.admit(*resubmitted("q2"))
+    assert [entry.client_key for entry in settled.floor.ledger] == [("alice", "q2")]
 
 
 async def test_an_id_another_replica_arbitrates_is_handed_there_in_one_message_per_turn() -> None:
