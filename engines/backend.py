@@ -83,7 +83,9 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class TokenOutput:
-    """What one step produced for one request; ``text`` is the newly completed text only."""
+    """What one step produced for one request; ``text`` is the newly completed text only.
+    ``cached_tokens``: how many of its prompt's tokens the backend read from its prefix cache
+    when it first scheduled the request (the runtime reads it from the first output)."""
 
     request_id: str
     new_tokens: list[int]
@@ -95,6 +97,7 @@ class TokenOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     prompt: PromptLogprobs | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,14 +6,17 @@ reachable (tokens generated with nowhere to send them would only fill the outbou
 A step that fails fails every request held; a step whose replies cannot be built or sent
 fails its requests (an error rather than a stream with a gap). :meth:`publish_unsent` sends
 what the last step produced and is called by whatever must leave no generated token unsent
-(a confirmed pause, a suspend, the engine stopping). Tracing spans around the step and the
-KV-cache events of a step would go in :meth:`step_once`, once per step.
+(a confirmed pause, a suspend, the engine stopping). Each step's start and end are read once
+(two clock readings per step) and recorded with its outputs: the requests' timings and spans
+are made from them (:mod:`engines.requests`). KV-cache events of a step would go in
+:meth:`step_once`, once per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from engines.backend import TokenOutput
 from engines.control_state import ControlState
@@ -45,6 +48,7 @@ class StepLoop:
         self.steps = 0  # steps taken, in heartbeats: an engine that holds requests and never steps is suspected
         self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
         self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
+        self._unsent_step = (0.0, 0.0)  # when the step that made them started and ended (monotonic)
 
     async def step_once(self) -> None:
         """One round of the step loop (run by :func:`~service.ops.loops.keep_running`).
@@ -64,12 +68,13 @@ class StepLoop:
         async with self._step_lock:
             if self._control.paused:  # a pause confirmed while this step waited for the lock
                 return
+            started = time.monotonic()
             step = asyncio.ensure_future(backend.step())
             try:
                 await self.publish_unsent()
             finally:
                 outputs = await self._finish_step(step)
-        self._unsent = outputs
+        self._unsent, self._unsent_step = outputs, (started, time.monotonic())
         if backend.launches_ahead or not backend.has_work():
             await self.publish_unsent()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not
@@ -93,8 +98,9 @@ class StepLoop:
         outputs, self._unsent = self._unsent, []
         if not outputs:
             return
+        started, ended = self._unsent_step
         try:
-            await self._requests.record_step(outputs, self._control.epoch, self._weights.version)
+            await self._requests.record_step(outputs, self._control.epoch, self._weights.version, started, ended)
         except Exception:
             # Tokens of this step may be lost: its requests end with an error rather than a gap.
             log.exception(

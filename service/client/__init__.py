@@ -23,14 +23,17 @@ A publish that NATS refuses (permissions violation) raises ClientError 403 at on
 connections the library opened itself; NATS reports the refusal only to the connection's error
 callback, so the call would otherwise wait out its timeout. A stream's unread replies are
 bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
+
+Traced (:mod:`service.ops.tracing`), a submission is a ``dpcoord.submit`` span, its
+``traceparent`` in every publish's NATS headers. ``on_held`` hears a ``Held`` notice (a pause).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -41,11 +44,13 @@ from service.bus.connection import close_nats, connect_nats
 from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
+from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
 from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
 from service.client.holds import HoldChannel
 from service.client.signals import signal_answered
-from service.client.submission import Submission, envelope
+from service.client.submission import Address, OnHeld, Submission
+from service.client.tracing import ClientTracing, traced
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
@@ -67,6 +72,9 @@ from service.protocol.messages import (
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
 
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
+
 
 class DpcoordClient:
     def __init__(
@@ -80,6 +88,7 @@ class DpcoordClient:
         refusals: PublishRefusals,
         replies: Subscription | DirectSubscription,
         watch: CoordinatorWatch,
+        tracing: ClientTracing | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -90,6 +99,7 @@ class DpcoordClient:
         self._refusals = refusals
         self._replies = replies
         self._watch = watch
+        self._tracing = tracing or ClientTracing()
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
         self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
@@ -100,12 +110,18 @@ class DpcoordClient:
 
     @classmethod
     async def connect(
-        cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
+        cls,
+        settings: Settings,
+        client_id: str | None = None,
+        timeout: float = 10.0,
+        nc: NATS | None = None,
+        tracer: Tracer | None = None,
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
         caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
         cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
-        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL."""
+        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL.
+        ``tracer`` (the caller's to close): where spans go; by default from settings."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         subjects = Subjects(settings.subject_prefix)
@@ -146,11 +162,15 @@ class DpcoordClient:
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
         watch.start()
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch)
+        tracing = ClientTracing.of(settings, tracer)
+        return cls(
+            connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch, tracing
+        )
 
     async def close(self) -> None:
         self._watch.stop()
         self._watches.close()
+        await self._tracing.close()
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -162,26 +182,11 @@ class DpcoordClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submission(
-        self,
-        prompt: str | list[int] | None,
-        messages: Sequence[ChatMessage] | None,
-        model: str | None,
-        stream: bool,
-        client_request_id: ClientRequestId | None,
-        timeout: float,
-        sampling: dict[str, Any],
-        session_id: str | None = None,
-        group_id: str | None = None,
-        flow: FlowControl | None = None,
-    ) -> Submission:
-        """A submission in flight to the replica arbitrating its id (:func:`.submission.envelope`)."""
-        body, request_id = envelope(
-            self.client_id, prompt, messages, model, stream, client_request_id, timeout, sampling, session_id, group_id
-        )
+    def _arbiter(self, client_request_id: ClientRequestId) -> Address:
+        """Where a submission of ``client_request_id`` goes: its arbiter's subject as the client
+        knows the replicas at each publish (:mod:`service.protocol.arbiter`)."""
         watch, client_id = self._watch, self.client_id
-        address = lambda: watch.arbiter_subject(client_id, request_id)  # noqa: E731  # the id's arbiter now
-        return Submission(self._publish, self._exchanges, watch, body, timeout, flow, address)
+        return lambda: watch.arbiter_subject(client_id, client_request_id)
 
     async def submit(
         self,
@@ -193,6 +198,7 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
@@ -208,15 +214,31 @@ class DpcoordClient:
         bounds the wait and is also the request's deadline at the coordinator. With the
         ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
         conversation) stay on one engine while it has room, and so do those of one ``group_id``
-        (the samples of one prompt): its prefix cache serves what they share."""
-        submission = self._submission(
-            prompt, messages, model, False, client_request_id, timeout, sampling, session_id, group_id
+        (the samples of one prompt): its prefix cache serves what they share. ``on_held`` is
+        called with the ``Held`` notice if the request waits because the fleet is not running."""
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, False, client_request_id, timeout, sampling,
+            session_id, group_id, on_held is not None,
+        )  # fmt: skip
+        span, headers = self._tracing.start(self._submit_subject, request_id, model, False)
+        submission = Submission(
+            self._publish,
+            self._exchanges,
+            self._watch,
+            body,
+            timeout,
+            headers=headers,
+            on_held=on_held,
+            address=self._arbiter(request_id),
         )
         try:
-            await submission.start()
-            while replies := await submission.replies():
-                if isinstance(replies[-1], Final):
-                    return replies[-1]
+            with traced(span):
+                await submission.start()
+                while replies := await submission.replies():
+                    if isinstance(final := replies[-1], Final):
+                        if span is not None:
+                            span.finished(final)
+                        return final
         finally:
             submission.close()
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
@@ -231,6 +253,7 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        on_held: OnHeld | None = None,
         flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
@@ -250,6 +273,7 @@ class DpcoordClient:
             timeout=timeout,
             session_id=session_id,
             group_id=group_id,
+            on_held=on_held,
             flow=flow,
             **sampling,
         )
@@ -268,48 +292,65 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        on_held: OnHeld | None = None,
         flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, True, client_request_id, timeout, sampling,
+            session_id, group_id, on_held is not None,
+        )  # fmt: skip
         check = StreamCheck()
+        span, headers = self._tracing.start(self._submit_subject, request_id, model, True)
         control = FlowControl(flow, self._holds)
-        submission = self._submission(
-            prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id, control
+        submission = Submission(
+            self._publish,
+            self._exchanges,
+            self._watch,
+            body,
+            timeout,
+            control,
+            headers,
+            on_held,
+            self._arbiter(request_id),
         )
         try:
-            await submission.start()
-            while replies := await submission.replies():
-                passed: list[Partial | Final] = []
-                broken: StreamBroken | None = None
-                try:
-                    for reply in replies:
-                        if isinstance(reply, Final):
-                            check.finish(reply)
-                            passed.append(reply)
-                        elif check.accept(reply):
-                            passed.append(reply)
-                except StreamBroken as exc:
-                    broken = exc  # raised after the partials before it
-                if passed:
-                    yield passed
-                if broken is not None:
-                    raise ClientError(broken.code, broken.message)
-                if isinstance(replies[-1], Final):
-                    return
+            with traced(span):
+                await submission.start()
+                while replies := await submission.replies():
+                    passed: list[Partial | Final] = []
+                    broken: StreamBroken | None = None
+                    try:
+                        for reply in replies:
+                            if isinstance(reply, Final):
+                                check.finish(reply)
+                                passed.append(reply)
+                                if span is not None:
+                                    span.finished(reply)
+                            elif check.accept(reply):
+                                passed.append(reply)
+                    except StreamBroken as exc:
+                        broken = exc  # raised after the partials before it
+                    if passed:
+                        yield passed
+                    if broken is not None:
+                        raise ClientError(broken.code, broken.message)
+                    if isinstance(replies[-1], Final):
+                        return
         finally:
             submission.close()
 
-    async def _publish(self, body: bytes, inbox: str, subject: str | None) -> None:
+    async def _publish(self, body: bytes, inbox: str, subject: str | None, headers: Mapping[str, str] | None) -> None:
         if subject is None:
             subject = self._submit_subject
         elif subject not in self._watched:  # NATS users of earlier releases may not publish there
             self._watched.add(subject)
             self._watches.enter_context(self._refusals.watch(subject, self._watch.address_refused))
         try:
-            await self.nc.publish(subject, body, reply=inbox)
+            await self.nc.publish(subject, body, reply=inbox, headers=headers)  # type: ignore[arg-type]
         except MaxPayloadError:
             raise ClientError(
                 ErrorCode.TOO_LARGE,

@@ -13,17 +13,19 @@ replicas share, whose replica hands it to the arbiter).
 
 An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
 raised after the replies that came before it were handed over: a reader never loses a reply.
-A stream with flow control (:mod:`service.client.flow`) is the exception: when it stalls, the
-replies its reader did not take are dropped and the next call raises ``StreamStalled``.
+
+Every publish of a submission carries the same NATS ``headers`` (a traced one's ``traceparent``).
+A :class:`~service.protocol.messages.Held` notice (the fleet is paused) goes to ``on_held``,
+never to the reader. A stream with flow control (:mod:`service.client.flow`) is the exception
+to the rule above: when it stalls, the replies its reader did not take are dropped and the
+next call raises ``StreamStalled``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
@@ -41,27 +43,19 @@ from service.client.exchanges import (
 from service.client.flow import FlowControl, StreamFlow, StreamStalled
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import (
-    ChatMessage,
-    ClientRequestId,
-    Final,
-    Partial,
-    SamplingParams,
-    SubmitEnvelope,
-    SubmitRequest,
-)
-from service.protocol.prefix import prefix_hashes
+from service.protocol.messages import Final, Held, Partial, SubmitEnvelope
 
 MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
 # instead of a bare timeout.
 DEADLINE_MARGIN_S = 2.0
-Publish = Callable[[bytes, str, str | None], Awaitable[None]]
-"""``publish(body, reply_subject, subject)``: a publish to ``subject``, a replica's own
-submission subject, or (None) the one all replicas share."""
+Publish = Callable[[bytes, str, str | None, Mapping[str, str] | None], Awaitable[None]]
+"""``publish(body, reply_subject, subject, headers)``: a publish to ``subject``, a replica's
+own submission subject, or (None) the one all replicas share."""
 Address = Callable[[], "str | None"]
 """The own submission subject of the replica arbitrating the submission's id, as the client
 knows the replicas now; None for the subject all replicas share."""
+OnHeld = Callable[[Held], None]
 
 _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
 
@@ -72,7 +66,7 @@ class Submission:
 
     __slots__ = (
         "_address", "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow",
-        "_inbox", "_mailbox", "_publish", "_request_id", "_sent_to", "_timeout", "_watch",
+        "_headers", "_inbox", "_mailbox", "_on_held", "_publish", "_request_id", "_sent_to", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
@@ -83,6 +77,8 @@ class Submission:
         body: bytes,
         timeout: float,
         flow: FlowControl | None = None,
+        headers: Mapping[str, str] | None = None,
+        on_held: OnHeld | None = None,
         address: Address | None = None,
     ) -> None:
         wait_s = timeout + DEADLINE_MARGIN_S
@@ -99,6 +95,8 @@ class Submission:
         self._again: bytes | None = None  # the body marked as a resubmission, made at the first one
         self._ended = False
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
+        self._headers = headers
+        self._on_held = on_held
         self._address = address
         self._sent_to: str | None = None  # the subject of the last publish (None: the shared one)
         self._flow: StreamFlow | None = None
@@ -112,7 +110,7 @@ class Submission:
     async def _send(self, body: bytes) -> None:
         """To the arbiter of the id when the client knows it, else to every replica's subject."""
         self._sent_to = self._address() if self._address is not None else None
-        await self._publish(body, self._inbox, self._sent_to)
+        await self._publish(body, self._inbox, self._sent_to, self._headers)
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
@@ -143,6 +141,8 @@ class Submission:
                         if isinstance(reply, Final):
                             self._ended = True
                             break
+                    elif isinstance(reply, Held) and self._on_held is not None:
+                        self._on_held(reply)
         except (ClientError, TimeoutError) as exc:
             if not ready:
                 raise
@@ -180,40 +180,6 @@ class Submission:
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
         elif isinstance(item, StreamStalled):
             raise item
-
-
-def envelope(
-    client_id: str,
-    prompt: str | list[int] | None,
-    messages: Sequence[ChatMessage] | None,
-    model: str | None,
-    stream: bool,
-    client_request_id: ClientRequestId | None,
-    timeout: float,
-    sampling: dict[str, Any],
-    session_id: str | None = None,
-    group_id: str | None = None,
-) -> tuple[bytes, ClientRequestId]:
-    """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt, and
-    its id; it carries the prompt's prefix hashes for prefix-aware routing (none for a prompt
-    shorter than one block), and the session and group for cache-aware routing. Sampling
-    keywords are SamplingParams fields."""
-    params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
-    if params.timeout_s is None:
-        params.timeout_s = timeout
-    # 128 random bits in hex (uuid4 gives 122, for five times the CPU), drawn per request: an id
-    # one caller learns tells nothing of the next (docs/security.md, blind aborts)
-    request_id = client_request_id if client_request_id is not None else os.urandom(16).hex()
-    chat = list(messages) if messages is not None else None
-    try:
-        body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, client_id, None, model, chat))
-    except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
-        raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
-    hashes = prefix_hashes(prompt, chat) or None
-    wrapped = SubmitEnvelope(1, body, stream, request_id, client_id, None, params.timeout_s, model, hashes)
-    wrapped.batched_replies, wrapped.logprobs = True, params.asks_logprobs
-    wrapped.session_id, wrapped.group_id = session_id, group_id
-    return encode_msgpack(wrapped), request_id
 
 
 def _as_resubmission(body: bytes) -> bytes:

@@ -79,8 +79,10 @@ class Arbitration:
         ownership: Ownership,
         adopting: Callable[[], bool],
         refuse: Callable[[Incoming, WireError], Awaitable[None]],
+        admit: Callable[[Incoming, SubmitRequest | SubmitEnvelope], Awaitable[object]] | None = None,
     ) -> None:
         self._refuse = refuse
+        self._admit = admit or admission.admit  # the traced admission when tracing is on
         self._core = core
         self._id = core.id
         self._ledger = ledger
@@ -120,7 +122,7 @@ class Arbitration:
             if type(submit) is SubmitEnvelope and submit.resubmission and client_request_id is not None:
                 await self._resubmitted(incoming, submit, handed)
             else:
-                await self._admission.admit(incoming, submit)
+                await self._admit(incoming, submit)
             return
         key = (submit.client_id, client_request_id)
         if arbiters.settled and arbiters.of(key) == self._id:
@@ -133,7 +135,7 @@ class Arbitration:
             if type(submit) is SubmitEnvelope and submit.resubmission:
                 await self._resubmitted(incoming, submit, handed)
             else:
-                await self._admission.admit(incoming, submit)
+                await self._admit(incoming, submit)
             return
         await self._elsewhere(incoming, submit, handed, key)
 
@@ -150,7 +152,7 @@ class Arbitration:
     ) -> None:
         """Not settled, or not the arbiter: answer what this replica holds, hand over, or hold."""
         if self._admission.holds(key):
-            await self._admission.admit(incoming, submit)
+            await self._admit(incoming, submit)
             return
         arbiters = self._arbiters
         arbiter = arbiters.of(key)
@@ -175,7 +177,7 @@ class Arbitration:
         copy = (incoming.reply or "", incoming.body)
         if not fits_alone(_copy_size(copy), self._core.nc.max_payload):
             if not self._ownership.admit_unless_held(incoming, submit):
-                await self._admission.admit(incoming, submit)
+                await self._admit(incoming, submit)
             return
         handing = self._handing
         if not handing:
@@ -223,13 +225,13 @@ class Arbitration:
                         ", ".join(self._arbiters.missing()) or "no reason left",
                     )
                     if not self._ownership.admit_unless_held(held.incoming, held.submit):
-                        await self._guarded(held, self._admission.admit(held.incoming, held.submit))
+                        await self._guarded(held, self._admit(held.incoming, held.submit))
                 else:
                     self._held.append(held)
         finally:
             self._releasing = False
 
-    async def _guarded(self, held: Held, step: Awaitable[None]) -> None:
+    async def _guarded(self, held: Held, step: Awaitable[object]) -> None:
         """``step``, a refusal of it answered to its client (dispatch does so on the reading task)."""
         try:
             await step

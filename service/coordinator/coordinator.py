@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
@@ -64,6 +64,7 @@ from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
 from service.ops.loops import keep_running
 from service.ops.settings import Settings
+from service.ops.tracing import start_tracing
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import Heartbeat
@@ -81,11 +82,17 @@ from service.protocol.subjects import (
     id_problem,
 )
 
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
+
 log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, settings: Settings, handlers: HandlerRegistry[CoordinatorContext]) -> None:
+    def __init__(
+        self, settings: Settings, handlers: HandlerRegistry[CoordinatorContext], tracer: Tracer | None = None
+    ) -> None:
+        """``tracer``: where this replica's spans go; by default from settings (None: tracing off)."""
         self.settings = settings
         self.id = settings.coordinator_id or f"c{uuid.uuid4().hex[:12]}"
         self.subjects = Subjects(settings.subject_prefix)
@@ -103,7 +110,9 @@ class Coordinator:
         self.replies = ReplySubjects(self.subjects, self.inboxes, settings.max_id_bytes)
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
-        core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn)
+        self._owns_tracer = tracer is None
+        self.tracer = tracer if tracer is not None else start_tracing(settings, "dpcoord-coordinator")
+        core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn, self.tracer)
         # Floor 1: the owners of state. The ledger owns every request's life.
         self._kept = PeerReplies(
             self.peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, self.counters
@@ -142,6 +151,7 @@ class Coordinator:
         self._arbitration = Arbitration(
             core, ledger, self.results, self.peers, self.arbiters, self._admission, self._ownership,
             lambda: self._adoption.adopting, lambda incoming, err: self._dispatch.refuse(incoming, err),
+            self._admission.admit if self.tracer is None else self._admission.admit_traced,
         )  # fmt: skip
         self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption, self._arbitration)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
@@ -268,6 +278,8 @@ class Coordinator:
         if self.nc.is_connected or self.nc.is_reconnecting:
             await close_nats(self.nc)
         self._fleet.flush_log()
+        if self.tracer is not None and self._owns_tracer:
+            await asyncio.to_thread(self.tracer.close)  # exports what is left: off the event loop
         log.info("coordinator %s stopped", self.id)
 
     async def __aenter__(self) -> Coordinator:

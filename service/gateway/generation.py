@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from starlette.types import Receive, Scope, Send
@@ -57,6 +57,9 @@ from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import Final
 
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
+
 log = logging.getLogger(__name__)
 Sent = TypeVar("Sent")
 SESSION_HEADER = b"x-session-id"
@@ -80,7 +83,8 @@ CHAT = Endpoint("chat.completions", chat_decoder.decode, chat_plan, chat_respons
 
 class Generation:
     """Serves one endpoint; ``client`` raises a 503 GatewayError while not connected and
-    ``authorize`` a 401 for a missing or wrong key."""
+    ``authorize`` a 401 for a missing or wrong key. With a ``tracer``, each request is a span
+    continuing the HTTP client's ``traceparent``, the current span while it is served."""
 
     def __init__(
         self,
@@ -91,8 +95,10 @@ class Generation:
         authorize: Callable[[Scope], None],
         requests: Requests,
         draining: Callable[[], bool],
+        tracer: Tracer | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._tracer = tracer
         self.settings = settings
         self.metrics = metrics
         self._client = client
@@ -106,11 +112,20 @@ class Generation:
         requests = self._requests
         task = requests.enter()
         try:
-            await self._serve(task, scope, receive, send)
+            tracer = self._tracer
+            if tracer is None:
+                await self._serve(task, scope, receive, send)
+                return
+            traceparent = header(scope, b"traceparent")
+            with tracer.http_request(
+                "POST", scope["path"], traceparent.decode("latin-1") if traceparent else None
+            ) as span:
+                span.answered(await self._serve(task, scope, receive, send))
         finally:
             requests.leave(task)
 
-    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> int:
+        """Serve one request; its HTTP status."""
         started = time.perf_counter()
         metrics = self.metrics
         metrics.in_flight += 1
@@ -138,7 +153,7 @@ class Generation:
         if stream is None:
             metrics.in_flight -= 1
             metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
-            return
+            return status
         try:
             await self._requests.write(task, stream, send)
         finally:
@@ -146,6 +161,7 @@ class Generation:
             metrics.in_flight -= 1
             metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
             metrics.used(stream.usage())
+        return 200
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> EventStream | None:
         """Answers a non-streamed request itself; returns a stream whose first reply arrived."""

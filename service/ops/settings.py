@@ -378,6 +378,20 @@ class Settings(BaseSettings):
     event_loop: ServiceSetting[Literal["auto", "asyncio", "uvloop"]] = Field(
         "auto", description="Event loop; auto takes uvloop when installed"
     )
+    # Tracing with OpenTelemetry (docs/protocol.md, *Tracing*; the otel extra): off unless an endpoint is set.
+    otlp_endpoint: ServiceSetting[str | None] = Field(
+        None,
+        pattern=r"^https?://[^\s]+$",
+        description="Base URL of an OTLP/HTTP collector (http://collector:4318); spans go to its /v1/traces. "
+        "Unset: tracing off, and OpenTelemetry is not imported",
+    )
+    trace_sample_ratio: ServiceSetting[float] = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of requests traced where a trace starts; a request that arrives with a W3C "
+        "traceparent follows its sampled flag",
+    )
 
     @model_validator(mode="after")
     def _one_way_to_authenticate(self) -> Settings:

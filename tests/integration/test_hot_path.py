@@ -225,8 +225,9 @@ def test_envelope_ignores_trailing_fields_of_newer_clients() -> None:
     plain = SubmitEnvelope(1, b"{}", True, 9, "c")
     assert _decoder.decode(with_future_fields(plain), Encoding.MSGPACK) == plain
     with_model = SubmitEnvelope(
-        1, b"{}", True, 9, "c", model="m", prefix_hashes=[7], resubmission=True, batched_replies=True, logprobs=True
-    )
+        1, b"{}", True, 9, "c", model="m", prefix_hashes=[7], resubmission=True, batched_replies=True, logprobs=True,
+        session_id="s", group_id="g", held_notices=True,
+    )  # fmt: skip
     assert _decoder.decode(with_future_fields(with_model), Encoding.MSGPACK) == with_model
 
 

@@ -245,12 +245,15 @@ def test_dtype_rules() -> None:
     assert resolve_dtype("bfloat16", ModelConfig(dtype="float16"), cpu) == torch.bfloat16
 
 
-def test_checkpoint_dtype_is_used(tmp_path: Path) -> None:
+def test_checkpoint_dtype_is_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = tiny()
     _checkpoint(
         tmp_path, hf_config(config) | {"torch_dtype": "bfloat16", "dtype": None}, random_weights(config, seed=2)
     )
     backend = TorchBackend(engine_options(), str(tmp_path))
+    said = [record.getMessage() for record in caplog.records if record.name == "engines.torch_backend.loading"]
+    assert said[0].startswith(f"loading weights from {tmp_path}: 1 files, ")  # then progress, then its end
+    assert said[-1].startswith(f"loading weights from {tmp_path.name}: done, ")
     assert backend.dtype == torch.bfloat16
     assert next(backend.model.parameters()).dtype == torch.bfloat16
     outputs = run_to_end(backend, GenerationRequest("r", [1, 2, 3], max_tokens=4, temperature=0.0))["r"]
