@@ -15,9 +15,8 @@ subscribed yet), with backoff until the deadline, and after every reconnect, whe
 have been lost. It also resubmits when the replica that holds a request (the one its id names,
 learnt from the first reply; any, before one came) stops heartbeating, since the requests a
 dead replica had not yet sent to an engine are known to their clients alone. Every publish
-after the first is marked as a resubmission (docs/reliability.md, ownership). Each goes to the
-replica arbitrating its id, the one that may run it (``submit_request.<coordinator_id>``,
-:mod:`service.protocol.arbiter`; another would hand it there, a hop later).
+after the first is marked as a resubmission (docs/reliability.md). Each goes to the replica
+arbitrating its id (:mod:`service.protocol.arbiter`, :mod:`.publishing`).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
@@ -30,15 +29,13 @@ Traced (:mod:`service.ops.tracing`), a submission is a ``dpcoord.submit`` span, 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError
 
 from service.bus.connection import close_nats, connect_nats
 from service.bus.direct import DirectClient, DirectSubscription
@@ -48,8 +45,9 @@ from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
 from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
 from service.client.holds import HoldChannel
+from service.client.publishing import SubmitPublisher
 from service.client.signals import signal_answered
-from service.client.submission import Address, OnHeld, Submission
+from service.client.submission import OnHeld, Submission
 from service.client.tracing import ClientTracing, traced
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
@@ -106,7 +104,7 @@ class DpcoordClient:
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
         self._watches.enter_context(refusals.watch(self._submit_subject, exchanges.refused))
-        self._watched: set[str] = {self._submit_subject}  # replicas' own submission subjects watched too
+        self._publish = SubmitPublisher(nc, self._submit_subject, refusals, self._watches, watch)
 
     @classmethod
     async def connect(
@@ -122,12 +120,9 @@ class DpcoordClient:
         cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
         ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL.
         ``tracer`` (the caller's to close): where spans go; by default from settings."""
-        exchanges = Exchanges()
-        refusals = PublishRefusals()
-        subjects = Subjects(settings.subject_prefix)
-        interval_s, timeout_s = settings.heartbeat_interval_s, settings.heartbeat_timeout_s
-        address = functools.partial(subjects.addressed_to, Header.SUBMIT_REQUEST)
-        watch = CoordinatorWatch(exchanges, interval_s, timeout_s + interval_s, address=address)
+        exchanges, refusals, subjects = Exchanges(), PublishRefusals(), Subjects(settings.subject_prefix)
+        beat_s = settings.heartbeat_interval_s
+        watch = CoordinatorWatch(exchanges, beat_s, settings.heartbeat_timeout_s + beat_s, subjects)
         owns = nc is None
 
         def reconnected() -> None:
@@ -182,12 +177,6 @@ class DpcoordClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _arbiter(self, client_request_id: ClientRequestId) -> Address:
-        """Where a submission of ``client_request_id`` goes: its arbiter's subject as the client
-        knows the replicas at each publish (:mod:`service.protocol.arbiter`)."""
-        watch, client_id = self._watch, self.client_id
-        return lambda: watch.arbiter_subject(client_id, client_request_id)
-
     async def submit(
         self,
         prompt: str | list[int] | None = None,
@@ -221,15 +210,9 @@ class DpcoordClient:
             session_id, group_id, on_held is not None,
         )  # fmt: skip
         span, headers = self._tracing.start(self._submit_subject, request_id, model, False)
+        address = self._watch.address_of(self.client_id, request_id)
         submission = Submission(
-            self._publish,
-            self._exchanges,
-            self._watch,
-            body,
-            timeout,
-            headers=headers,
-            on_held=on_held,
-            address=self._arbiter(request_id),
+            self._publish, self._exchanges, self._watch, body, timeout, None, headers, on_held, address
         )
         try:
             with traced(span):
@@ -306,16 +289,9 @@ class DpcoordClient:
         check = StreamCheck()
         span, headers = self._tracing.start(self._submit_subject, request_id, model, True)
         control = FlowControl(flow, self._holds)
+        address = self._watch.address_of(self.client_id, request_id)
         submission = Submission(
-            self._publish,
-            self._exchanges,
-            self._watch,
-            body,
-            timeout,
-            control,
-            headers,
-            on_held,
-            self._arbiter(request_id),
+            self._publish, self._exchanges, self._watch, body, timeout, control, headers, on_held, address
         )
         try:
             with traced(span):
@@ -343,24 +319,9 @@ class DpcoordClient:
         finally:
             submission.close()
 
-    async def _publish(self, body: bytes, inbox: str, subject: str | None, headers: Mapping[str, str] | None) -> None:
-        if subject is None:
-            subject = self._submit_subject
-        elif subject not in self._watched:  # NATS users of earlier releases may not publish there
-            self._watched.add(subject)
-            self._watches.enter_context(self._refusals.watch(subject, self._watch.address_refused))
-        try:
-            await self.nc.publish(subject, body, reply=inbox, headers=headers)  # type: ignore[arg-type]
-        except MaxPayloadError:
-            raise ClientError(
-                ErrorCode.TOO_LARGE,
-                f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
-            ) from None
-
     def arbiter_of(self, client_request_id: ClientRequestId) -> str | None:
         """The replica this client sends ``client_request_id`` to (its arbiter); None: any."""
-        subject = self._watch.arbiter_subject(self.client_id, client_request_id)
-        return None if subject is None else subject.rpartition(".")[2]
+        return self._watch.arbiter_of(self.client_id, client_request_id)
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0
@@ -378,12 +339,9 @@ class DpcoordClient:
     async def control(
         self, signal: Header, epoch: int | None = None, timeout: float = 30.0, mode: PauseMode | None = None
     ) -> Ack:
-        """Send a control or profiler signal; returns once every engine confirmed it. Always
-        answered within ``timeout``, even if the replica taking it dies (:mod:`.signals`): cover
-        how long the signal may take (a ``drain``: up to ``long_control_timeout_s``). Raises
-        ClientError with the wire code (409 names the state), or TimeoutError."""
-        message = ControlSignal(epoch, mode)
-        subject = self.subjects.coordinator(signal)
+        """Send a control or profiler signal; returns once every engine confirmed it, even if the
+        replica taking it dies (:mod:`.signals`; ``timeout`` must cover a drain)."""
+        subject, message = self.subjects.coordinator(signal), ControlSignal(epoch, mode)
         return await signal_answered(self.nc, self._refusals, self._exchanges, self._watch, subject, message, timeout)
 
     async def pause(self, timeout: float = 30.0, mode: PauseMode | None = None) -> Ack:

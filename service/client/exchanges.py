@@ -41,6 +41,7 @@ from service.protocol.arbiter import ArbiterTable
 from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.messages import ClientRequestId
 from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
+from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
 BATCH = BATCH_TOKEN.encode()  # the last token of the inbox's batch subject
@@ -179,17 +180,17 @@ class CoordinatorWatch:
     each (:mod:`service.protocol.arbiter`), whose own submission subject ``address`` names."""
 
     def __init__(
-        self, exchanges: Exchanges, interval_s: float, timeout_s: float, address: Callable[[str], str] | None = None
+        self, exchanges: Exchanges, interval_s: float, timeout_s: float, subjects: Subjects | None = None
     ) -> None:
         self._exchanges = exchanges
         self._interval_s = interval_s
         self._timeout_s = timeout_s
-        self._address = address
+        self._subjects = subjects  # None: the watch names no arbiter
         self._last_seen: dict[str, float] = {}
         self._arbitrating: set[str] = set()
         self._table: ArbiterTable | None = None
-        self._subjects: dict[str, str] = {}
-        self.addressing = address is not None  # False once NATS refused a replica's own subject
+        self._own_subjects: dict[str, str] = {}  # replica -> its own submission subject
+        self.addressing = subjects is not None  # False once NATS refused a replica's own subject
         self._task: asyncio.Task[None] | None = None
         self._started_at = time.monotonic()
 
@@ -220,16 +221,23 @@ class CoordinatorWatch:
         table = self._table
         if table is None or not self.addressing:
             return None
-        return self._subjects[table.of(client_id, client_request_id)]
+        return self._own_subjects[table.of(client_id, client_request_id)]
+
+    def address_of(self, client_id: str | None, client_request_id: ClientRequestId) -> Callable[[], str | None]:
+        """Where a submission of this id goes, asked at each publish: :meth:`arbiter_subject`."""
+        return lambda: self.arbiter_subject(client_id, client_request_id)
+
+    def arbiter_of(self, client_id: str | None, client_request_id: ClientRequestId) -> str | None:
+        """The replica arbitrating this id, as the client knows the replicas; None: none known."""
+        return None if self._table is None else self._table.of(client_id, client_request_id)
 
     def _arbiters_changed(self) -> None:
-        replicas = self._arbitrating
-        address = self._address
-        if not replicas or address is None:
+        replicas, subjects = self._arbitrating, self._subjects
+        if not replicas or subjects is None:
             self._table = None
             return
         self._table = ArbiterTable(replicas)
-        self._subjects = {replica: address(replica) for replica in replicas}
+        self._own_subjects = {replica: subjects.addressed_to(Header.SUBMIT_REQUEST, replica) for replica in replicas}
 
     def heard_of(self, coordinator_id: str) -> None:
         """A reply named a coordinator: it is watched from now on, whether or not its heartbeats

@@ -139,6 +139,10 @@ class Arbitration:
             return
         await self._elsewhere(incoming, submit, handed, key)
 
+    async def admit_handed(self, _: object, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
+        """A copy another replica handed over, as dispatched (``_``: the handler context)."""
+        await self.admit(incoming, submit, handed=True)
+
     async def _resubmitted(self, incoming: Incoming, submit: SubmitEnvelope, handed: bool) -> None:
         """A resubmission this replica arbitrates: its peers are asked first (:mod:`.ownership`);
         within its quiet time it waits, as a peer not heard yet may hold it."""

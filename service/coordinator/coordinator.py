@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
@@ -132,8 +131,7 @@ class Coordinator:
         self._relay = ReplyRelay(core, ledger, answers, self.peers, self._kept, self.replies)
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
-        self._stalls = Stalls(settings.heartbeat_timeout_s / 2)
-        self._stalls.listen(self._stalled)
+        self._stalls = Stalls(settings.heartbeat_timeout_s / 2, self.counters)
         self._fleet = Fleet(core, ledger, self.engines, self.control_state, self._stalls)
         self._kv_feed = KvFeed(core, self.blocks, self.engines)
         self._control = Control(
@@ -154,6 +152,8 @@ class Coordinator:
             self._admission.admit if self.tracer is None else self._admission.admit_traced,
         )  # fmt: skip
         self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption, self._arbitration)
+        # A stall: the silence this replica saw of its peers and engines was its own.
+        self._stalls.listen(self.peers.restart_clocks, self._fleet.forgive_silence, self._arbitration.stalled)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
         self._enrolment = Enrolment(core, ledger, self.control_state, self._control.shared, self._fleet, self._weights)
         self._tasks: set[asyncio.Task[object]] = set()
@@ -309,10 +309,7 @@ class Coordinator:
 
     async def admit_handed(self, reply: str, body: bytes) -> None:
         """A copy handed over is dispatched as its client's submission was, then arbitrated as handed."""
-        await self._dispatch.dispatch_as(Header.SUBMIT_REQUEST, self._admit_handed, reply, body)
-
-    async def _admit_handed(self, _: CoordinatorContext, incoming: Incoming, submit: object) -> None:
-        await self._arbitration.admit(incoming, submit, handed=True)  # type: ignore[arg-type]  # the submit decoder's
+        await self._dispatch.dispatch_as(Header.SUBMIT_REQUEST, self._arbitration.admit_handed, reply, body)
 
     @property
     def settling(self) -> bool:
@@ -383,16 +380,7 @@ class Coordinator:
         self.requests.forget_idle_owners()
         self._kv_feed.sweep()
         await self._replica_watch.beat()
-        since = time.monotonic()
-        await asyncio.sleep(self.settings.heartbeat_interval_s)
-        self._stalls.slept(since, self.settings.heartbeat_interval_s)
-
-    def _stalled(self, _: float) -> None:
-        """This replica's loop stalled: the silence it saw of peers and engines was its own."""
-        self.counters["stalls"] += 1
-        self.peers.restart_clocks()
-        self._fleet.forgive_silence()
-        self._arbitration.stalled()
+        await self._stalls.sleep(self.settings.heartbeat_interval_s)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""

@@ -10,24 +10,33 @@ the clocks of engines and peers, and arbitration starts its quiet time again).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-Listener = Callable[[float], None]
+Listener = Callable[[], None]
 
 
 class Stalls:
-    def __init__(self, threshold_s: float) -> None:
+    def __init__(self, threshold_s: float, counters: Counter[str] | None = None) -> None:
         self.threshold_s = threshold_s
+        self._counters: Counter[str] = Counter() if counters is None else counters
         self._listeners: list[Listener] = []
         self._handled_at = 0.0
 
-    def listen(self, listener: Listener) -> None:
-        """``listener(seconds)`` hears of each stall once."""
-        self._listeners.append(listener)
+    def listen(self, *listeners: Listener) -> None:
+        """Each listener hears of each stall once (``stalls`` counts them)."""
+        self._listeners.extend(listeners)
+
+    async def sleep(self, seconds: float) -> bool:
+        """``asyncio.sleep(seconds)``; True when the process stalled meanwhile (:meth:`slept`)."""
+        since = time.monotonic()
+        await asyncio.sleep(seconds)
+        return self.slept(since, seconds)
 
     def slept(self, since: float, asked_s: float) -> bool:
         """A loop that began ``asyncio.sleep(asked_s)`` at ``since`` (monotonic) woke now: True
@@ -38,7 +47,8 @@ class Stalls:
             return False
         if since >= self._handled_at:  # another loop that slept through it told them already
             self._handled_at = now
+            self._counters["stalls"] += 1
             log.warning("this coordinator stalled for %.1f s: the silence it saw was its own", stalled_s)
             for listener in self._listeners:
-                listener(stalled_s)
+                listener()
         return True

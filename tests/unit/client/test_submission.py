@@ -28,6 +28,7 @@ from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.messages import ErrorBody, ErrorReply, Final, Held, Partial, SubmitEnvelope
+from service.protocol.subjects import Subjects
 
 ENVELOPE = encode_msgpack(SubmitEnvelope(1, b"\x80", True, "r1", "c1", None, 10.0, None, None))
 
@@ -151,7 +152,7 @@ async def test_a_submission_goes_to_its_arbiter_and_to_every_replica_when_that_o
     from it (it died) sends the copy, as it was, to the subject all replicas share."""
     published = Published()
     exchanges = Exchanges()
-    watch = CoordinatorWatch(exchanges, 1.0, 3.0, address=lambda replica: f"p.submit_request.{replica}")
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0, Subjects("p"))
     assert watch.arbiter_subject("c1", "r1") is None  # no replica heard yet
     for replica in ("coord1", "coord2", "coord3"):
         await watch.on_heartbeat(heartbeat(replica))
@@ -172,7 +173,7 @@ async def test_a_submission_goes_to_its_arbiter_and_to_every_replica_when_that_o
 async def test_a_leaving_replica_is_no_arbiter_and_a_refused_subject_stops_the_addressing() -> None:
     published = Published()
     exchanges = Exchanges()
-    watch = CoordinatorWatch(exchanges, 1.0, 3.0, address=lambda replica: f"p.submit_request.{replica}")
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0, Subjects("p"))
     await watch.on_heartbeat(heartbeat("coord1"))
     await watch.on_heartbeat(heartbeat("coord2"))
     await watch.on_heartbeat(heartbeat("coord2", leaving=True))
