@@ -114,11 +114,11 @@ async def handle_coordinator_heartbeat(
     """Sent by every coordinator replica each ``heartbeat_interval_s``: its id.
 
     Tracks live replicas, so that replies of a dead one are delivered by exactly one
-    survivor. No answer. With a reply subject it is a replica without JetStream asking, before
+    survivor, and those that arbitrate request ids (``arbitrates``). No answer. With a reply subject it is a replica without JetStream asking, before
     it subscribes, whether another one serves the prefix: answered with this replica's
     heartbeat, and not counted as a heartbeat of the asker. A ``leaving`` beat is the last of a
     replica that stops: its requests are adopted at once."""
     if incoming.reply:
         await coordinator.reply(incoming, CoordinatorHeartbeat(coordinator.id))
         return
-    coordinator.peer_seen(payload.coordinator_id, payload.leaving)
+    coordinator.peer_seen(payload.coordinator_id, payload.leaving, payload.arbitrates)

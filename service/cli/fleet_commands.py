@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -162,7 +163,9 @@ async def control(settings: Settings, args: argparse.Namespace) -> int:
     waiting = f"dpcoord control {what}: waiting for the engines to confirm (up to {wait_s:.0f} s)"
     async with await DpcoordClient.connect(settings, timeout=deadline.left()) as client:
         try:
-            async with terminal.Waiting(sys.stderr, waiting):
+            # A wait no longer than the line's delay ends in an answer or a timeout's line instead.
+            waits_long = wait_s > terminal.WAITING_LINE_AFTER_S
+            async with terminal.Waiting(sys.stderr, waiting) if waits_long else contextlib.nullcontext():
                 ack = await _send(client, header, epoch, args, deadline.left())
         except TimeoutError:
             state = await _recorded_state(client)

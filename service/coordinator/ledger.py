@@ -105,6 +105,10 @@ class RequestLedger:
     def find_client(self, key: ClientKey) -> InflightRequest | None:
         return self._table.find_client(key)
 
+    def client_keys(self) -> list[ClientKey]:
+        """The ids held that name a ``client_request_id`` (what this replica claims)."""
+        return self._table.client_keys()
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._table
 

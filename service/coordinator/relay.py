@@ -17,6 +17,9 @@ Contract:
   ``tokens``, for a migration to resume after (:mod:`service.coordinator.fleet`), with their
   logprobs (``logprobs``) when the request asked for them; a partial without them, or after a
   lost one, makes the stream not resumable.
+- A reply naming a live peer for a request this replica holds means that peer adopted it
+  while this replica was taken for dead (its loop stalled): it leaves the ledger unanswered
+  here (``requests_adopted_away``).
 - A reply for a request this replica does not hold is an orphan: another live replica's (kept
   for a while, :mod:`service.coordinator.peer_replies`, in case that replica dies before it
   delivers it), this replica's own late reply (counted), or one whose coordinator is gone,
@@ -97,6 +100,8 @@ class ReplyRelay:
         if entry is None:
             await self._on_orphan(engine_id, reply, terminal=True)
             return
+        if reply.return_path.coordinator_id != self._id and self._adopted_away(entry, reply):
+            return
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
@@ -117,6 +122,8 @@ class ReplyRelay:
         if entry is None:
             await self._on_orphan(engine_id, reply, terminal=False)
             return
+        if reply.return_path.coordinator_id != self._id and self._adopted_away(entry, reply):
+            return
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
@@ -134,6 +141,18 @@ class ReplyRelay:
         if early is not None and early.seq <= entry.partials_delivered:
             self._ledger.finish(reply.return_path.request_id)
             await self._answers.final(entry, early.body)
+
+    def _adopted_away(self, entry: InflightRequest, reply: RoutedReply) -> bool:
+        """A reply naming a live peer for a request held here: that peer adopted it while this
+        replica was taken for dead (its loop stalled), and answers it; it leaves this ledger
+        without a reply."""
+        holder = reply.return_path.coordinator_id
+        if not self._peers.is_live(holder):
+            return False  # a dead replica's request this one adopted: its earlier replies name it
+        if self._ledger.finish(entry.return_path.request_id) is not None:
+            self._counters["requests_adopted_away"] += 1
+            log.warning("request_id=%s: adopted by coordinator %s; it answers", entry.return_path.request_id, holder)
+        return True
 
     def _keep_tokens(self, entry: InflightRequest, reply: RoutedReply) -> None:
         """Keep a partial's tokens (and logprobs) for a migration, while they are known to follow

@@ -101,6 +101,10 @@ class RequestTable:
         request_id = self._by_client.get(key)
         return None if request_id is None else self._by_id.get(request_id)
 
+    def client_keys(self) -> list[ClientKey]:
+        """The ids of the requests held that name a ``client_request_id``."""
+        return list(self._by_client)
+
     def pop(self, request_id: str) -> InflightRequest | None:
         entry = self._by_id.pop(request_id, None)
         if entry is None:

@@ -88,6 +88,10 @@ class CoordinatorHeartbeat(Struct):
     # An extension: the last beat of a replica that stops while peers live; the lowest of them
     # adopts its requests at once (docs/reliability.md, ownership).
     leaving: bool = False
+    # An extension: this replica arbitrates request ids (service/protocol/arbiter.py): it takes
+    # part in the rendezvous, serves ``submit_request.<id>`` and hands over claims when the
+    # replicas change. Replicas of earlier releases omit it and take no part.
+    arbitrates: bool = False
 
 
 class EngineDisconnect(Struct):

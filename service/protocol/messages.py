@@ -158,10 +158,14 @@ class HoldRequest(Struct):
 class ControlSignal(Struct):
     """Control and profiler signals need no fields; ``set_generation_epoch`` needs ``epoch``.
     ``mode`` (an extension, pause only; None means ``keep``) says what pause does to the
-    requests in flight."""
+    requests in flight. ``retry`` (an extension) marks the same signal sent again because its
+    answer never came (the replica taking it died): a replica that finds the control state is
+    what the signal wrote broadcasts it again under that revision and acknowledges it once
+    every engine confirmed, instead of refusing it (409) or acknowledging it at once."""
 
     epoch: int | None = None
     mode: PauseMode | None = None
+    retry: bool = False
 
 
 class UpdateWeights(Struct):

@@ -12,7 +12,9 @@ and the terminal summary repeats them (tests/faults/conftest.py). Targets: 0 cor
 Then two findings of issue 19 measured on the same stack: the requests a SIGKILLed replica owns
 all end (final or clear error) within ``heartbeat_timeout_s`` + 5 s of the kill, and 30 HTTP
 clients that leave (streams after 5 events, streams at once, non-streamed requests whose client
-aborts) free 30 of 30 engine slots, read from the engines' Services API status.
+aborts) free 30 of 30 engine slots, read from the engines' Services API status. And one of
+issue 34: 60 concurrent same-id pairs through the client library, through a replica SIGKILLed
+and restarted and a nats-server restart, each run once, every copy answered.
 
 The stack is shared by the module's tests (started once, healed before each: dead replicas and
 engines replaced, every replica listing exactly the live engines). Run alone with
@@ -302,3 +304,60 @@ async def test_clients_that_leave_free_their_engine_slots(stack: ChaosStack, cha
     chaos_report.append(line)
     print(f"\n[chaos] {line}")
     assert freed == 3 * LEAVERS, line
+
+
+# ---------------------------------------------------------------- one run per id, through faults
+
+PAIRS = 60  # 20 per variant
+PAIR_TOKENS = (200, 400)  # 1 to 2 s at 5 ms a token: pairs run while the faults strike
+PAIR_VARIANTS = ("same body, one client", "same body, two clients", "other body, two clients")
+
+
+async def test_concurrent_same_id_pairs_run_once_through_faults(stack: ChaosStack, chaos_report: list[str]) -> None:
+    """Issue 34, 1: concurrent same-id pairs through the client library (two clients share one
+    ``client_id``; or one client sends one id twice), while a replica is SIGKILLed and restarted
+    and nats-server restarts. Each pair runs once (its finals share one request id), and each
+    copy ends: its own prompt's final, or 409 (in progress, or another body)."""
+    await stack.heal()
+    outcomes: Counter[str] = Counter()
+    runs: Counter[int] = Counter()
+
+    async def one(client: DpcoordClient, prompt: str, client_request_id: str, tokens: int) -> Final | str:
+        try:
+            final = await client.submit(prompt, max_tokens=tokens, client_request_id=client_request_id, timeout=40)
+        except ClientError as exc:
+            return "409" if exc.code == 409 else f"error {exc.code}"
+        except TimeoutError:
+            return "silent"
+        return final if final.generated_text == echo_text(prompt, tokens) else "wrong"
+
+    async def pair(first: DpcoordClient, second: DpcoordClient, index: int) -> None:
+        variant = PAIR_VARIANTS[index % 3]
+        tokens = PAIR_TOKENS[0] + (index * 7) % (PAIR_TOKENS[1] - PAIR_TOKENS[0])
+        prompts = [f"pair {index} one ", f"pair {index} two " if variant.startswith("other") else f"pair {index} one "]
+        senders = [first, first] if variant.endswith("one client") else [first, second]
+        ended = await asyncio.gather(
+            *(one(client, prompt, f"pair-{index}", tokens) for client, prompt in zip(senders, prompts, strict=True))
+        )
+        runs[len({copy.request_id for copy in ended if isinstance(copy, Final)})] += 1
+        outcomes.update("final" if isinstance(copy, Final) else copy for copy in ended)
+
+    async with (
+        await DpcoordClient.connect(stack.settings, client_id="pairs") as first,
+        await DpcoordClient.connect(stack.settings, client_id="pairs") as second,
+    ):
+        pairs = [asyncio.ensure_future(pair(first, second, index)) for index in range(PAIRS)]
+        await wait_busy(stack, PAIRS // 2)  # the faults meet the pairs running
+        await kill_and_restart_a_replica(stack)
+        await restart_nats(stack)
+        await asyncio.gather(*pairs)
+    line = (
+        f"{'same-id pairs, replica + nats-server':<34} pairs {PAIRS}  "
+        + ", ".join(f"ran {count}x: {number}" for count, number in sorted(runs.items()))
+        + "  copies: "
+        + ", ".join(f"{kind} {number}" for kind, number in sorted(outcomes.items()))
+    )
+    chaos_report.append(line)
+    print(f"\n[chaos] {line}")
+    assert sum(number for count, number in runs.items() if count > 1) == 0, line
+    assert set(outcomes) <= {"final", "409"} and outcomes["final"] >= PAIRS, line
