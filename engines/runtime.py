@@ -58,7 +58,7 @@ from service.ops.settings import Settings
 from service.ops.tracing import start_tracing
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, ResendReplies
-from service.protocol.messages import EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
+from service.protocol.routed import EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
 from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
 
 if TYPE_CHECKING:
