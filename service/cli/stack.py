@@ -160,7 +160,7 @@ def _model_line(settings: Settings, model: str | None, dpcoord: str) -> str:
 
 
 GATEWAY_PORT = 8000  # the gateway's port when it is free and --gateway-port is not given
-GATEWAY_READY_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 30.0
 GATEWAY_LISTENING = "gateway on http://"  # what the gateway logs once it listens (service/gateway/server.py)
 
 
@@ -209,18 +209,24 @@ class StackNotUp(Exception):
     """A part that runs but does not serve: ``up`` stops the stack and says which (exit 1)."""
 
 
-async def _gateway_lines(settings: Settings, host: str, port: int) -> str:
-    """The banner's lines for the gateway, once its /readyz says a model is served."""
+async def _until_http_ready(part: str, host: str, port: int) -> None:
+    """Until ``part``'s /readyz answers 200 (a coordinator among peers joins their arbitration
+    first), or StackNotUp after READY_TIMEOUT_S."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + GATEWAY_READY_TIMEOUT_S
+    deadline = loop.time() + READY_TIMEOUT_S
     while (status := await _http_status(host, port, "/readyz")) != 200:
         if loop.time() > deadline:
             answer = "nothing answered" if status is None else f"the last answer was {status}"
             raise StackNotUp(
-                f"the gateway on http://{host}:{port} is not ready after {GATEWAY_READY_TIMEOUT_S:.0f} s "
+                f"{part} on http://{host}:{port} is not ready after {READY_TIMEOUT_S:.0f} s "
                 f"(/readyz: {answer}); its log above says why"
             )
         await asyncio.sleep(0.1)
+
+
+async def _gateway_lines(settings: Settings, host: str, port: int) -> str:
+    """The banner's lines for the gateway, once its /readyz says a model is served."""
+    await _until_http_ready("the gateway", host, port)
     async with await _wait_for_coordinator(settings) as client:
         models = [served.name for served in (await client.list_models()).models]
     url = f"http://{host}:{port}"
@@ -320,6 +326,7 @@ async def _supervise(
 
     async def start_up() -> None:
         registered = await until_ready(settings, engines)
+        await _until_http_ready("the coordinator", "127.0.0.1", ports[0])
         lines = ""
         if gateway_listens is not None:
             await gateway_listens

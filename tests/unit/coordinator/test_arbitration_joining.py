@@ -1,8 +1,8 @@
 """A replica joins the arbitration (service/coordinator/arbiters.py): for its quiet time it
 arbitrates nothing and hands what it gets to the arbitrating peers, so a replica that starts
 holds no id up; replicas that start together hold until they arbitrate; a peer that stops
-arbitrating leaves the view at once, not a heartbeat later; among peers, a joining replica is
-not ready (`/readyz`) until it arbitrates."""
+arbitrating leaves the view at once, not a heartbeat later; a joining replica is ready
+(`/readyz`) once it arbitrates or sees an arbiter to hand to."""
 
 from __future__ import annotations
 
@@ -74,14 +74,14 @@ class ReadinessDouble:
         self.arbiters = arbiters
 
 
-def test_among_peers_a_joining_replica_is_not_ready_until_it_arbitrates() -> None:
-    arbiters = Arbiters(COORDINATOR_ID, 0.0, 1000)
-    double = cast(Coordinator, ReadinessDouble(arbiters))
-    assert coordinator_readiness(double).ok  # alone: it serves at once
-    arbiters.heard(PEER, arbitrates=True)
-    arbiters.set_view([PEER])
-    check = coordinator_readiness(double)
-    assert not check.ok and "joining" in check.detail
-    arbiters.join()
-    arbiters.set_view([PEER])
-    assert coordinator_readiness(double).ok
+def test_a_joining_replica_is_ready_once_it_arbitrates_or_has_an_arbiter_to_hand_to() -> None:
+    alone = Arbiters(COORDINATOR_ID, 0.0, 1000)
+    check = coordinator_readiness(cast(Coordinator, ReadinessDouble(alone)))
+    assert not check.ok and "joining" in check.detail  # it runs new submissions, but it joins first
+    alone.join()
+    alone.set_view([])
+    assert coordinator_readiness(cast(Coordinator, ReadinessDouble(alone))).ok
+    among = Arbiters(COORDINATOR_ID, 60.0, 1000)
+    among.heard(PEER, arbitrates=True)
+    among.set_view([PEER])
+    assert coordinator_readiness(cast(Coordinator, ReadinessDouble(among))).ok  # it hands to PEER
