@@ -1,5 +1,6 @@
 """The engine's membership of the pool: registration (retried until a coordinator adds it),
-heartbeats with its load, held requests, step count and weight version, and rejoining.
+heartbeats with its load, held requests, step count, weight version and, for an engine that
+publishes KV events, the number of its last one (``kv_sequence``), and rejoining.
 
 Contract: registration retries whatever goes wrong; an engine whose weights are not the
 fleet's loads the fleet's first (:meth:`engines.weight_updates.EngineWeights.adopt`) and
@@ -44,6 +45,7 @@ class Membership:
         weights: EngineWeights,
         served_model_name: str,
         steps: Callable[[], int],
+        kv_sequence: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._core = core
         self._engine_id = core.engine_id
@@ -53,6 +55,7 @@ class Membership:
         self._weights = weights
         self._served_model_name = served_model_name
         self._steps = steps
+        self._kv_sequence = kv_sequence  # read as each message is built, after the events sent before it
         self.registered = asyncio.Event()  # set once a coordinator added this engine
         self._beating = True
 
@@ -71,6 +74,7 @@ class Membership:
                     self._control.paused,
                     self._served_model_name,
                     self._weights.version,
+                    self._kv_sequence(),
                 )
             )
             try:
@@ -130,6 +134,7 @@ class Membership:
                 self._served_model_name,
                 self._steps(),
                 self._weights.version,
+                self._kv_sequence(),
             )
             await core.nc.publish(core.subjects.sent_by(Header.HEARTBEAT, self._engine_id), encode_msgpack(beat))
         await asyncio.sleep(self._settings.heartbeat_interval_s)

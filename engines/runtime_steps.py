@@ -6,14 +6,17 @@ reachable (tokens generated with nowhere to send them would only fill the outbou
 A step that fails fails every request held; a step whose replies cannot be built or sent
 fails its requests (an error rather than a stream with a gap). :meth:`publish_unsent` sends
 what the last step produced and is called by whatever must leave no generated token unsent
-(a confirmed pause, a suspend, the engine stopping). Tracing spans around the step and the
-KV-cache events of a step would go in :meth:`step_once`, once per step.
+(a confirmed pause, a suspend, the engine stopping). After every step, and when it goes idle,
+it has what the step changed in the prefix cache published (``after_step``, the KV events job's
+action, passed in by the wiring). Tracing spans around the step would go in :meth:`step_once`,
+once per step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from engines.backend import TokenOutput
 from engines.control_state import ControlState
@@ -33,6 +36,7 @@ class StepLoop:
         requests: RequestTable,
         control: ControlState,
         weights: EngineWeights,
+        after_step: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._engine_id = core.engine_id
         self._backend = core.backend
@@ -42,6 +46,7 @@ class StepLoop:
         self._requests = requests
         self._control = control
         self._weights = weights
+        self._after_step = after_step
         self.steps = 0  # steps taken, in heartbeats: an engine that holds requests and never steps is suspected
         self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
         self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
@@ -59,6 +64,8 @@ class StepLoop:
         backend = self._backend
         if self._control.paused or not backend.has_work() or not self._connected.is_set():
             await self.publish_unsent()
+            if self._after_step is not None:
+                await self._after_step()
             self._wake.clear()
             return
         async with self._step_lock:
@@ -69,6 +76,8 @@ class StepLoop:
                 await self.publish_unsent()
             finally:
                 outputs = await self._finish_step(step)
+        if self._after_step is not None:
+            await self._after_step()
         self._unsent = outputs
         if backend.launches_ahead or not backend.has_work():
             await self.publish_unsent()
