@@ -14,8 +14,9 @@ Contract:
   engines that publish events (an engine over its share forgets its oldest first), and at
   most ``max_entries`` predictions (the oldest expire first).
 
-The sequence bookkeeping of each engine (:class:`EngineBlocks`) is :mod:`.kv_feed`'s; this
-module only holds it.
+The sequence bookkeeping of each engine (:class:`EngineBlocks`) is :mod:`.kv_feed`'s, and so is
+``learning`` (a replica that just started, still learning what the engines hold): this module
+only holds them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class BlockIndex:
         self._prefixes: dict[int, _Prefix] = {}
         self._predictions: deque[tuple[float, int, EngineBlocks]] = deque()  # oldest first
         self.entries = 0  # (engine, prefix) pairs held
+        self.learning = False  # this replica just started: the engines' snapshots are not all in
 
     # ------------------------------------------------------------ engines
 

@@ -26,6 +26,9 @@ Contract (docs/protocol.md, *Routing*):
   the prompt tokens the engine does not hold join its queued tokens (until its next KV event
   says how many wait). Routing predicts: the prompt's prefixes count as held by the chosen
   engine for ``cache_aware_prediction_ttl_s``, so a burst of siblings follows the first.
+- A replica that just started routes no request with a key (prefix hashes, session or group)
+  while it learns what the engines hold (``BlockIndex.learning``, :mod:`.kv_feed`): such
+  requests wait, a heartbeat interval or so, then go where the engines' snapshots say.
 - Engines that publish no KV events (no prefix cache, or an earlier release) are absent from
   the index: scored on load alone, never predicted. A request with no whole block of prompt,
   no session and no group, or one with no session and no group while no engine publishes KV
@@ -85,6 +88,8 @@ class CacheAware:
         return mean * factor if mean * factor > mean + slack else mean + slack
 
     def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
+        if key is not None and self.index.learning:
+            return None  # a replica that just started: the engines' snapshots first
         if key is None or (not self.index.engines and key.session_id is None and key.group_id is None):
             return self._fallback.choose(group)  # nothing to be affine to: load alone
         least = group.least_loaded()

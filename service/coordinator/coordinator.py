@@ -121,7 +121,7 @@ class Coordinator:
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
         self._fleet = Fleet(core, ledger, self.engines, self.control_state)
-        self._kv_feed = KvFeed(core, self.blocks, self.engines)
+        self._kv_feed = KvFeed(core, self.blocks, self.engines, release=ledger.release)
         self._control = Control(
             core,
             ledger,
@@ -349,16 +349,19 @@ class Coordinator:
 
     async def _heartbeat_once(self) -> None:
         """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten, and engines gone from the pool from the block index."""
+        owners that hold no slot forgotten, engines gone from the pool from the block index, and
+        whether a replica that just started has learnt what the engines hold."""
         self.results.sweep()
         self.requests.forget_idle_owners()
         self._kv_feed.sweep()
+        self._kv_feed.tick()
         await self._replica_watch.beat()
         await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""
         self._replica_watch.warmed_up()
+        self._kv_feed.warmed_up()
         self.requests.release()
 
     def _on_bus_back(self) -> None:
