@@ -88,16 +88,19 @@ class CacheAware:
         return mean * factor if mean * factor > mean + slack else mean + slack
 
     def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
-        if key is not None and self.index.learning:
-            return None  # a replica that just started: the engines' snapshots first
-        if key is None or (not self.index.engines and key.session_id is None and key.group_id is None):
+        index = self.index
+        if key is None:
             return self._fallback.choose(group)  # nothing to be affine to: load alone
+        if index.learning:
+            return None  # a replica that just started: the engines' snapshots first
+        session_id, group_id = key.session_id, key.group_id
+        if not index.engines and session_id is None and group_id is None:
+            return self._fallback.choose(group)
         least = group.least_loaded()
         if least is None:
             return None
         now = time.monotonic()
         bound = self.bound(group)
-        session_id, group_id = key.session_id, key.group_id
         chosen = None
         if session_id is not None:
             chosen = self._home(self.sessions.get(session_id, now), group, bound)
@@ -110,8 +113,19 @@ class CacheAware:
             self.sessions.set(session_id, chosen, now)
         if group_id is not None:
             self.groups.set(group_id, chosen, now)
-        if key.hashes:
-            self._count(chosen, key, held, now)
+        hashes = key.hashes
+        if hashes:
+            # The choice counts at once: the prompt joins the engine's queued tokens, less what
+            # it holds, and its prefixes count as held there for the prediction's TTL (nothing
+            # for an engine without KV events).
+            engine = index.engines.get(chosen.engine_id)
+            if engine is not None and engine.record is chosen:
+                if held < 0:
+                    held = index.held_blocks(engine, hashes, now)
+                blocks = prefix_blocks(len(hashes) - 1, len(hashes))  # the prompt's, as far as its hashes tell
+                if blocks > held:
+                    chosen.queued_tokens += (blocks - held) * TOKENS_PER_BLOCK
+                index.predict(engine, hashes, now)
         return chosen
 
     def _home(self, home: EngineRecord | None, group: EngineGroup, bound: float) -> EngineRecord | None:
@@ -163,20 +177,6 @@ class CacheAware:
                     if random.random() * ties < 1:
                         chosen, chosen_blocks = record, 0
         return chosen, chosen_blocks
-
-    def _count(self, chosen: EngineRecord, key: RouteKey, held: int, now: float) -> None:
-        """The prompt joins ``chosen``'s queued tokens, less what it holds, and its prefixes
-        count as held there for the prediction's TTL; nothing for an engine without KV events."""
-        engine = self.index.engines.get(chosen.engine_id)
-        if engine is None or engine.record is not chosen:
-            return
-        hashes = key.hashes
-        if held < 0:
-            held = self.index.held_blocks(engine, hashes, now)
-        blocks = prefix_blocks(len(hashes) - 1, len(hashes))  # the prompt's, as far as its hashes tell
-        if blocks > held:
-            chosen.queued_tokens += (blocks - held) * TOKENS_PER_BLOCK
-        self.index.predict(engine, hashes, now)
 
     def turn_ended(self) -> None:
         self._fallback.turn_ended()
