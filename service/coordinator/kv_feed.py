@@ -120,6 +120,7 @@ class KvFeed:
         """One engine step's events (sent on its own subject, so ``engine_id`` is the sender)."""
         if not self.enabled:
             return
+        self._counters["kv_events"] += 1
         engine = self._tracked(engine_id)
         if engine is None:
             return
