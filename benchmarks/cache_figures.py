@@ -5,6 +5,8 @@ targets (issue 33), judged on ratios measured in the same run.
   over the workload (deltas of every engine's counters), and its share of the workload's ideal;
 - **TTFT** p50 and p99: submission to the first token, at the client;
 - **requests/s**: requests over the time from the first submission to the last final;
+- **engine CPU per request**: the engine processes' CPU seconds over the workload, per request
+  (steadier than requests/s on a shared machine: what the routing costs the engines' work);
 - **load max/mean**: the largest engine load over the mean, sampled through the run, as the
   integral of the largest engine's requests in flight over the integral of the mean (sampled
   every 10 ms from the requests' own submit and final times and engines): a moment with many
@@ -33,6 +35,7 @@ class Figures:
     ttft_p99_ms: float
     requests_per_s: float
     load_max_over_mean: float
+    engine_cpu_ms: float  # the engines' CPU per request
     engines_used: int
 
     @property
@@ -72,6 +75,7 @@ def figures(
     engines: list[str],
     before: dict[str, tuple[int, int]],
     after: dict[str, tuple[int, int]],
+    engine_cpu_s: float,
 ) -> Figures:
     outcomes = run.outcomes
     ttft = sorted((outcome.first_token - outcome.submitted) * 1000 for outcome in outcomes)
@@ -86,6 +90,7 @@ def figures(
         percentile(ttft, 99),
         len(outcomes) / wall,
         load_max_over_mean(outcomes, engines),
+        engine_cpu_s * 1000 / len(outcomes),
         len({outcome.engine_id for outcome in outcomes}),
     )
 

@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from benchmarks.proc_cpu import cpu_seconds
 from service.bus.server import EmbeddedNatsServer
 from service.protocol.subjects import Subjects
 
@@ -133,6 +134,10 @@ class CacheFleet:
             cache = status["prefix_cache"]
             counters[engine_id] = (cache["queried_tokens"], cache["hit_tokens"])
         return counters
+
+    def engine_cpu_s(self) -> float:
+        """CPU seconds the engine processes have used so far, together."""
+        return sum(cpu_seconds(process.pid) for process in self._engines)
 
     def _check(self) -> None:
         for process in [*self._engines, *([self._coordinator] if self._coordinator else [])]:

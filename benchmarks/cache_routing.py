@@ -7,9 +7,10 @@ for the whole run; each policy gets its own coordinator, which adopts them from 
 (benchmarks/cache_workloads.py): GRPO (16 prompts of 512 tokens, 8 samples each, one group
 per prompt, at once), multi-turn (32 sessions of 4 turns, each turn adding 64 tokens to the last
 prompt and its answer) and uniform (unrelated prompts, a fixed number in flight); the uniform
-one again in a second round, the policies in reverse order, since it is the one compared on
-throughput. Figures (benchmarks/cache_figures.py): prefix-cache hit ratio against the
-workload's ideal, TTFT p50/p99, requests/s and the largest engine load over the mean.
+one in more rounds, the order of the policies alternating, since it is the one compared on
+throughput (``--uniform-rounds``). Figures (benchmarks/cache_figures.py): prefix-cache hit
+ratio against the workload's ideal, TTFT p50/p99, requests/s, the largest engine load over the
+mean and the engines' CPU per request.
 
 Then the replica restart: with ``cache_aware``, a multi-turn run whose coordinator is replaced
 after the first turn (the new one learns the fleet from heartbeats and rebuilds its index from
@@ -41,6 +42,7 @@ from service.client import DpcoordClient
 from service.ops.settings import Settings
 
 POLICIES = ("least_loaded", "prefix", "cache_aware")
+WORKLOADS = ("grpo", "multi-turn", "uniform")
 
 
 class Bench:
@@ -61,6 +63,7 @@ class Bench:
     async def workload(self, policy: str, name: str) -> None:
         args, fleet = self.args, self.fleet
         before = await fleet.prefix_cache()
+        cpu_before = fleet.engine_cpu_s()
         async with await self.client() as client:
             if name == "grpo":
                 run = await grpo(
@@ -72,7 +75,8 @@ class Bench:
                 run = await uniform(
                     client, self.rng, args.uniform_requests, args.uniform_length, args.concurrency, args.max_tokens
                 )
-        self.rows.append(figures(run, policy, fleet.engine_ids, before, await fleet.prefix_cache()))
+        cpu = fleet.engine_cpu_s() - cpu_before
+        self.rows.append(figures(run, policy, fleet.engine_ids, before, await fleet.prefix_cache(), cpu))
 
     async def _multi_turn(self, client: DpcoordClient, policy: str, restart: bool) -> WorkloadRun:
         args, fleet = self.args, self.fleet
@@ -119,11 +123,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     coordinator_env |= {f"DPCOORD_{key.upper()}": value for key, value in args.set}
     policies = args.policies
-    restart = "cache_aware" in policies and not args.no_restart
-    progress = Progress(len(policies) * 4 + restart)
+    restart = "cache_aware" in policies and "multi-turn" in args.workloads and not args.no_restart
+    progress = Progress(len(policies) * (len(args.workloads) + args.uniform_rounds - 1) + restart)
+    names = tuple(args.workloads)
+    rounds: list[tuple[list[str], tuple[str, ...]]] = [(policies, names)]
+    if "uniform" in names:
+        rounds += [(policies[:: -1 if n % 2 == 0 else 1], ("uniform",)) for n in range(args.uniform_rounds - 1)]
     async with CacheFleet(args.engines, engine_env, coordinator_env, log_dir) as fleet:
         bench = Bench(args, fleet)
-        for round_policies, names in ((policies, ("grpo", "multi-turn", "uniform")), (policies[::-1], ("uniform",))):
+        for round_policies, names in rounds:
             for policy in round_policies:
                 await fleet.coordinator(policy)
                 for name in names:
@@ -163,7 +171,15 @@ def _merge_rounds(rows: list[Figures]) -> list[Figures]:
     for (workload, policy), runs in merged.items():
         fields = {
             name: sum(getattr(run, name) for run in runs) / len(runs)
-            for name in ("hit_ratio", "ideal", "ttft_p50_ms", "ttft_p99_ms", "requests_per_s", "load_max_over_mean")
+            for name in (
+                "hit_ratio",
+                "ideal",
+                "ttft_p50_ms",
+                "ttft_p99_ms",
+                "requests_per_s",
+                "load_max_over_mean",
+                "engine_cpu_ms",
+            )
         }
         result.append(
             Figures(workload, policy, sum(r.requests for r in runs), engines_used=runs[0].engines_used, **fields)
@@ -179,27 +195,23 @@ def print_report(results: dict[str, Any]) -> None:
     )
     print(
         f"{'workload':11} {'policy':13} {'hit ratio':>9} {'ideal':>6} {'of ideal':>8} {'TTFT p50':>9} "
-        f"{'p99':>8} {'req/s':>7} {'max/mean':>8}"
+        f"{'p99':>8} {'req/s':>7} {'max/mean':>8} {'engine CPU':>10}"
     )
     for row in results["results"]:
         print(
             f"{row['workload']:11} {row['policy']:13} {row['hit_ratio']:9.3f} {row['ideal']:6.3f} "
             f"{row['of_ideal']:8.2f} {row['ttft_p50_ms']:7.0f}ms {row['ttft_p99_ms']:6.0f}ms "
-            f"{row['requests_per_s']:7.2f} {row['load_max_over_mean']:8.2f}"
+            f"{row['requests_per_s']:7.2f} {row['load_max_over_mean']:8.2f} {row['engine_cpu_ms']:8.0f}ms"
         )
     later = results["multi_turn_later_turns"]
-    print(
-        f"multi-turn turns 2..: ideal {later['ideal']:.3f}, hit ratio "
-        + ", ".join(f"{policy} {value:.3f}" for policy, value in later["hit_ratio"].items())
-    )
-    print(
-        "  sessions that changed engine, per turn: "
-        + "; ".join(f"{policy} {moved}" for policy, moved in later["sessions_moved_per_turn"].items())
-    )
+    if later["hit_ratio"]:
+        hits = ", ".join(f"{policy} {value:.3f}" for policy, value in later["hit_ratio"].items())
+        moved = "; ".join(f"{policy} {count}" for policy, count in later["sessions_moved_per_turn"].items())
+        print(f"multi-turn turns 2..: ideal {later['ideal']:.3f}, hit ratio {hits}")
+        print(f"  sessions that changed engine, per turn: {moved}")
     if later["restart"]:
-        print(
-            f"  cache_aware across a replica restart: {later['restart']['after']:.3f} (before {later['restart']['before']:.3f})"
-        )
+        restart = later["restart"]
+        print(f"  cache_aware across a replica restart: {restart['after']:.3f} (before {restart['before']:.3f})")
     print("targets (cache_aware):")
     for target in results["targets"]:
         sign = "<=" if target["at_most"] else ">="
@@ -220,6 +232,7 @@ def build_parser(prog: str = "python -m benchmarks.cache_routing") -> argparse.A
     add = parser.add_argument
     add("--policies", type=lambda text: text.split(","), default=list(POLICIES), help="routing policies compared")
     add("--engines", type=int, default=4)
+    add("--workloads", type=lambda text: text.split(","), default=list(WORKLOADS), help="grpo,multi-turn,uniform")
     add("--grpo-prompts", type=int, default=16)
     add("--grpo-samples", type=int, default=8)
     add("--grpo-length", type=int, default=512)
@@ -230,6 +243,7 @@ def build_parser(prog: str = "python -m benchmarks.cache_routing") -> argparse.A
     add("--uniform-requests", type=int, default=96)
     add("--uniform-length", type=int, default=256)
     add("--concurrency", type=int, default=16, help="uniform requests in flight")
+    add("--uniform-rounds", type=int, default=3, help="uniform runs per policy, the policies' order alternating")
     add("--max-tokens", type=int, default=4, help="tokens generated per request")
     add("--kv-cache-gb", type=float, default=0.0625, help="each engine's KV cache")
     add("--heartbeat-interval", type=float, default=0.5)
