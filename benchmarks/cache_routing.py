@@ -33,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cache_figures import Figures, figures, hit_ratio, judge
+from benchmarks.cache_figures import Figures, figures, hit_ratio, judge, round_ratios
 from benchmarks.cache_fleet import CacheFleet
 from benchmarks.cache_workloads import WorkloadRun, grpo, multi_turn, uniform
 from benchmarks.common import RESULTS_DIR, machine
@@ -157,7 +157,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "restart": bench.restart,
             "sessions_moved_per_turn": bench.moved,
         },
-        "targets": judge(rows, bench.restart),
+        "uniform_rounds": {
+            field: round_ratios(bench.rows, "uniform", field) for field in ("requests_per_s", "engine_cpu_ms")
+        },
+        "targets": judge(rows, bench.rows, bench.restart),
         "logs": str(log_dir),
     }
 
@@ -212,6 +215,11 @@ def print_report(results: dict[str, Any]) -> None:
     if later["restart"]:
         restart = later["restart"]
         print(f"  cache_aware across a replica restart: {restart['after']:.3f} (before {restart['before']:.3f})")
+    rounds = results["uniform_rounds"]
+    if rounds["requests_per_s"]:
+        ratios = " ".join(f"{ratio:.2f}" for ratio in rounds["requests_per_s"])
+        cpu = " ".join(f"{ratio:.2f}" for ratio in rounds["engine_cpu_ms"])
+        print(f"uniform, cache_aware / least_loaded by round: requests/s {ratios}; engine CPU per request {cpu}")
     print("targets (cache_aware):")
     for target in results["targets"]:
         sign = "<=" if target["at_most"] else ">="
