@@ -7,9 +7,10 @@ Contract (docs/protocol.md, *Routing*):
 - An engine's load is its requests in flight plus its queued tokens (prompt tokens waiting for
   their prefill) over ``cache_aware_request_tokens``, the tokens that weigh as one request.
 - Its score is its load less ``cache_aware_prefix_weight`` times the prefix of the prompt it
-  holds (or is computing: predicted), in the same unit: once for the prefill the request skips,
-  more for the compute the fleet saves (a sibling waits for the first's prefill on its engine
-  about as long as it would compute the prefix elsewhere). The lowest score wins, equal scores
+  holds (or is computing: predicted), in the same unit. The weight is high (8): a held prefix
+  is worth more than the few requests' wait it may add, so the holder keeps the prompt until
+  its affinity yields (below), the rule that balances the load; sessions that lost their home
+  (a replica that restarted) find their engine by it. The lowest score wins, equal scores
   are broken at random. The candidates are the engines holding the prompt's longest prefixes (at
   most ``CANDIDATES``, from the index), the least loaded engine, and when no holder wins two
   drawn at random: O(prompt hashes + a few) whatever the fleet's size.

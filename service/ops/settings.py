@@ -118,10 +118,10 @@ class Settings(BaseSettings):
         "tokens) and in its score (the prefix it holds)",
     )
     cache_aware_prefix_weight: CoordinatorSetting[float] = Field(
-        2.0,
+        8.0,
         ge=0,
         description="cache_aware: how many times over the prompt prefix an engine holds (or is computing) counts "
-        "against its load in its score: once for the prefill skipped, more for the compute the fleet saves",
+        "against its load in its score; high, so the holder keeps the prompt until its affinity yields",
     )
     cache_aware_load_factor: CoordinatorSetting[float] = Field(
         1.25,

@@ -77,16 +77,21 @@ def seeded() -> None:
     random.seed(11)
 
 
-def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix() -> None:
+def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix_blended_with_load() -> None:
     fleet = Fleet(4)
     fleet.holds(1, prompt(8))
     fleet.holds(2, prompt(32))
-    fleet.load(2, 5)  # 32 held blocks, twice over at 256 tokens a request: 4 requests' worth; score 1
-    assert fleet.route(prompt(32, 2)) == "e1"  # 8 blocks held, idle: score -1 beats the idle e0 and e3's 0
-    fleet = Fleet(4)
-    fleet.holds(2, prompt(64))
-    fleet.load(2, 7)
-    assert fleet.route(prompt(64, 1)) == "e2"  # 64 blocks = 8 requests' worth
+    fleet.load(2, 5)  # 32 held blocks, 8 times over at 256 tokens a request: 16 requests' worth; score -11
+    assert fleet.route(prompt(32, 2)) == "e2"  # beats e1's 8 blocks held, idle: score -4
+    light = Fleet(4, cache_aware_prefix_weight=2.0)
+    light.holds(1, prompt(8))
+    light.holds(2, prompt(32))
+    light.load(2, 5)  # twice over: 4 requests' worth; score 1
+    assert light.route(prompt(32, 2)) == "e1"  # 8 blocks held, idle: score -1 beats the idle e0 and e3's 0
+    light = Fleet(4, cache_aware_prefix_weight=2.0)
+    light.holds(2, prompt(64))
+    light.load(2, 7)
+    assert light.route(prompt(64, 1)) == "e2"  # 64 blocks = 8 requests' worth
 
 
 def test_affinity_yields_once_the_holder_passes_the_bound() -> None:
