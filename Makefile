@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install $(PIP_QUIET) --upgrade pip
 	# The CPU wheel of torch first: an open range alone could pull a multi-GB CUDA build.
 	$(PY) -m pip install $(PIP_QUIET) torch==2.13.0
-	$(PY) -m pip install $(PIP_QUIET) -e '.[dev,engine,fast,bench,gateway]'
+	$(PY) -m pip install $(PIP_QUIET) -e '.[dev,engine,fast,bench,gateway,otel]'
 	touch $(STAMP)
 
 up: $(STAMP)

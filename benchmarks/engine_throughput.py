@@ -5,12 +5,16 @@ same run; with ``--full``, also the figures of a GPU session.
     python benchmarks/engine_throughput.py [--threads 1] [--max-tokens 64] [--device cuda]
     python benchmarks/engine_throughput.py --device cuda --shape llama-1b --full \\
         --concurrency 1 256 --prompt-len 128 --max-tokens 128
+    python benchmarks/engine_throughput.py --family qwen2 qwen3 mistral qwen3_moe --layers 1
 
 The engine is the torch backend itself (add, then step until every request finished), with
 its default settings; the time includes prefill. ``--shape`` picks the model: the engine's
 default random model, or a random checkpoint of a real model's shape written on the fly
-(``benchmarks/model_shapes.py``: ``llama-1b``, ``llama-8b``, and ``tiny`` to try the script on a
-CPU). Both sides decode greedily and always produce ``--max-tokens`` tokens (no EOS).
+(``benchmarks/model_shapes.py``: ``llama-1b``, ``llama-8b``, ``qwen2.5-1.5b``, ``qwen3-1.7b``,
+``mistral-7b``, ``qwen3-30b-a3b``, and ``tiny`` to try the script on a CPU), with ``--layers``
+of its layers if given. ``--family`` instead measures each family named on its released
+model's shape (``benchmarks/engine_families.py``), one table with a row per family. Both
+sides decode greedily and always produce ``--max-tokens`` tokens (no EOS).
 
 Ratios are what to compare: absolute figures move with the machine and its load. Each
 figure is the best of ``--repeats`` rounds, and the rounds interleave baseline and engine, so
@@ -40,6 +44,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.engine_families import family_table
 from benchmarks.engine_workloads import (
     EngineRun,
     copy_bandwidth,
@@ -51,9 +56,10 @@ from benchmarks.engine_workloads import (
     shared_prefix_prompts,
     text_prompts,
 )
-from benchmarks.model_shapes import SHAPES, checkpoint, weight_bytes
+from benchmarks.model_shapes import SHAPES, checkpoint, shape_config, weight_bytes
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.families import SUPPORTED, hf_config
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.setup import resolve_device, resolve_dtype
 from engines.torch_backend.weights import random_weights
@@ -96,15 +102,15 @@ def path_label(backend: TorchBackend) -> str:
 
 
 def reference_model(config: ModelConfig, model_dir: Path | None, dtype: torch.dtype, device: torch.device) -> Any:
-    """transformers' LlamaForCausalLM with the engine's weights, device and dtype; built before
-    the engine, so that the engine sizes its KV cache from the memory left."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' causal LM of the family with the engine's weights, device and dtype; built
+    before the engine, so that the engine sizes its KV cache from the memory left."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model: Any
     if model_dir is not None:
-        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     else:
-        model = LlamaForCausalLM(LlamaConfig(**config.to_hf()))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config(config)))
         model.load_state_dict(random_weights(config, TorchOptions().model_seed))
     return model.to(device=device, dtype=dtype).eval()
 
@@ -133,6 +139,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument(
         "--shape", default="default", choices=sorted(SHAPES), help="the model: see benchmarks/model_shapes.py"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep this many of the shape's (or each family's) layers"
+    )
+    parser.add_argument(
+        "--family",
+        nargs="+",
+        choices=SUPPORTED,
+        help="one row per family, each on its released model's shape (benchmarks/engine_families.py)",
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -172,11 +187,14 @@ def parse_args() -> argparse.Namespace:
 async def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.family:
+        await family_table(args)
+        return
     device = resolve_device(args.device)
-    shape = SHAPES[args.shape]
+    shape = shape_config(args.shape, args.layers)
     config = shape or ModelConfig()
     dtype = resolve_dtype(args.dtype, config, device)
-    model_dir = None if shape is None else checkpoint(args.shape, args.checkpoint_dir, dtype, device)
+    model_dir = None if shape is None else checkpoint(args.shape, args.checkpoint_dir, dtype, device, args.layers)
     if not args.shared_prefix_only:
         await throughput_table(args, config, model_dir, dtype, device)
         free_memory()

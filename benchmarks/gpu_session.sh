@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session of the torch engine on a Llama-3.2-1B-shaped random model, in one run of at
-# most 8 minutes (BUDGET_S, default 470 s), every row printed as soon as it exists:
+# most 9.5 minutes (BUDGET_S, default 560 s), every row printed as soon as it exists:
 #   1. preflight: the engine built once, per-phase load times and the path; the session stops
 #      here (after the GPU tests, which say why) unless the fast path is on;
 #   2. replay GPU time per bucket (CUDA events) beside the step's wall time at batch 1 and 256;
 #   3. 256 concurrent requests (with transformers as the baseline), then the shared-prefix rows;
+#      then the same 256 requests on a Qwen3-1.7B-shaped model (head norms on q and k) and on
+#      Qwen3-30B-A3B's shape cut to 2 of its 48 layers (128 experts, 8 per token, grouped);
 #   4. end to end through nats-server, a coordinator and one engine process;
-#   5. a GPU test subset, each test limited to 60 s.
+#   5. a GPU test subset (every model family included), each test limited to 60 s.
 # Every benchmark runs with --require-fast-path: a fallback stops it instead of giving figures.
 # Each step has its own limit, cut to the time left; a failed step is recorded and the next one
 # still runs. No 8B checkpoint (16 GB to write): benchmarks/engine_throughput.py --shape llama-8b
@@ -18,7 +20,7 @@
 set -u
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-470}
+BUDGET_S=${BUDGET_S:-560}
 SECONDS=0
 summary="$OUT/summary.txt"
 : > "$summary"
@@ -50,7 +52,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run within min(LIMIT_S, time left), ro
 cat "$OUT/environment.txt"
 
 gpu_tests() {
-  step gpu-tests 90 python3 -m pytest -p no:cacheprovider -q -rs --timeout 60 \
+  step gpu-tests 150 python3 -m pytest -p no:cacheprovider -q -rs --timeout 60 \
     tests/torch/test_torch_gpu_fast_paths.py tests/torch/test_torch_kernels.py tests/torch/test_torch_gpu.py
 }
 
@@ -68,6 +70,13 @@ step bench-256 90 python3 benchmarks/engine_throughput.py --device cuda --shape 
   --concurrency 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1 --no-shared-prefix
 step shared-prefix 70 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --require-fast-path \
   --shared-prefix-only --max-tokens 128 --prefix-requests 256 --prefix-tokens 1024 --own-tokens 32
+
+# 3b. The other families beside Llama: Qwen3 (all 28 layers of 1.7B) and Qwen3-MoE (2 layers of
+# 30B-A3B, 3.7 GB in bf16), 256 concurrent requests each against transformers at batch 1.
+step bench-qwen3 80 python3 benchmarks/engine_throughput.py --device cuda --shape qwen3-1.7b --require-fast-path \
+  --concurrency 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1
+step bench-qwen3-moe 80 python3 benchmarks/engine_throughput.py --device cuda --shape qwen3-30b-a3b --layers 2 \
+  --require-fast-path --concurrency 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1
 
 # 4. End to end: 256 streams through nats-server, a coordinator and one engine, against the
 # same engine in process.

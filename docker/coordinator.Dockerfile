@@ -12,7 +12,7 @@ COPY service ./service
 COPY handlers ./handlers
 COPY engines ./engines
 RUN python -m venv /opt/dpcoord \
- && /opt/dpcoord/bin/pip install --no-compile ".[fast]"
+ && /opt/dpcoord/bin/pip install --no-compile ".[fast,otel]"
 
 FROM python:3.11-slim
 COPY --from=build /opt/dpcoord /opt/dpcoord

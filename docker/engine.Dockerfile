@@ -23,7 +23,7 @@ COPY service ./service
 COPY handlers ./handlers
 COPY engines ./engines
 RUN python -c "import os, sys, torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda); sys.exit((torch.version.cuda is not None) != (os.environ['REQUIRE_CUDA'] == '1') and 'the base image torch is not the build REQUIRE_CUDA asks for')" \
- && pip install --no-compile ".[engine,fast]" \
+ && pip install --no-compile ".[engine,fast,otel]" \
  && python -c "import os, sys, torch; sys.exit((torch.version.cuda is not None) != (os.environ['REQUIRE_CUDA'] == '1') and 'the engine extra replaced the base image torch')"
 RUN useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin dpcoord
 USER 10001:10001

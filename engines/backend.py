@@ -4,7 +4,7 @@ The runtime owns the protocol: it decodes routed requests, streams partials, bat
 replies, tracks epochs and obeys control signals. A backend only schedules and generates:
 ``add`` requests (and say how many tokens the prompt is; a migrated request continues after
 its ``resume_tokens``, prefilled with the prompt, counted as generated), ``step`` to advance every running
-request by (at most) one token, and report new tokens, the text they complete, and why a
+request by (at most) one token (``hold`` leaves one out until ``release``), and report new tokens, the text they complete, and why a
 request finished. It also names the model it serves and renders chat ``messages`` into a
 prompt, since it owns the tokenizer and so the chat template.
 
@@ -115,7 +115,9 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class TokenOutput:
-    """What one step produced for one request; ``text`` is the newly completed text only."""
+    """What one step produced for one request; ``text`` is the newly completed text only.
+    ``cached_tokens``: how many of its prompt's tokens the backend read from its prefix cache
+    when it first scheduled the request (the runtime reads it from the first output)."""
 
     request_id: str
     new_tokens: list[int]
@@ -127,6 +129,7 @@ class TokenOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     prompt: PromptLogprobs | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +217,17 @@ class Backend(abc.ABC):
         """Drop a request and free what it holds; False if unknown."""
 
     @abc.abstractmethod
-    def has_work(self) -> bool: ...
+    def has_work(self) -> bool:
+        """Whether a step would advance a request: one running or waiting, not held."""
+
+    def hold(self, request_id: str) -> bool:
+        """Backpressure (docs/protocol.md): leave the request out of the steps until
+        :meth:`release`, keeping it (its KV pages, or preempted to be recomputed then). False
+        when the request is not here, or this backend cannot hold (it keeps stepping it)."""
+        return False
+
+    def release(self, request_id: str) -> None:
+        """Step a request :meth:`hold` held again."""
 
     @abc.abstractmethod
     async def step(self) -> list[TokenOutput]:

@@ -9,7 +9,7 @@ the first stop string in the generated text (``stop``; the text keeps it; not be
 ``ignore_eos`` cannot lift: there is nothing to echo). Chat ``messages`` are rendered with the plain fallback of
 engines/chat_template.py (``user: Hi\nassistant:``) and echoed like a text prompt; the model it
 serves is named ``dpcoord-echo``. All running requests advance one token per step, as in a batched
-engine; ``token_delay_ms`` sleeps once per step (with 0 the step does not yield; the runtime
+engine, except those held by backpressure, which wait as they are until released; ``token_delay_ms`` sleeps once per step (with 0 the step does not yield; the runtime
 yields after publishing each step's replies). Its context (``max_context``, default
 :data:`ECHO_CONTEXT`) bounds ``max_tokens`` as a model's would; any token id is in its
 vocabulary. A migrated request resumes after its ``resume_tokens``: they count as generated (the
@@ -99,6 +99,7 @@ class EchoBackend(Backend):
         self._delay_s = token_delay_ms / 1000.0
         self.max_context = max_context
         self._running: dict[str, _Running] = {}
+        self._held: dict[str, _Running] = {}  # by backpressure: not advanced until released
         self.cache = SimulatedPrefixCache(cached_prompts) if cached_prompts else None
 
     def add(self, request: GenerationRequest) -> int:
@@ -116,7 +117,7 @@ class EchoBackend(Backend):
         return self._running[request_id].resumed_text
 
     def abort(self, request_id: str) -> bool:
-        return self._running.pop(request_id, None) is not None
+        return self._running.pop(request_id, None) is not None or self._held.pop(request_id, None) is not None
 
     def token_bytes(self, token_ids: Iterable[int]) -> dict[int, bytes]:
         return {token: bytes((token,)) if token < 256 else b"" for token in token_ids}
@@ -139,6 +140,18 @@ class EchoBackend(Backend):
             if not running.prefilled
         )
         return CacheChanges(stored, evicted, queued)
+
+    def hold(self, request_id: str) -> bool:
+        running = self._running.pop(request_id, None)
+        if running is None:
+            return False
+        self._held[request_id] = running
+        return True
+
+    def release(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._running[request_id] = held
 
     def stage_weights(self, path: Path) -> object:
         return checkpoint_files(path)

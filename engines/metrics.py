@@ -35,6 +35,13 @@ class EngineCollector(Collector):
         waiting.add_metric([], runtime.backend.waiting_requests())
         yield waiting
 
+        held = GaugeMetricFamily(
+            "dpcoord_engine_held_requests",
+            "Of the active requests, those held back by backpressure: their readers fell behind (not stepped)",
+        )
+        held.add_metric([], len(runtime.requests.held_back()))
+        yield held
+
         generated = CounterMetricFamily("dpcoord_engine_generated_tokens", "Tokens this engine generated")
         generated.add_metric([], runtime.pace.generated)
         yield generated

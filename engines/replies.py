@@ -19,6 +19,12 @@ client's body, its token ids, so the coordinator keeps what was streamed for a m
 resumed request (:meth:`ActiveRequest.resume`) starts with the tokens and text an earlier run
 streamed: its partials continue at their offset and its final holds every token.
 
+Every final of a request the engine held carries its ``timings`` (docs/protocol.md, *Timings*),
+from monotonic readings the request table stamps: its arrival (made with the record), the start
+and end of the step that produced its first token of this run, and the end of its last step.
+A traced request (:mod:`service.ops.tracing`) has its spans made from the same readings when it
+leaves (:meth:`ActiveRequest.trace_left`).
+
 A request that asked for log-probabilities has a :class:`~engines.logprob_record.LogprobRecord`
 beside its tokens, whose values its replies carry; the others' partials are encoded without
 those fields (:class:`~service.protocol.messages.PartialWithoutLogprobs`).
@@ -27,9 +33,11 @@ those fields (:class:`~service.protocol.messages.PartialWithoutLogprobs`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.errors import Error as NatsError
@@ -50,11 +58,15 @@ from service.protocol.messages import (
     PartialWithoutLogprobs,
     ReturnPath,
     RoutedReply,
+    Timings,
     WeightVersion,
     WeightVersionSpan,
     error_reply,
 )
 from service.protocol.subjects import Header, Subjects
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import EngineTrace
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +89,43 @@ class ActiveRequest:
     body: bytes = b""  # the client's, handed to the adopter of a dead coordinator with the request
     attempt: int = 0
     logprobs: LogprobRecord | None = None  # a request that asked for log-probabilities
+    trace: EngineTrace | None = None  # its spans' context, when it is traced
+    # Monotonic readings for its timings: arrival here; the start and end of the step that made
+    # its first token of this run (0.0 until then); cached prompt tokens, from that first output.
+    arrived: float = field(default_factory=time.monotonic)
+    first_step: float = 0.0
+    first_token: float = 0.0
+    cached_prompt_tokens: int = 0
+
+    def first_output(self, started: float, ended: float, cached_tokens: int) -> None:
+        """Its first token of this run came from the step over ``[started, ended]``."""
+        self.first_step, self.first_token, self.cached_prompt_tokens = started, ended, cached_tokens
+
+    def timings(self, ended: float) -> Timings:
+        """Its timings, the last token (or the end) at ``ended``."""
+        first_step, first_token = self.first_step, self.first_token
+        if not first_token:  # no token of this run: it waited all along
+            return Timings(ended - self.arrived)
+        return Timings(
+            first_step - self.arrived, first_token - self.arrived, ended - first_token, self.cached_prompt_tokens
+        )
+
+    def trace_left(self, ended: float, finish_reason: FinishReason | None, error: WireError | None = None) -> None:
+        """A traced request's spans, as it leaves at ``ended`` (nothing when it is not traced)."""
+        if self.trace is None:
+            return
+        attributes: dict[str, str | int | list[str]] = {
+            "dpcoord.request_id": self.return_path.request_id,
+            "dpcoord.attempt": self.attempt,
+            "dpcoord.cached_prompt_tokens": self.cached_prompt_tokens,
+            "gen_ai.usage.output_tokens": len(self.tokens),
+        }
+        if self.prompt_tokens is not None:
+            attributes["gen_ai.usage.input_tokens"] = self.prompt_tokens
+        if finish_reason is not None:
+            attributes["gen_ai.response.finish_reasons"] = [finish_reason]
+        failure = None if error is None else (error.code, error.message)
+        self.trace.left(attributes, self.arrived, self.first_step, self.first_token, ended, failure)
 
     def resume(self, tokens: list[int], text: str, epoch: int | None) -> None:
         """Start after ``tokens`` (and their ``text``) that an earlier run streamed; their span
@@ -143,7 +192,8 @@ class ActiveRequest:
         self.partials_sent += 1
         return reply
 
-    def final(self, engine_id: str, finish_reason: FinishReason) -> RoutedReply:
+    def final(self, engine_id: str, finish_reason: FinishReason, ended: float | None = None) -> RoutedReply:
+        """The final, its last token (or the end) at ``ended`` (now when None)."""
         return_path = self.return_path
         message = Final(
             return_path.request_id,
@@ -155,6 +205,7 @@ class ActiveRequest:
             epochs=self.epochs or None,
             prompt_tokens=self.prompt_tokens,
             weight_versions=self.weight_versions or None,
+            timings=self.timings(time.monotonic() if ended is None else ended),
         )
         if self.logprobs is not None:
             fields = self.logprobs.final(self.tokens)

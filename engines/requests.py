@@ -4,8 +4,8 @@ It holds every request routed here and not yet answered, each an
 :class:`~engines.replies.ActiveRequest` (its tokens, text, spans and the replies sent so far),
 and the right to send each one's terminal reply. Nothing else writes that state: the jobs of
 the runtime (intake, step loop, control, weight updates, membership) read it through
-:meth:`ids`, ``len``, ``in`` and the read-only :attr:`records`, and change it only through
-these transitions:
+:meth:`ids`, ``len``, ``in``, the read-only :attr:`records` and :meth:`held_back`, and change
+it only through these transitions:
 
 - :meth:`supersede`: whether a routed request may start; a newer run of one held here
   (a migration back to this engine) replaces the older run silently, one routed twice is ignored.
@@ -16,6 +16,9 @@ these transitions:
 - :meth:`abort`, :meth:`abort_all`: leave with an ``abort`` final; :meth:`fail`,
   :meth:`fail_all`: leave with an error reply; :meth:`drop_all`: leave without a reply (a
   failed weight commit: the engine rejoins as one that restarted).
+- :meth:`hold`: backpressure (docs/protocol.md): a request whose reader fell behind is held
+  back, still here (it counts in the load and the heartbeat), and the backend steps it no more
+  until released; of a hold and a release that arrive out of order, the newer ``seq`` wins.
 - :meth:`hand_over`: a dead coordinator's requests name their adopter from now on.
 - :meth:`resend`: terminal replies sent again, from the publisher's memory.
 
@@ -26,28 +29,35 @@ the backend holds what the table holds. :meth:`emptied` returns once nothing is 
 Per-token log-probabilities travel from ``TokenOutput`` through :meth:`ActiveRequest.record`
 into its partials and final, kept beside its tokens by a
 :class:`~engines.logprob_record.LogprobRecord` that :meth:`start` gives a request that asked
-for them. Where what comes next goes: a request held by backpressure
-stays here (it counts in the load and the heartbeat) and is marked by a hold/release pair of
-transitions that also tell the backend not to step it; timings (queued, time to first token,
-decode) are stamped by :meth:`start` and :meth:`record_step` and carried on the final. Spans
-and KV-cache events belong to the step loop (:mod:`engines.runtime_steps`), once per step.
+for them. KV-cache events belong to the step loop (:mod:`engines.runtime_steps`), once per step.
+
+Timings: :meth:`start` stamps a request's arrival, :meth:`record_step` the step (its start and
+end, which the step loop read) that made its first token and its last, and every final carries
+them (``Final.timings``). A traced request (:meth:`start`'s ``trace``) has its spans made from
+the same readings as it leaves, whichever way it leaves: a few clock readings per step and
+per request, none per token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from engines.backend import Backend, GenerationRequest, TokenOutput
 from engines.logprob_record import LogprobRecord
 from engines.replies import ActiveRequest, ReplyPublisher
 from service.protocol.codec import Encoding
 from service.protocol.errors import WireError
-from service.protocol.messages import AdoptedRequest, RoutedReply, RoutedRequest, WeightVersion
+from service.protocol.messages import AdoptedRequest, FinishReason, RoutedReply, RoutedRequest, WeightVersion
 from service.protocol.subjects import Header
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import EngineTrace
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +81,8 @@ class RequestTable:
         # pace, engines/token_pace.py); nothing but this table changes a record.
         self.records: Mapping[str, ActiveRequest] = MappingProxyType(self._active)
         self._left = asyncio.Event()  # set whenever a request leaves; cleared by whoever waits
+        self._hold_seqs: dict[str, int] = {}  # the newest hold or release applied, by request
+        self._held_back: set[str] = set()  # by backpressure: the backend does not step them
 
     # ------------------------------------------------------------ reading
 
@@ -82,6 +94,10 @@ class RequestTable:
 
     def ids(self) -> list[str]:
         return list(self._active)
+
+    def held_back(self) -> list[str]:
+        """The requests held back by backpressure."""
+        return list(self._held_back)
 
     async def emptied(self) -> None:
         """Return once the table holds no request."""
@@ -103,17 +119,30 @@ class RequestTable:
             return False
         del self._active[request_id]
         self._backend.abort(request_id)
+        self._forget_hold(request_id)  # the newer run starts released
         self._counters["runs_superseded"] += 1
         return True
 
-    def start(self, routed: RoutedRequest, encoding: Encoding, request: GenerationRequest, epoch: int | None) -> None:
+    def start(
+        self,
+        routed: RoutedRequest,
+        encoding: Encoding,
+        request: GenerationRequest,
+        epoch: int | None,
+        trace: EngineTrace | None = None,
+    ) -> None:
         """Queue ``request`` in the backend and hold it; a migrated run starts after the tokens
-        its earlier runs streamed, their span attributed to ``epoch``. Raises what the backend
-        raises (a refusal), with nothing held."""
+        its earlier runs streamed, their span attributed to ``epoch``; ``trace``: the context of
+        its spans when it is traced. Raises what the backend raises (a refusal), with nothing held."""
         request_id = request.request_id
         prompt_tokens = self._backend.add(request)
         active = ActiveRequest(
-            routed.return_path, encoding, body=routed.body, attempt=routed.attempt, prompt_tokens=prompt_tokens
+            routed.return_path,
+            encoding,
+            body=routed.body,
+            attempt=routed.attempt,
+            prompt_tokens=prompt_tokens,
+            trace=trace,
         )
         if request.logprobs is not None or request.prompt_logprobs is not None:
             active.logprobs = LogprobRecord(
@@ -135,26 +164,42 @@ class RequestTable:
     # ------------------------------------------------------------ a step
 
     async def record_step(
-        self, outputs: list[TokenOutput], epoch: int | None, weight_version: WeightVersion | None
+        self,
+        outputs: list[TokenOutput],
+        epoch: int | None,
+        weight_version: WeightVersion | None,
+        started: float | None = None,
+        ended: float | None = None,
     ) -> None:
-        """Record one step's ``outputs`` (generated under ``epoch`` and ``weight_version``) and
-        send their replies: a streamed request's partial every ``stream_interval`` tokens, and
-        its rest with the final of a request that finished, which leaves the table. Outputs of
-        requests no longer held (aborted meanwhile) are dropped."""
+        """Record one step's ``outputs`` (generated under ``epoch`` and ``weight_version``, by
+        the step that ran over ``[started, ended]``, monotonic; now when None) and send their
+        replies: a streamed request's partial every ``stream_interval`` tokens, and its rest
+        with the final of a request that finished, which leaves the table. Outputs of requests
+        no longer held (aborted meanwhile) are dropped."""
         interval = self._stream_interval
         held = self._active
         partials: list[RoutedReply] = []
         finals: list[RoutedReply] = []
+        if ended is None:
+            ended = time.monotonic()
+        if started is None:
+            started = ended
         for output in outputs:
             active = held.get(output.request_id)
             if active is None:
                 continue
+            if not active.first_token and output.new_tokens:
+                active.first_output(started, ended, output.cached_tokens)
             active.record(output, epoch, weight_version)
             if output.finish_reason is not None:
                 del held[output.request_id]
+                if self._hold_seqs:
+                    self._forget_hold(output.request_id)
                 if active.return_path.stream and active.unsent_tokens:
                     partials.append(active.partial())
-                finals.append(active.final(self._engine_id, output.finish_reason))
+                finals.append(active.final(self._engine_id, output.finish_reason, ended))
+                if active.trace is not None:
+                    active.trace_left(ended, output.finish_reason)
             elif active.return_path.stream and len(active.unsent_tokens) >= interval:
                 partials.append(active.partial())
         if finals:
@@ -162,11 +207,37 @@ class RequestTable:
         await self._publisher.publish(Header.ENGINE_REPLY_PARTIAL, partials)
         await self._publisher.publish(Header.ENGINE_REPLY, finals)
 
+    # ------------------------------------------------------------ backpressure
+
+    def hold(self, request_id: str, held: bool, seq: int) -> bool:
+        """Hold ``request_id`` back (``held``) or release it, when it is here and ``seq`` is
+        newer than the last applied to it; whether that changed what the backend steps. A
+        backend that cannot hold keeps stepping it (its client's bound ends the stream)."""
+        if request_id not in self._active or seq <= self._hold_seqs.get(request_id, -1):
+            return False
+        self._hold_seqs[request_id] = seq
+        if held == (request_id in self._held_back):
+            return False
+        if not held:
+            self._held_back.discard(request_id)
+            self._backend.release(request_id)
+        elif self._backend.hold(request_id):
+            self._held_back.add(request_id)
+        else:
+            self._counters["holds_not_applied"] += 1
+            return False
+        self._counters["holds" if held else "releases"] += 1
+        return True
+
+    def _forget_hold(self, request_id: str) -> None:
+        self._hold_seqs.pop(request_id, None)
+        self._held_back.discard(request_id)
+
     # ------------------------------------------------------------ leaving
 
     async def abort(self, request_id: str) -> bool:
         """End ``request_id`` with an ``abort`` final (its tokens so far); False if not held."""
-        active = self._leave(request_id)
+        active = self._leave(request_id, "abort")
         if active is None:
             return False
         await self._publisher.publish(Header.ENGINE_REPLY, [active.final(self._engine_id, "abort")])
@@ -174,14 +245,14 @@ class RequestTable:
 
     async def abort_all(self) -> int:
         """End every request with an ``abort`` final; how many."""
-        aborted = [self._leave(request_id) for request_id in list(self._active)]
+        aborted = [self._leave(request_id, "abort") for request_id in list(self._active)]
         finals = [active.final(self._engine_id, "abort") for active in aborted if active is not None]
         await self._publisher.publish(Header.ENGINE_REPLY, finals)
         return len(finals)
 
     async def fail(self, request_ids: list[str], err: WireError) -> int:
         """End those of ``request_ids`` still held with the error reply ``err``; how many."""
-        failed = [active for request_id in request_ids if (active := self._leave(request_id)) is not None]
+        failed = [active for request_id in request_ids if (active := self._leave(request_id, error=err)) is not None]
         await self._publisher.publish(Header.ENGINE_REPLY, [active.error(err) for active in failed])
         return len(failed)
 
@@ -195,11 +266,16 @@ class RequestTable:
             self._leave(request_id)
         return len(held)
 
-    def _leave(self, request_id: str) -> ActiveRequest | None:
+    def _leave(
+        self, request_id: str, finish_reason: FinishReason | None = None, error: WireError | None = None
+    ) -> ActiveRequest | None:
         active = self._active.pop(request_id, None)
         if active is not None:
             self._backend.abort(request_id)
+            self._forget_hold(request_id)
             self._left.set()
+            if active.trace is not None:
+                active.trace_left(time.monotonic(), finish_reason, error)
         return active
 
     # ------------------------------------------------------------ across coordinators

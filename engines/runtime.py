@@ -33,7 +33,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engines.backend import Backend
 from engines.control_state import ControlState
@@ -57,10 +57,14 @@ from service.bus.registry import Incoming
 from service.ops.log_limit import RateLimitedLog
 from service.ops.loops import keep_running
 from service.ops.settings import Settings
+from service.ops.tracing import start_tracing
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, ResendReplies
-from service.protocol.messages import Empty, EngineAck, RoutedAbort, RoutedRequestBatch
+from service.protocol.messages import Empty, EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
 from service.protocol.subjects import KV_SNAPSHOT, RESEND_REPLIES, Header, Subjects
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,8 @@ log = logging.getLogger(__name__)
 class EngineRuntime:
     """One data-parallel rank: its jobs wired, its lifecycle, and what others read of it."""
 
-    def __init__(self, settings: Settings, backend: Backend) -> None:
+    def __init__(self, settings: Settings, backend: Backend, tracer: Tracer | None = None) -> None:
+        """``tracer``: where this engine's spans go; by default from settings (None: tracing off)."""
         self.settings = settings
         self.backend = backend
         self.engine_id = settings.engine_id or f"e{uuid.uuid4().hex[:12]}"
@@ -82,6 +87,8 @@ class EngineRuntime:
         self._failure_log = RateLimitedLog(log)
         connected = asyncio.Event()
         connected.set()
+        self._owns_tracer = tracer is None
+        self.tracer = tracer if tracer is not None else start_tracing(settings, "dpcoord-engine")
         core = EngineCore(
             self.engine_id,
             settings,
@@ -93,6 +100,7 @@ class EngineRuntime:
             asyncio.Event(),
             connected,
             asyncio.Lock(),
+            self.tracer,
         )
         self._core = core
         # Floor 1: the owners of state. The request table owns every request this engine holds.
@@ -143,6 +151,7 @@ class EngineRuntime:
         routed: dict[str, Route[Any]] = {
             Header.SUBMIT_REQUEST: Route.to(RoutedRequestBatch, self._intake.start_batch),
             Header.ABORT_REQUEST: Route.to(RoutedAbort, self._intake.abort),
+            Header.HOLD_REQUEST: Route.to(RoutedHold, self._intake.hold),
             RESEND_REPLIES: Route.to(ResendReplies, self._intake.resend),
         }
         if publishes_kv:
@@ -216,6 +225,8 @@ class EngineRuntime:
                 )
             await close_nats(self.nc)
         await self.backend.close()
+        if self.tracer is not None and self._owns_tracer:
+            await asyncio.to_thread(self.tracer.close)  # exports what is left: off the event loop
         log.info("engine_id=%s stopped (%s)", self.engine_id, reason)
 
     async def __aenter__(self) -> EngineRuntime:

@@ -1,7 +1,7 @@
 """What every job of the engine runtime shares, and how a message routed to a job is described.
 
 :class:`EngineCore` holds the engine's id, settings, backend, connection, subjects, counters
-and task spawner, and the step loop's events and lock. A job takes this core, the request
+and task spawner, the step loop's events and lock, and the tracer (None while tracing is off). A job takes this core, the request
 table (:mod:`engines.requests`) and the few other owners it reads, rather than a dozen
 collaborators or a base class (docs/architecture.md, *The engine runtime, by job*).
 
@@ -16,7 +16,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from msgspec import Struct
 
@@ -26,6 +26,9 @@ from service.bus.registry import Incoming
 from service.ops.settings import Settings
 from service.protocol.codec import PayloadDecoder, encode_msgpack
 from service.protocol.subjects import Subjects
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 Payload = TypeVar("Payload")
@@ -43,6 +46,7 @@ class EngineCore:
     wake: asyncio.Event  # set when the step loop may have work: a request in, unpaused, registered, reconnected
     connected: asyncio.Event  # set while NATS is reachable
     step_lock: asyncio.Lock  # held by a step, and by whatever must not overlap one (pause, weight swap)
+    tracer: Tracer | None = None  # None: tracing off (service/ops/tracing)
 
     async def answer(self, reply: str | None, message: Struct) -> None:
         """Send ``message`` (msgpack, as between dpcoord processes) to ``reply``, if the sender gave one."""

@@ -67,18 +67,21 @@ class EngineDispatch:
         await nc.subscribe_direct(subjects.engine_wildcard(self._engine_id), self.routed)
         await nc.subscribe(subjects.broadcast_wildcard(), cb=self.broadcast)
 
-    async def routed(self, subject: str, reply: str, body: bytes) -> None:
-        """A message routed to this engine alone (a direct handler: it never waits for another)."""
+    async def routed(self, subject: str, reply: str, body: bytes, headers: bytes | None) -> None:
+        """A message routed to this engine alone (a direct handler: it never waits for another);
+        ``headers``: its raw NATS header block (a traced request's ``traceparent``)."""
         header = self._subjects.header_of(subject)
-        await self.dispatch(header, self._routed.get(header), reply, body)
+        await self.dispatch(header, self._routed.get(header), reply, body, headers)
 
     async def broadcast(self, msg: Msg) -> None:
         """A message to every engine."""
         header = self._subjects.header_of(msg.subject)
         await self.dispatch(header, self._broadcasts.get(header), msg.reply, msg.data)
 
-    async def dispatch(self, header: str, route: Route[Any] | None, reply: str, body: bytes) -> None:
-        incoming = Incoming(header, reply or None, detect_encoding(body), body)
+    async def dispatch(
+        self, header: str, route: Route[Any] | None, reply: str, body: bytes, headers: bytes | None = None
+    ) -> None:
+        incoming = Incoming(header, reply or None, detect_encoding(body), body, headers=headers)
         if route is None:
             await self._malformed(incoming, ErrorCode.NOT_FOUND, f"engines serve no {header!r} message here")
             return

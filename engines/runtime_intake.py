@@ -1,6 +1,7 @@
 """Request intake: the messages a coordinator routes to this engine alone, on
 ``<prefix>.engine.<engine_id>.<header>``. Routed requests start on the backend (or are refused
-with their own error reply), aborts end them, and terminal replies are sent again on request.
+with their own error reply), aborts end them, holds hold them back from the steps until
+released, and terminal replies are sent again on request.
 
 Contract: a routed request this engine cannot serve (an unknown encoding, an undecodable body,
 over the limits on stop strings or ``max_tokens``, asking for log-probabilities of a backend
@@ -10,11 +11,15 @@ otherwise; the requests routed with it in the same message are not affected. Eve
 the requests held goes through the request table (:mod:`engines.requests`). These methods run
 on nats-py's reading task (:mod:`service.bus.direct`): they publish and never wait for
 another message.
+
+With tracing on, a routed message whose NATS headers carry a ``traceparent`` holds one traced
+request (the coordinator sends each alone), which continues that trace (:mod:`service.ops.tracing`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from engines.backend import GenerationRequest, PromptPrefix
 from engines.control_state import ControlState
@@ -23,11 +28,15 @@ from engines.requests import RequestTable
 from engines.runtime_core import EngineCore
 from service.bus.registry import Incoming
 from service.ops.log_limit import RateLimitedLog
+from service.ops.tracing import traceparent_in
 from service.protocol.codec import Encoding, PayloadDecoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import ResendAnswer, ResendReplies
-from service.protocol.messages import RoutedAbort, RoutedRequest, RoutedRequestBatch, SubmitRequest
+from service.protocol.messages import RoutedAbort, RoutedHold, RoutedRequest, RoutedRequestBatch, SubmitRequest
 from service.protocol.prefix import TOKENS_PER_BLOCK, prompt_prefixes
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import EngineTrace
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +53,26 @@ class RequestIntake:
         self._requests = requests
         self._control = control
         self._refusal_log = RateLimitedLog(log)
+        self._tracer = core.tracer
+        self._trace_attributes = {
+            "dpcoord.engine_id": core.engine_id,
+            "gen_ai.request.model": core.settings.served_model_name or core.backend.default_model_name,
+        }
 
     async def start_batch(self, incoming: Incoming, batch: RoutedRequestBatch) -> None:
         """Sent by a coordinator (``submit_request``): every request it routed here in one loop
         turn, each a return path and the client's body. Each starts generating; no answer (the
-        replies follow, or a request's own error reply)."""
+        replies follow, or a request's own error reply). A message with a ``traceparent`` header
+        holds one traced request."""
+        trace = None
+        if self._tracer is not None and len(batch.requests) == 1:
+            traceparent = traceparent_in(incoming.headers)
+            if traceparent is not None:
+                trace = self._tracer.engine_request(traceparent, self._trace_attributes)
         for routed in batch.requests:
-            await self.start(routed)
+            await self.start(routed, trace)
 
-    async def start(self, routed: RoutedRequest) -> None:
+    async def start(self, routed: RoutedRequest, trace: EngineTrace | None = None) -> None:
         return_path = routed.return_path
         try:
             encoding = Encoding(return_path.encoding)
@@ -68,7 +88,7 @@ class RequestIntake:
         if not self._requests.supersede(routed):
             return
         try:
-            self._requests.start(routed, encoding, self._generation(routed, encoding), self._control.epoch)
+            self._requests.start(routed, encoding, self._generation(routed, encoding), self._control.epoch, trace)
         except Exception as exc:
             if isinstance(exc, WireError):
                 err = exc
@@ -110,6 +130,13 @@ class RequestIntake:
         elsewhere: its request id. Generation stops and the final says ``abort``; no answer
         (nothing happens for a request this engine does not hold)."""
         await self._requests.abort(abort.request_id)
+
+    async def hold(self, incoming: Incoming, hold: RoutedHold) -> None:
+        """Sent by the request's coordinator (``hold_request``) when its client's reader fell
+        behind (``held``) or caught up: the request is held back from the steps or released,
+        the newer ``seq`` winning; no answer (nothing happens for a request not held here)."""
+        if self._requests.hold(hold.request_id, hold.held, hold.seq) and not hold.held:
+            self._core.wake.set()
 
     async def resend(self, incoming: Incoming, resend: ResendReplies) -> None:
         """Sent by a coordinator reconciling after lost messages (``resend_replies``, a request):

@@ -134,7 +134,8 @@ class Membership:
                 self._served_model_name,
                 self._steps(),
                 self._weights.version,
-                self._kv_sequence(),
+                kv_sequence=self._kv_sequence(),
+                held=self._requests.held_back() or None,
             )
             await core.nc.publish(core.subjects.sent_by(Header.HEARTBEAT, self._engine_id), encode_msgpack(beat))
         await asyncio.sleep(self._settings.heartbeat_interval_s)

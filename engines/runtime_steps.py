@@ -6,16 +6,18 @@ reachable (tokens generated with nowhere to send them would only fill the outbou
 A step that fails fails every request held; a step whose replies cannot be built or sent
 fails its requests (an error rather than a stream with a gap). :meth:`publish_unsent` sends
 what the last step produced and is called by whatever must leave no generated token unsent
-(a confirmed pause, a suspend, the engine stopping). After every step, and when it goes idle,
-it has what the step changed in the prefix cache published (``after_step``, the KV events job's
-action, passed in by the wiring). Tracing spans around the step would go in :meth:`step_once`,
-once per step.
+(a confirmed pause, a suspend, the engine stopping). Each step's start and end are read once
+(two clock readings per step) and recorded with its outputs: the requests' timings and spans
+are made from them (:mod:`engines.requests`). After every step, and when it goes idle, it has
+what the step changed in the prefix cache published (``after_step``, the KV events job's
+action, passed in by the wiring).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from engines.backend import TokenOutput
@@ -50,6 +52,7 @@ class StepLoop:
         self.steps = 0  # steps taken, in heartbeats: an engine that holds requests and never steps is suspected
         self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
         self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
+        self._unsent_step = (0.0, 0.0)  # when the step that made them started and ended (monotonic)
 
     async def step_once(self) -> None:
         """One round of the step loop (run by :func:`~service.ops.loops.keep_running`).
@@ -63,22 +66,24 @@ class StepLoop:
         await self._wake.wait()
         backend = self._backend
         if self._control.paused or not backend.has_work() or not self._connected.is_set():
+            self._wake.clear()  # before publishing: a wake while it publishes (a request, a release) is kept
             await self.publish_unsent()
             if self._after_step is not None:
                 await self._after_step()
-            self._wake.clear()
             return
         async with self._step_lock:
             if self._control.paused:  # a pause confirmed while this step waited for the lock
                 return
+            started = time.monotonic()
             step = asyncio.ensure_future(backend.step())
             try:
                 await self.publish_unsent()
             finally:
                 outputs = await self._finish_step(step)
+        ended = time.monotonic()
         if self._after_step is not None:
             await self._after_step()
-        self._unsent = outputs
+        self._unsent, self._unsent_step = outputs, (started, ended)
         if backend.launches_ahead or not backend.has_work():
             await self.publish_unsent()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not
@@ -102,8 +107,9 @@ class StepLoop:
         outputs, self._unsent = self._unsent, []
         if not outputs:
             return
+        started, ended = self._unsent_step
         try:
-            await self._requests.record_step(outputs, self._control.epoch, self._weights.version)
+            await self._requests.record_step(outputs, self._control.epoch, self._weights.version, started, ended)
         except Exception:
             # Tokens of this step may be lost: its requests end with an error rather than a gap.
             log.exception(

@@ -16,6 +16,9 @@ Contract (``update_weights``, docs/protocol.md):
   None means the weights the engine started with. ``problem`` says why the engine could not
   load the weights the fleet serves: it is shown in the engine's status, and the engine stays
   out of the pool until it can.
+- Each phase is said in the log as it runs (:class:`~service.ops.progress.Progress`): staging,
+  then the digest (bytes read of the checkpoint's, a bar on a terminal, a line every few
+  seconds otherwise), then the swap (its time going by), each with what it took.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.backend import Backend
+from service.ops.progress import Progress
 from service.protocol.checkpoint import checkpoint_digest, checkpoint_files
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import EngineAck, WeightSignal, WeightVersion
@@ -70,8 +74,14 @@ class EngineWeights:
         return staged
 
     def _load(self, path: str, version: WeightVersion) -> Staged:
+        what = f"engine_id={self._engine_id}: weights {version!r}"
+        log.info("%s: staging from %s", what, path)
         weights = self._backend.stage_weights(Path(path))
-        return Staged(version, path, checkpoint_digest(checkpoint_files(path)), weights)
+        files = checkpoint_files(path)
+        progress = Progress(f"{what}: digest", sum(file.stat().st_size for file in files), log)
+        digest = checkpoint_digest(files, progress.advance)
+        progress.done()
+        return Staged(version, path, digest, weights)
 
     async def prepare(self, signal: WeightSignal) -> EngineAck:
         self._staged = None  # what an earlier prepare staged is freed before this one loads
@@ -107,8 +117,10 @@ class EngineWeights:
         return self._ack(COMMIT_WEIGHTS, staged)
 
     async def swap(self, staged: Staged) -> None:
-        async with self._step_lock:
+        progress = Progress(f"engine_id={self._engine_id}: weights {staged.version!r}: swap", None, log)
+        async with self._step_lock, progress.ticking():
             await self._backend.swap_weights(staged.weights)
+            progress.done()
             self.version, self.digest, self.problem = staged.version, staged.digest, None
             self.changed.set()
         log.info("engine_id=%s: serving weights %r (%s)", self._engine_id, staged.version, staged.digest)

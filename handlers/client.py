@@ -1,4 +1,5 @@
-"""Handlers for client messages: connect, submit_request, abort_request, list_models, shutdown."""
+"""Handlers for client messages: connect, submit_request, abort_request, hold_request,
+list_models, shutdown."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from service.protocol.messages import (
     ConnectAck,
     ConnectRequest,
     Empty,
+    HoldRequest,
     ModelList,
     SubmitEnvelope,
     SubmitRequest,
@@ -65,6 +67,19 @@ async def handle_abort_request(coordinator: ClientContext, incoming: Incoming, p
     else:
         raise WireError(ErrorCode.MALFORMED, "abort_request needs request_id or client_request_id")
     await coordinator.reply(incoming, Ack(Header.ABORT_REQUEST, request_id=request_id))
+
+
+@message_handler(Header.HOLD_REQUEST)
+async def handle_hold_request(coordinator: ClientContext, incoming: Incoming, payload: HoldRequest) -> None:
+    """Sent by a client whose reader fell behind a stream (an extension; the client library
+    sends it, service/client/flow.py): ``request_id``, ``held`` (false releases it) and ``seq``,
+    with a reply subject under the same inbox prefix as the request's (its owner).
+
+    Passed on to the request's engine, which stops stepping it while held; the sender gets an
+    ``Ack`` naming the request id, 404 when no such request is in flight, 403 when it is
+    another owner's."""
+    request_id = await coordinator.hold(incoming, payload)
+    await coordinator.reply(incoming, Ack(Header.HOLD_REQUEST, request_id=request_id))
 
 
 @message_handler(Header.LIST_MODELS)

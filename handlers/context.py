@@ -14,12 +14,13 @@ from typing import Any, Protocol
 from msgspec import Struct
 
 from service.bus.registry import Incoming
-from service.protocol.handover import ForwardedAbort, ForwardedSubmission
+from service.protocol.handover import ForwardedAbort, ForwardedHold, ForwardedSubmission
 from service.protocol.kv_events import KvEvents
 from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     ClientRequestId,
     ControlSignal,
+    HoldRequest,
     RoutedReply,
     ServedModel,
     SubmitEnvelope,
@@ -51,6 +52,10 @@ class ClientContext(Replier, Protocol):
     ) -> str:
         """End the request so named with an ``abort`` final; its request id. Raises WireError 404,
         or 403 when ``incoming`` comes from another owner than the request's."""
+
+    async def hold(self, incoming: Incoming, payload: HoldRequest) -> str:
+        """Hold (or release) the request so named in its engine; its request id. Raises
+        WireError 404, or 403 when ``incoming`` comes from another owner than the request's."""
 
     def client_connected(self, incoming: Incoming) -> None:
         """Remember the owner of ``incoming``'s reply subject as a client that connected."""
@@ -148,6 +153,10 @@ class ReplicaContext(Replier, Protocol):
     async def abort_held(self, forwarded: ForwardedAbort) -> str:
         """Abort a request held here for another replica's client; its request id. Raises
         WireError 404 when none is held here, 403 when another owner's."""
+
+    async def hold_held(self, forwarded: ForwardedHold) -> str:
+        """Pass a hold another replica forwarded on to the engine of a request held here; its
+        request id. Raises WireError 404 when none is held here, 403 when another owner's."""
 
 
 class CoordinatorContext(ClientContext, ControlContext, EngineContext, ReplicaContext, Protocol):

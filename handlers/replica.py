@@ -7,7 +7,7 @@ from __future__ import annotations
 from handlers.context import ReplicaContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
-from service.protocol.handover import ForwardedAbort, ForwardedSubmission, Holding
+from service.protocol.handover import ForwardedAbort, ForwardedHold, ForwardedSubmission, Holding
 from service.protocol.messages import Ack
 from service.protocol.subjects import Header
 
@@ -30,3 +30,12 @@ async def handle_forwarded_abort(coordinator: ReplicaContext, incoming: Incoming
     naming the request, 404 when this replica does not hold it, 403 when another owner does."""
     request_id = await coordinator.abort_held(payload)
     await coordinator.reply(incoming, Ack(Header.ABORT_REQUEST, request_id=request_id))
+
+
+@message_handler(Header.FORWARD_HOLD, addressed=True)
+async def handle_forwarded_hold(coordinator: ReplicaContext, incoming: Incoming, payload: ForwardedHold) -> None:
+    """Sent by a replica that got a ``hold_request`` for a request it does not hold. Answers as
+    to the client: an ``Ack`` naming the request once the hold went to its engine, 404 when
+    this replica does not hold it, 403 when another owner does."""
+    request_id = await coordinator.hold_held(payload)
+    await coordinator.reply(incoming, Ack(Header.HOLD_REQUEST, request_id=request_id))

@@ -9,7 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -17,6 +17,9 @@ from service.gateway.app import Gateway
 from service.gateway.auth import ApiKeys
 from service.gateway.server import uvicorn_config
 from service.ops.settings import Settings
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
 
 
 @dataclass
@@ -34,13 +37,23 @@ class Served:
 
 
 @asynccontextmanager
-async def serve_gateway(settings: Settings, api_keys: ApiKeys | None = None) -> AsyncIterator[Served]:
-    """A gateway connected to the coordinator of ``settings``, accepting on 127.0.0.1."""
+async def serve_gateway(
+    settings: Settings,
+    api_keys: ApiKeys | None = None,
+    send_buffer_bytes: int | None = None,
+    tracer: Tracer | None = None,
+) -> AsyncIterator[Served]:
+    """A gateway connected to the coordinator of ``settings``, accepting on 127.0.0.1; with
+    ``send_buffer_bytes``, its connections' kernel send buffers that small (``SO_SNDBUF``, which
+    accepted sockets inherit), so a client that stops reading blocks its writes sooner;
+    ``tracer``: where its spans go."""
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     listener.bind(("127.0.0.1", 0))
     listener.listen(1024)
-    gateway = Gateway(settings, api_keys or ApiKeys())
+    gateway = Gateway(settings, api_keys or ApiKeys(), tracer)
     server = uvicorn.Server(uvicorn_config(gateway, settings))
     server.config.timeout_graceful_shutdown = 1
     serving = asyncio.ensure_future(server.serve(sockets=[listener]))

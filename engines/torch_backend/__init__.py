@@ -1,9 +1,11 @@
-"""The torch backend: Llama-family models with continuous batching over a paged KV cache.
+"""The torch backend: Llama, Qwen2, Qwen3, Mistral and Qwen3-MoE models with continuous
+batching over a paged KV cache.
 
-Modules, one job each: ``options`` (what the backend is told), ``config`` (architecture from
-config.json), ``weights`` (seeded or safetensors weights into the model), ``model`` (the
-network), ``kernels`` (its swappable pieces: eager, or fused on CUDA), ``paged_attention``
-(the Triton decode kernel), ``rope``, ``tokenizer`` (tokenizers and incremental
+Modules, one job each: ``options`` (what the backend is told), ``config`` (the decoder's
+features), ``families`` (config.json to those features, one module per model family),
+``weights`` (seeded or safetensors weights into the model), ``model`` (the network), ``mlp``
+and ``experts`` (its MLP: dense, or a mixture of experts), ``kernels`` (its swappable
+pieces: eager, or fused on CUDA), ``paged_attention`` (the Triton decode kernel), ``rope``, ``tokenizer`` (tokenizers and incremental
 detokenisation), ``sequence``, ``block_manager`` (cache pages and the prefix cache, no torch),
 ``scheduler`` (batching, no torch), ``memory`` (cache sizing and allocation), ``batch`` (step
 inputs), ``cuda_graphs`` (decode graphs per batch bucket), ``sampling``, ``request_state``

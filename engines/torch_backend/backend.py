@@ -1,4 +1,5 @@
-"""The torch backend: a Llama-family model served with continuous batching.
+"""The torch backend: a model of one of the supported families (engines/torch_backend/families)
+served with continuous batching.
 
 Thin glue in the nano-vllm shape over three parts, each the one owner of its state:
 
@@ -31,7 +32,7 @@ from engines.torch_backend.cuda_graphs import DecodeGraphs
 from engines.torch_backend.fast_path import LoadPhases, possible_path, require_fast
 from engines.torch_backend.kernels import Kernels
 from engines.torch_backend.loading import load_model
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.model_runner import ModelRunner
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.profiler import StepProfiler
@@ -119,7 +120,7 @@ class TorchBackend(Backend):
         )
 
     @property
-    def model(self) -> LlamaModel:
+    def model(self) -> DecoderModel:
         return self.runner.model
 
     @property
@@ -195,6 +196,12 @@ class TorchBackend(Backend):
 
     def has_work(self) -> bool:
         return self.runner.kv_cache is not None and self.steps.has_work()
+
+    def hold(self, request_id: str) -> bool:
+        return self.requests.hold(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.requests.release(request_id)
 
     def waiting_requests(self) -> int:
         return len(self.scheduler.waiting)

@@ -2,9 +2,11 @@
 
 Host-side bookkeeping (which token goes to which cache slot, which pages a sequence reads)
 is gathered into Python lists and sent to the device in one small transfer per tensor;
-masks are built on the device. Decode groups for the paged kernel carry lengths instead
-of a mask. With a step in flight (``previous``), the decode rows' input ids are its sampled
-ids, copied on the device (:mod:`engines.torch_backend.placeholders`).
+masks are built on the device: a query sees the cached slots at or before its position and,
+with a ``sliding_window`` W, only the last W of those (its own included), as transformers'
+sliding-window mask. Decode groups for the paged kernel carry lengths instead of a mask (the
+kernel applies the window itself). With a step in flight (``previous``), the decode rows'
+input ids are its sampled ids, copied on the device (:mod:`engines.torch_backend.placeholders`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def build_batch(
     device: torch.device,
     paged_decode: bool = False,
     previous: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -68,19 +71,24 @@ def build_batch(
         else (
             _paged_decode_group(scheduled.decode, device)
             if paged_decode
-            else _decode_group(scheduled.decode, block_size, dtype, device)
+            else _decode_group(scheduled.decode, block_size, dtype, device, sliding_window)
         ),
-        prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device) if scheduled.prefill else None,
+        prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device, sliding_window)
+        if scheduled.prefill
+        else None,
     )
 
 
 def _decode_group(
-    sequences: list[Sequence], block_size: int, dtype: torch.dtype, device: torch.device
+    sequences: list[Sequence], block_size: int, dtype: torch.dtype, device: torch.device, window: int | None
 ) -> AttentionGroup:
     tables, width = _block_tables(sequences)
     context = _long([len(sequence.token_ids) for sequence in sequences], device)
     keys = torch.arange(width * block_size, device=device)
-    mask = _additive((keys[None, :] < context[:, None]).view(len(sequences), 1, 1, -1), dtype)
+    allowed = keys[None, :] < context[:, None]
+    if window is not None:
+        allowed &= keys[None, :] >= context[:, None] - window
+    mask = _additive(allowed.view(len(sequences), 1, 1, -1), dtype)
     return AttentionGroup(_long(tables, device), mask, query_len=1)
 
 
@@ -91,7 +99,12 @@ def _paged_decode_group(sequences: list[Sequence], device: torch.device) -> Atte
 
 
 def _prefill_group(
-    sequences: list[Sequence], block_size: int, group_size: int, dtype: torch.dtype, device: torch.device
+    sequences: list[Sequence],
+    block_size: int,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int | None,
 ) -> AttentionGroup:
     """Queries padded to the longest prefill; a padded query sits at position 0 so that its
     (discarded) softmax row is never empty. A query sees the cached slots at or before it."""
@@ -106,5 +119,8 @@ def _prefill_group(
     # Folded rows are (head in group, query): repeat positions once per head of the group.
     folded = _long(query_positions, device).repeat(1, group_size)
     keys = torch.arange(width * block_size, device=device)
-    mask = _additive((keys[None, None, :] <= folded[:, :, None]).unsqueeze(1), dtype)
+    allowed = keys[None, None, :] <= folded[:, :, None]
+    if window is not None:
+        allowed &= keys[None, None, :] > folded[:, :, None] - window
+    mask = _additive(allowed.unsqueeze(1), dtype)
     return AttentionGroup(_long(tables, device), mask, query_len, _long(pad_index, device))

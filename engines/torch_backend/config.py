@@ -1,16 +1,18 @@
-"""The model architecture, read from a Hugging Face ``config.json`` or the built-in default.
+"""The model architecture the engine runs: one generic decoder described by data.
 
-Both config layouts load: transformers 4.x (``rope_theta``, ``rope_scaling``, ``torch_dtype``)
-and 5.x (``rope_parameters``, ``dtype``). What the engine does not implement is refused here,
-at load, with the reason: a rope type other than default, linear and llama3, partial rotary
-embeddings, an activation other than SiLU, a model type other than ``llama``.
+Every supported family (:mod:`engines.torch_backend.families`, which reads ``config.json``)
+is this decoder with some features on: biases on q, k and v (Qwen2) or on o too (Llama with
+``attention_bias``), an RMSNorm over each head of q and k (Qwen3), attention limited to a
+sliding window (Mistral), a mixture-of-experts MLP in some layers (Qwen3-MoE). The defaults are
+the built-in random Llama model. Rope settings are read here for every family: both layouts,
+transformers 4.x (``rope_theta``, ``rope_scaling``) and 5.x (``rope_parameters``); what the
+engine does not implement is refused with the reason (a rope type other than default, linear
+and llama3, partial rotary embeddings).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 RopeType = Literal["default", "linear", "llama3"]
@@ -78,20 +80,39 @@ class RopeConfig:
         return parameters
 
 
-def _token_ids(value: Any, key: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(item, int) for item in value):
-        return tuple(value)
-    raise UnsupportedModelError(f"{key} must be an int, a list of ints or null, not {value!r}")
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (Qwen3-MoE): a softmax router picks ``experts_per_token`` of
+    ``num_experts`` SwiGLU experts of width ``intermediate_size`` per token, their outputs
+    weighted by the router's probabilities (renormalised over the chosen ones when
+    ``norm_topk_prob``). Layer ``i`` is sparse unless it is in ``mlp_only_layers`` or
+    ``i + 1`` is not a multiple of ``decoder_sparse_step``; a dense layer has the model's
+    dense MLP (``ModelConfig.intermediate_size``)."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok {self.experts_per_token} must be between 1 and num_experts {self.num_experts}"
+            )
+        if self.decoder_sparse_step < 1:
+            raise UnsupportedModelError(f"decoder_sparse_step {self.decoder_sparse_step} must be at least 1")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the experts (transformers' rule)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-family decoder. The defaults are the built-in random model: about 3.1 M
-    parameters over a 256-token byte vocabulary, small enough for any laptop CPU."""
+    """A decoder of one of the supported families. The defaults are the built-in random model:
+    about 3.1 M Llama parameters over a 256-token byte vocabulary, small enough for any laptop CPU."""
 
     vocab_size: int = 256
     hidden_size: int = 256
@@ -104,8 +125,13 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
+    family: str = "llama"  # the model_type it was read as, written back by families.hf_config
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    o_bias: bool = False  # a bias on the output projection
+    mlp_bias: bool = False  # biases on the dense MLP's projections
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before the rotary embedding
+    sliding_window: int | None = None  # a query attends to itself and the window - 1 tokens before it
+    moe: MoeConfig | None = None
     dtype: str | None = None  # the checkpoint's; None: the device's default
     eos_token_ids: tuple[int, ...] = ()
 
@@ -114,78 +140,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModelError(f"sliding_window {self.sliding_window} must be at least 1 (or null)")
 
     @property
     def group_size(self) -> int:
         """Query heads per key/value head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
-    @classmethod
-    def from_hf(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
-        model_type = config.get("model_type", "llama")
-        if model_type != "llama":
-            raise UnsupportedModelError(f"model_type {model_type!r} is not supported (the torch backend runs 'llama')")
-        activation = config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (only 'silu')")
-        dtype = config.get("dtype") or config.get("torch_dtype")
-        if dtype is not None and dtype not in DTYPE_NAMES:
-            raise UnsupportedModelError(f"dtype {dtype!r} is not supported ({', '.join(DTYPE_NAMES)})")
-        # generate() reads generation_config.json first; so does the engine.
-        eos_source = generation_config if generation_config and "eos_token_id" in generation_config else config
-        heads = config["num_attention_heads"]
-        try:
-            return cls(
-                vocab_size=config["vocab_size"],
-                hidden_size=config["hidden_size"],
-                intermediate_size=config["intermediate_size"],
-                num_layers=config["num_hidden_layers"],
-                num_heads=heads,
-                num_kv_heads=config.get("num_key_value_heads") or heads,
-                head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                max_position_embeddings=config.get("max_position_embeddings", 2048),
-                rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-                rope=RopeConfig.from_hf(config),
-                tie_word_embeddings=config.get("tie_word_embeddings", False),
-                attention_bias=config.get("attention_bias", False),
-                mlp_bias=config.get("mlp_bias", False),
-                dtype=dtype,
-                eos_token_ids=_token_ids(eos_source.get("eos_token_id"), "eos_token_id"),
-            )
-        except KeyError as exc:
-            raise UnsupportedModelError(f"config.json lacks {exc.args[0]!r}") from None
-
-    @classmethod
-    def from_dir(cls, model_dir: Path) -> ModelConfig:
-        config_path = model_dir / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-        generation_path = model_dir / "generation_config.json"
-        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
-        return cls.from_hf(json.loads(config_path.read_text()), generation)
-
-    def to_hf(self) -> dict[str, Any]:
-        """A transformers 5.x ``config.json`` for this architecture (the reference tests build
-        ``LlamaForCausalLM`` from it)."""
-        return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": self.rope.to_hf(),
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "mlp_bias": self.mlp_bias,
-            "hidden_act": "silu",
-            "dtype": self.dtype,
-            "bos_token_id": None,
-            "eos_token_id": list(self.eos_token_ids) or None,
-            "pad_token_id": None,
-        }
+    def sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse(layer)

@@ -13,7 +13,9 @@ are fixed, so:
   sequences are padding: they read and write only the scratch page (the cache's last page,
   which the block manager never hands out);
 - attention must not depend on the context length's shape: it is the paged decode kernel,
-  whose loop bounds are read from the lengths buffer on the device;
+  whose loop bounds are read from the lengths buffer on the device; a mixture-of-experts
+  layer must not read its routing on the host: its experts are the grouped ones
+  (:func:`~engines.torch_backend.experts.grouped_experts`);
 - the graphs hold the KV cache's address: they are captured again after the cache is
   reallocated (resume).
 
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 
 from engines.torch_backend.decode_rows import DecodeRows, GraphInputs
-from engines.torch_backend.model import AttentionGroup, ForwardBatch, LlamaModel
+from engines.torch_backend.experts import loop_experts
+from engines.torch_backend.model import AttentionGroup, DecoderModel, ForwardBatch
 from engines.torch_backend.placeholders import resolve_on_device
 from engines.torch_backend.sequence import Sequence
 
@@ -119,7 +122,7 @@ class StaticDecodeBatch:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         rotary: torch.Tensor,
         kv_cache: torch.Tensor,
         max_batch: int,
@@ -128,6 +131,8 @@ class DecodeGraphs:
     ) -> None:
         if model.kernels.paged_decode is None:
             raise ValueError("decode graphs need the paged decode kernel: gathered attention has per-step shapes")
+        if model.config.moe is not None and model.kernels.moe_experts is loop_experts:
+            raise ValueError("decode graphs need the grouped MoE experts: the per-expert loop syncs with the host")
         self.buckets = decode_buckets(max_batch)
         self.block_size = block_size
         self.scratch_page = kv_cache.shape[1] - 1

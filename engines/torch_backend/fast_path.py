@@ -20,7 +20,7 @@ import torch
 from engines.backend import ExecutionPath
 from engines.torch_backend.cuda_graphs import DecodeGraphs
 from engines.torch_backend.kernels import Kernels, rms_norm
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def possible_path(device: torch.device, cuda_graphs: bool, torch_compile: bool) 
 
 
 def capture_graphs(
-    model: LlamaModel,
+    model: DecoderModel,
     rotary: torch.Tensor,
     kv_cache: torch.Tensor,
     max_batch: int,

@@ -20,7 +20,7 @@ import torch
 
 from engines.torch_backend.batch import build_batch
 from engines.torch_backend.config import ModelConfig
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.scheduler import ScheduledBatch
 from engines.torch_backend.sequence import Sequence
 
@@ -107,7 +107,7 @@ def allocate_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def activation_peak(model: LlamaModel, rotary: torch.Tensor, tokens: int, block_size: int) -> int:
+def activation_peak(model: DecoderModel, rotary: torch.Tensor, tokens: int, block_size: int) -> int:
     """CUDA: run the largest prefill once on a scratch cache; return its activation peak in bytes.
     It also compiles whatever the model's kernels compile for prefill shapes."""
     device, dtype = rotary.device, rotary.dtype
@@ -120,7 +120,14 @@ def activation_peak(model: LlamaModel, rotary: torch.Tensor, tokens: int, block_
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
-        batch = build_batch(ScheduledBatch([], [sequence]), block_size, config.group_size, dtype, device)
+        batch = build_batch(
+            ScheduledBatch([], [sequence]),
+            block_size,
+            config.group_size,
+            dtype,
+            device,
+            sliding_window=config.sliding_window,
+        )
         model(batch, rotary, scratch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before

@@ -1,5 +1,7 @@
-"""A Llama-family decoder over a paged KV cache: RMSNorm, rotary embeddings, SwiGLU MLP,
-grouped-query attention.
+"""The decoder every supported family is, over a paged KV cache: RMSNorm, rotary embeddings,
+grouped-query attention, a SwiGLU MLP or a mixture of experts; what a family adds (biases,
+head norms on q and k, a sliding window, experts) is switched on by its
+:class:`~engines.torch_backend.config.ModelConfig`.
 
 One forward pass runs a whole step of continuous batching: the new tokens of every scheduled
 sequence are flattened into ``T`` rows, so the projections and the MLP are single matrix
@@ -12,8 +14,10 @@ keys and values per query head.
 
 Decode attention has two forms: by default each sequence's pages are gathered into a
 contiguous buffer and attended with an additive mask; with ``kernels.paged_decode`` (CUDA)
-a kernel reads the pages in place, bounded by each sequence's length. The element-wise
-pieces come from :mod:`engines.torch_backend.kernels` as well: eager, or fused on CUDA.
+a kernel reads the pages in place, bounded by each sequence's length. A sliding window is in
+the masks (:mod:`engines.torch_backend.batch`) and passed to the kernel. The element-wise
+pieces and the experts come from :mod:`engines.torch_backend.kernels` as well: eager, or
+fused on CUDA.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.kernels import EAGER, Kernels
+from engines.torch_backend.mlp import DenseMlp, SparseMoe, project_add
 
 
 @dataclass(slots=True)
@@ -65,34 +70,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def _project_add(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``residual + linear(x)`` as one fused matrix product."""
-    out = torch.addmm(residual, x, linear.weight.t())
-    return out if linear.bias is None else out.add_(linear.bias)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.config = config
         hidden, head_dim = config.hidden_size, config.head_dim
         self.input_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.qkv = nn.Linear(
-            hidden, (config.num_heads + 2 * config.num_kv_heads) * head_dim, bias=config.attention_bias
-        )
-        self.o = nn.Linear(config.num_heads * head_dim, hidden, bias=config.attention_bias)
+        self.qkv = nn.Linear(hidden, (config.num_heads + 2 * config.num_kv_heads) * head_dim, bias=config.qkv_bias)
+        self.o = nn.Linear(config.num_heads * head_dim, hidden, bias=config.o_bias)
+        # Qwen3: one RMSNorm over each query head and one over each key head, before rotary.
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.post_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.gate_up = nn.Linear(hidden, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down = nn.Linear(config.intermediate_size, hidden, bias=config.mlp_bias)
+        self.mlp: DenseMlp | SparseMoe = (
+            SparseMoe(hidden, config.moe) if config.moe is not None and config.sparse(index) else DenseMlp(config)
+        )
 
     def forward(
         self, hidden: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, kernels: Kernels
     ) -> torch.Tensor:
         normed = kernels.rms_norm(hidden, self.input_norm.weight, self.input_norm.eps)
-        hidden = _project_add(hidden, self._attention(normed, rotary, kv_cache, batch, kernels), self.o)
+        hidden = project_add(hidden, self._attention(normed, rotary, kv_cache, batch, kernels), self.o)
         normed = kernels.rms_norm(hidden, self.post_norm.weight, self.post_norm.eps)
-        gate_up = F.linear(normed, self.gate_up.weight, self.gate_up.bias)
-        return _project_add(hidden, kernels.silu_mul(gate_up), self.down)
+        return self.mlp(normed, hidden, kernels)
 
     def _attention(
         self, x: torch.Tensor, rotary: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, kernels: Kernels
@@ -101,6 +101,11 @@ class DecoderLayer(nn.Module):
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         tokens = x.shape[0]
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(tokens, heads + 2 * kv_heads, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv[:, :heads] = kernels.rms_norm(qkv[:, :heads], self.q_norm.weight, self.q_norm.eps)
+            qkv[:, heads : heads + kv_heads] = kernels.rms_norm(
+                qkv[:, heads : heads + kv_heads], self.k_norm.weight, self.k_norm.eps
+            )
         kernels.rotate_(qkv[:, : heads + kv_heads], rotary)
 
         # kv_cache: [blocks, block_size, 2, kv_heads, head_dim]; slot s is row s of the flat view.
@@ -126,7 +131,10 @@ class DecoderLayer(nn.Module):
         sequences = query.shape[0]
         if group.context_lens is not None:
             assert kernels.paged_decode is not None, "a paged decode group needs the paged kernel"
-            return kernels.paged_decode(query, kv_cache, group.block_tables, group.context_lens).view(sequences, -1)
+            window = config.sliding_window or 0
+            return kernels.paged_decode(query, kv_cache, group.block_tables, group.context_lens, window).view(
+                sequences, -1
+            )
         folded = query.reshape(sequences, config.num_kv_heads, config.group_size, config.head_dim)
         out = _attend(folded, kv_cache, group)  # [B, kv_heads, group, head_dim]
         return out.reshape(sequences, config.num_heads * config.head_dim)
@@ -160,12 +168,12 @@ def _attend(query: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup) 
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -29,7 +29,7 @@ from engines.torch_backend.cuda_graphs import DecodeGraphs
 from engines.torch_backend.decode_rows import GraphInputs
 from engines.torch_backend.fast_path import capture_graphs, execution_path
 from engines.torch_backend.memory import allocate_cache
-from engines.torch_backend.model import ForwardBatch, LlamaModel
+from engines.torch_backend.model import DecoderModel, ForwardBatch
 from engines.torch_backend.placeholders import decode_sources
 from engines.torch_backend.scheduler import ScheduledBatch
 from engines.torch_backend.sequence import Sequence
@@ -49,7 +49,7 @@ class ForwardInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         rotary: torch.Tensor,
         kv_cache: torch.Tensor,
         failures: list[str],
@@ -69,6 +69,7 @@ class ModelRunner:
         self._failures = failures  # fast-path pieces that failed to build, graph capture included
         self._max_batch, self._block_size = max_batch, block_size
         self._group_size = model.config.group_size  # query heads per key-value head
+        self._sliding_window = model.config.sliding_window  # None: attention sees every key
         self._pages = -(-max_context // block_size)  # the most pages a sequence holds
         self._use_graphs = cuda_graphs and self.device.type == "cuda" and model.kernels.paged_decode is not None
         self._graphs = self._capture_graphs()
@@ -120,6 +121,7 @@ class ModelRunner:
             self.device,
             self.model.kernels.paged_decode is not None,
             earlier,
+            self._sliding_window,
         )
         return ForwardInputs(batch, None, None)
 

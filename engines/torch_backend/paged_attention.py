@@ -6,7 +6,9 @@ One program per (sequence, key/value head) computes all the query heads of that 
 walks the sequence's tokens ``BLOCK_N`` at a time (a tile may span pages: each row's slot is
 looked up in the block table), with an online softmax in float32, so it never materialises
 scores for the whole context. Loop bounds come from the sequence lengths on the device, so a
-CUDA graph captured once serves every context length.
+CUDA graph captured once serves every context length. With a sliding window W (Mistral), a
+sequence of length L reads only its keys from L - W on: the loop starts at the tile that
+holds the first of them and masks the ones before it.
 
 Triton ships with CUDA builds of torch. ``TRITON_INTERPRET=1`` runs the same kernel on CPU
 tensors, which is how tests/torch/test_torch_kernels.py checks it against the eager path.
@@ -28,6 +30,7 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the an
     cache_ptr,
     tables_ptr,
     lens_ptr,
+    window,
     scale,
     q_token_stride,
     q_head_stride,
@@ -57,12 +60,14 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the an
         q_ptr + sequence * q_token_stride + heads[:, None] * q_head_stride + dims[None, :], mask=q_mask, other=0.0
     )
 
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)  # the first key read
+
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range((first // BLOCK_N) * BLOCK_N, length, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
-        valid = positions < length
+        valid = (positions < length) & (positions >= first)
         page = tl.load(tables_ptr + sequence * table_stride + positions // PAGE, mask=valid, other=0)
         slots = page.to(tl.int64) * PAGE + positions % PAGE
         rows_kv = cache_ptr + slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
@@ -86,13 +91,18 @@ def _paged_decode_kernel(  # type: ignore[no-untyped-def]  # Triton reads the an
 
 
 def paged_decode(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its pages.
 
     ``query`` ``[B, heads, head_dim]`` (any strides with a contiguous last dimension);
     ``kv_cache`` one layer's ``[blocks, block_size, 2, kv_heads, head_dim]``, contiguous;
-    ``block_tables`` ``[B, >= pages]`` int32; ``context_lens`` ``[B]`` int32, at least 1 each.
+    ``block_tables`` ``[B, >= pages]`` int32; ``context_lens`` ``[B]`` int32, at least 1 each;
+    ``window`` > 0: only each sequence's last ``window`` keys are read (0: all of them).
     Returns ``[B, heads, head_dim]`` in the query's dtype."""
     sequences, heads, head_dim = query.shape
     _, page_size, _, kv_heads, cache_head_dim = kv_cache.shape
@@ -107,6 +117,7 @@ def paged_decode(
         kv_cache,
         block_tables,
         context_lens,
+        window,
         head_dim**-0.5,
         query.stride(0),
         query.stride(1),

@@ -27,6 +27,7 @@ class RequestState:
     eos_from: int = 0  # the first position at which an EOS id ends the request (set from the request)
     stop_window: str = ""  # the last characters of the text, enough to see a stop string complete
     resumed_text: str = ""  # the text of the tokens an earlier run generated (a migration)
+    cached_prompt_tokens: int = -1  # prompt tokens the prefix cache held when first scheduled; -1 before
 
     def __post_init__(self) -> None:
         request, sequence = self.request, self.sequence

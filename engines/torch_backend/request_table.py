@@ -76,6 +76,18 @@ class RequestTable:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def hold(self, request_id: str) -> bool:
+        """Backpressure: the request is not scheduled until :meth:`release` (``Scheduler.hold``)."""
+        with self.lock:
+            state = self._requests.get(request_id)
+            return state is not None and self.scheduler.hold(state.sequence)
+
+    def release(self, request_id: str) -> None:
+        with self.lock:
+            state = self._requests.get(request_id)
+            if state is not None:
+                self.scheduler.release(state.sequence)
+
     def states(self, sequences: list[Sequence]) -> tuple[list[RequestState], bool]:
         """Under the lock: the requests of a step's rows, and whether every one samples greedily."""
         rows = self._rows

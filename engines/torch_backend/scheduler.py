@@ -7,11 +7,13 @@ prefill-token budget and the free pages allow. An admitted sequence starts after
 the block manager (:mod:`engines.torch_backend.block_manager`) found cached, so the budget
 counts only the tokens it still feeds. A preempted sequence goes back to the front of the
 queue with no pages: it is recomputed (prompt plus generated tokens, less whatever prefix is
-still cached) when pages are free again. Siblings are prefilled once: a waiting sequence whose
-next uncached page another sequence is computing (admitted in this schedule, or in the one
-before, whose step may still be in flight) is deferred in its place, so the next schedule
-serves that page from the cache instead of computing it again (SGLang's in-batch prefix
-check). Nothing here knows about tensors, so every rule is
+still cached) when pages are free again. A sequence held back by backpressure (:meth:`Scheduler.hold`)
+gives its pages back the same way and is not scheduled until released, when it waits first in
+line to be recomputed. Siblings are prefilled once: a waiting sequence whose next uncached page
+another sequence is computing (admitted in this schedule, or in the one before, whose step may
+still be in flight) is deferred in its place, so the next schedule serves that page from the
+cache instead of computing it again (SGLang's in-batch prefix check). Nothing here knows about
+tensors, so every rule is
 tested on its own (tests/torch/test_torch_scheduler.py, tests/torch/test_torch_prefix_cache.py).
 """
 
@@ -48,6 +50,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held: list[Sequence] = []  # held back by backpressure: no pages, not scheduled
         self.num_preempted = 0
         self.grown: list[Sequence] = []  # sequences the last schedule gave a new page
         self._computing: set[bytes] = set()  # hashes of the pages the last schedule's prefills compute
@@ -74,10 +77,35 @@ class Scheduler:
             self.running.remove(sequence)
         elif sequence.status is SequenceStatus.WAITING:
             self.waiting.remove(sequence)
+        elif sequence.status is SequenceStatus.HELD:
+            self.held.remove(sequence)
         else:
             return
         sequence.status = SequenceStatus.FINISHED
         self.blocks.release(sequence)
+
+    def hold(self, sequence: Sequence) -> bool:
+        """Backpressure: leave ``sequence`` out of the steps until :meth:`release`. A running
+        one gives its pages back as a preempted one does (it is recomputed when released, less
+        what of its prefix is still cached), a waiting one leaves the queue; False for one
+        finished or held already."""
+        if sequence.status is SequenceStatus.RUNNING:
+            self.running.remove(sequence)
+            self._give_back(sequence)
+        elif sequence.status is SequenceStatus.WAITING:
+            self.waiting.remove(sequence)
+        else:
+            return False
+        sequence.status = SequenceStatus.HELD
+        self.held.append(sequence)
+        return True
+
+    def release(self, sequence: Sequence) -> None:
+        """A held sequence waits again, first in line, as a preempted one does."""
+        if sequence.status is SequenceStatus.HELD:
+            self.held.remove(sequence)
+            sequence.status = SequenceStatus.WAITING
+            self.waiting.appendleft(sequence)
 
     def preempt_all(self) -> None:
         """Running sequences give their pages back and wait to be recomputed, in order."""
@@ -151,9 +179,13 @@ class Scheduler:
         return admitted
 
     def _preempt(self, sequence: Sequence) -> None:
-        self.blocks.release(sequence)
-        sequence.drop_placeholder()  # its token is sampled again when it is recomputed
+        self._give_back(sequence)
         sequence.status = SequenceStatus.WAITING
         self.waiting.appendleft(sequence)
+
+    def _give_back(self, sequence: Sequence) -> None:
+        """A running sequence's pages go back; a step in flight drops its token for it."""
+        self.blocks.release(sequence)
+        sequence.drop_placeholder()  # its token is sampled again when it is recomputed
         self.num_preempted += 1
         sequence.preempted = self.num_preempted

@@ -21,6 +21,7 @@ PLACEHOLDER = -1  # a token sampled on the device and not yet read back: never f
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HELD = "held"  # by backpressure: no pages, not scheduled until released
     FINISHED = "finished"
 
 

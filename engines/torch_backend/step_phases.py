@@ -31,6 +31,7 @@ import torch
 
 from engines.backend import TokenOutput
 from engines.torch_backend.model_runner import ModelRunner
+from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.request_table import RequestTable
 from engines.torch_backend.sampling import sample
 from engines.torch_backend.sequence import SequenceStatus, feed
@@ -96,6 +97,8 @@ class StepPhases:
                     return None
                 sequences = scheduled.sequences
                 states, greedy = requests.states(sequences)
+                if scheduled.prefill:
+                    first_cached(states[len(scheduled.decode) :])
                 params = None if greedy else sampling_params(states, runner.device)
                 inputs = runner.prepare(scheduled, scheduler.grown, earlier)
                 positions = feed(sequences)
@@ -152,5 +155,17 @@ class StepPhases:
                 finish = "stop"
             if finish is not None:
                 text += state.detokenizer.flush()
-            outputs.append(TokenOutput(state.request.request_id, [token], text, finish))
+            output = TokenOutput(
+                state.request.request_id, [token], text, finish, cached_tokens=state.cached_prompt_tokens
+            )
+            outputs.append(output)
         return outputs
+
+
+def first_cached(prefilled: list[RequestState]) -> None:
+    """Note, for the requests a step prefills for the first time, how many of their prompt's
+    tokens the prefix cache held (``Final.timings.cached_prompt_tokens``)."""
+    for state in prefilled:
+        if state.cached_prompt_tokens < 0:
+            sequence = state.sequence
+            state.cached_prompt_tokens = min(sequence.num_cached, sequence.num_prompt_tokens)

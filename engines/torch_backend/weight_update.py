@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.weights import hf_shapes, parameter_for
 from service.protocol.checkpoint import checkpoint_files
 from service.protocol.errors import ErrorCode, WireError
@@ -49,7 +49,7 @@ def _skipped(name: str, tied: bool) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
 
 
-def check_checkpoint(model: LlamaModel, dtype: torch.dtype, path: str | Path) -> list[Path]:
+def check_checkpoint(model: DecoderModel, dtype: torch.dtype, path: str | Path) -> list[Path]:
     """The checkpoint's files once every tensor's name, shape and dtype matched; raises
     :class:`CheckpointMismatch` at the first that does not (files and tensors in name order)."""
     from safetensors import safe_open
@@ -84,7 +84,7 @@ def check_checkpoint(model: LlamaModel, dtype: torch.dtype, path: str | Path) ->
     return files
 
 
-def stage_checkpoint(model: LlamaModel, dtype: torch.dtype, path: str | Path) -> StagedWeights:
+def stage_checkpoint(model: DecoderModel, dtype: torch.dtype, path: str | Path) -> StagedWeights:
     """Check the checkpoint (see :func:`check_checkpoint`), then map its tensors."""
     from safetensors import safe_open
 
@@ -97,7 +97,7 @@ def stage_checkpoint(model: LlamaModel, dtype: torch.dtype, path: str | Path) ->
     return StagedWeights(tensors)
 
 
-def swap_in(model: LlamaModel, staged: StagedWeights) -> None:
+def swap_in(model: DecoderModel, staged: StagedWeights) -> None:
     """Copy every staged tensor into its parameter, in place (tied embeddings stay tied)."""
     with torch.no_grad():
         for name, tensor in staged.tensors:

@@ -9,7 +9,9 @@ parsed, with just the subject, the reply subject and the body.
 The contract of a direct handler: it must never wait for another NATS message (a request's
 answer, an acknowledgement), because the task that would read that message is the one
 running the handler. Publishing is fine. Messages are handled one at a time in arrival
-order; NATS headers are not passed on. An exception is logged, never raised into the reader.
+order; the NATS header block is passed on raw (``None`` without one), unparsed: a handler that
+reads a header parses only what it reads (:func:`service.ops.tracing.traceparent_in`). An
+exception is logged, never raised into the reader.
 
 An inline subscription (:meth:`DirectClient.subscribe_inline`) goes one step further for a
 reader that only files each message away (the client library's reply inbox): its handler is a
@@ -32,8 +34,9 @@ from nats.aio.subscription import Subscription
 
 log = logging.getLogger(__name__)
 
-DirectHandler = Callable[[str, str, bytes], Awaitable[None]]
-"""``handler(subject, reply_subject, body)``; the reply subject is ``""`` when the sender gave none."""
+DirectHandler = Callable[[str, str, bytes, bytes | None], Awaitable[None]]
+"""``handler(subject, reply_subject, body, headers)``; the reply subject is ``""`` when the sender
+gave none, ``headers`` the raw NATS header block, ``None`` without one."""
 InlineHandler = Callable[[bytes, bytes, bytes | None], None]
 """``handler(subject, body, headers)``, all raw bytes; ``headers`` is ``None`` without a header block."""
 
@@ -93,6 +96,6 @@ class DirectClient(NATS):
         self.stats["in_msgs"] += 1
         self.stats["in_bytes"] += len(data)
         try:
-            await handler(subject.decode(), reply.decode() if reply else "", data)
+            await handler(subject.decode(), reply.decode() if reply else "", data, headers)
         except Exception:
             log.exception("direct handler for %s failed", subject.decode(errors="replace"))

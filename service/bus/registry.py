@@ -36,7 +36,9 @@ Context = TypeVar("Context")
 class Incoming:
     """A received message: its header, the NATS reply subject (None when the sender gave none),
     the encoding detected from its body, the body itself, the sender named by the subject
-    (``per_sender`` headers) and the inbox prefix that owns the reply subject (coordinator)."""
+    (``per_sender`` headers), the inbox prefix that owns the reply subject (coordinator) and
+    the raw NATS header block of a message handled on the reading task (``direct`` headers;
+    None otherwise, and without one)."""
 
     header: str
     reply: str | None
@@ -44,6 +46,7 @@ class Incoming:
     body: bytes
     sender: str | None = None
     owner: str | None = None
+    headers: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

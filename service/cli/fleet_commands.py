@@ -25,7 +25,7 @@ from service.cli import terminal
 from service.client import DpcoordClient
 from service.ops.services_api import CoordinatorStatus
 from service.ops.settings import Settings
-from service.protocol.messages import Ack, Partial
+from service.protocol.messages import Ack, Held, Partial
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,16 @@ async def submit(settings: Settings, args: argparse.Namespace) -> int:
     try:
         async with await DpcoordClient.connect(settings, timeout=deadline.left()) as client:
             if not args.stream:
-                async with terminal.Spinner(sys.stderr, "waiting for the reply"):
-                    final = await client.submit(args.prompt, timeout=deadline.left(), **sampling)
+                async with terminal.Spinner(sys.stderr, "waiting for the reply") as spinner:
+                    final = await client.submit(
+                        args.prompt,
+                        timeout=deadline.left(),
+                        on_held=lambda held: spinner.say(held_line(held)),
+                        **sampling,
+                    )
                 _print_json(final, shown)
                 return 0
-            async for reply in client.stream(args.prompt, timeout=deadline.left(), **sampling):
+            async for reply in client.stream(args.prompt, timeout=deadline.left(), on_held=_say_held, **sampling):
                 if isinstance(reply, Partial):
                     print(shown(reply.text), end="", flush=True)
                 else:
@@ -107,6 +112,16 @@ async def submit(settings: Settings, args: argparse.Namespace) -> int:
     except TimeoutError:
         raise CommandFailed(f"no reply within {args.timeout:g} s (--timeout)") from None
     return 0
+
+
+def held_line(held: Held) -> str:
+    """What ``submit`` says of a submission the coordinator holds: ``held: the fleet is paused``."""
+    return f"held: the fleet is {held.state}"
+
+
+def _say_held(held: Held) -> None:
+    sys.stderr.write(f"{held_line(held)}\n")
+    sys.stderr.flush()
 
 
 def _control_header(args: argparse.Namespace) -> tuple[Header, int | None]:

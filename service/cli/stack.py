@@ -9,7 +9,9 @@ to stop (``dpcoord control stop``) ends the stack with exit 0. Without the gatew
 installed it says so before starting anything; a NATS URL that cannot be reached is named
 within the connect timeout, before anything starts.
 
-The banner prints once every part serves: every engine registered with the coordinator, and
+While engines load, ``up`` says every few seconds how many registered so far (each engine logs
+how far its weights loaded). The banner prints once every part serves: every engine registered
+with the coordinator, and
 the gateway listening (its own log says so) with its ``/readyz`` answering 200. The gateway's
 port is 8000 when the gateway could bind it: the check binds as the gateway does
 (``SO_REUSEADDR``), so connections in TIME_WAIT from a previous run do not make it look taken."""
@@ -87,15 +89,29 @@ async def _registered_engines(client: DpcoordClient) -> int | None:
     return None if status is None else len(status.engines)
 
 
-async def _until_ready(settings: Settings, engines: int) -> int:
+UP_WAIT_LINE_S = 5.0  # how often up says it still waits for engines (their own logs say how far they loaded)
+
+
+async def until_ready(settings: Settings, engines: int, line_every_s: float = UP_WAIT_LINE_S) -> int:
     """Wait for the coordinator, then until every engine has registered (a model takes a while to
-    load; an engine that exits instead ends the stack, see :class:`Parts`); returns how many did."""
+    load; an engine that exits instead ends the stack, see :class:`Parts`), saying so on stderr
+    every ``line_every_s``; returns how many did."""
     client = await _wait_for_coordinator(settings)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    next_line = started + line_every_s
     try:
         while True:
             registered = await _registered_engines(client)
             if registered is not None and registered >= engines:
                 return registered
+            if loop.time() >= next_line:
+                next_line += line_every_s
+                sys.stderr.write(
+                    f"dpcoord up: waiting for the engines to load and register: {registered or 0} of {engines} "
+                    f"so far ({loop.time() - started:.0f} s)\n"
+                )
+                sys.stderr.flush()
             await asyncio.sleep(0.1)
     finally:
         await client.close()
@@ -302,7 +318,7 @@ async def _supervise(
         gateway_listens = (await parts.start("gateway", [*python, "gateway"], gateway_env)).logged(GATEWAY_LISTENING)
 
     async def start_up() -> None:
-        registered = await _until_ready(settings, engines)
+        registered = await until_ready(settings, engines)
         lines = ""
         if gateway_listens is not None:
             await gateway_listens

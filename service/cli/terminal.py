@@ -8,7 +8,9 @@ A non-streamed submission shows a spinner while it waits, on a terminal only, an
 process is in the terminal's foreground process group: a submission held in the background
 (``dpcoord submit ... &``) draws nothing over the next command's output. A control signal, which
 may wait minutes (a drain), shows the spinner on a terminal and otherwise one line once the wait
-lasts (:class:`Waiting`), so a log says why the command has not returned.
+lasts (:class:`Waiting`), so a log says why the command has not returned. What a wait learns on
+the way (a submission held by a pause) changes the spinner's label, or is one line of its own
+where no spinner is drawn (:meth:`Spinner.say`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,13 @@ class Spinner:
             await task
         if self._drawn and in_foreground(self._stream):
             self._stream.write(_ERASE_LINE)
+            self._stream.flush()
+
+    def say(self, label: str) -> None:
+        """``label`` from now on: the spinner's on a terminal, else one line of its own."""
+        self._label = label
+        if self._task is None:
+            self._stream.write(f"{label}\n")
             self._stream.flush()
 
     async def _spin(self) -> None:

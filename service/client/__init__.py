@@ -20,15 +20,18 @@ its peers before running it (docs/reliability.md, ownership).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
-callback, so the call would otherwise wait out its timeout.
+callback, so the call would otherwise wait out its timeout. A stream's unread replies are
+bounded (:meth:`DpcoordClient.stream`, :mod:`service.client.flow`).
+
+Traced (:mod:`service.ops.tracing`), a submission is a ``dpcoord.submit`` span, its
+``traceparent`` in every publish's NATS headers. ``on_held`` hears a ``Held`` notice (a pause).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -39,10 +42,13 @@ from service.bus.connection import close_nats, connect_nats
 from service.bus.direct import DirectClient, DirectSubscription
 from service.bus.refusals import PublishRefusals
 from service.client.calls import ClientError, call
+from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
-from service.client.submission import Submission
+from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
+from service.client.holds import HoldChannel
+from service.client.submission import OnHeld, Submission
+from service.client.tracing import ClientTracing, traced
 from service.ops.settings import Settings
-from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import (
     AbortRequest,
@@ -57,15 +63,14 @@ from service.protocol.messages import (
     ModelList,
     Partial,
     PauseMode,
-    SamplingParams,
-    SubmitEnvelope,
-    SubmitRequest,
     UpdateWeights,
     WeightVersion,
 )
-from service.protocol.prefix import prefix_hashes
 from service.protocol.streams import StreamBroken, StreamCheck
 from service.protocol.subjects import Header, Subjects
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
 
 
 class DpcoordClient:
@@ -80,6 +85,7 @@ class DpcoordClient:
         refusals: PublishRefusals,
         replies: Subscription | DirectSubscription,
         watch: CoordinatorWatch,
+        tracing: ClientTracing | None = None,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -90,7 +96,9 @@ class DpcoordClient:
         self._refusals = refusals
         self._replies = replies
         self._watch = watch
+        self._tracing = tracing or ClientTracing()
         self._submit_subject = subjects.coordinator(Header.SUBMIT_REQUEST)
+        self._holds = HoldChannel(nc, subjects.coordinator(Header.HOLD_REQUEST), exchanges.inbox, self.abort)
         # One watch on the submission subject for the client's life: a refusal tells every
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
@@ -98,12 +106,18 @@ class DpcoordClient:
 
     @classmethod
     async def connect(
-        cls, settings: Settings, client_id: str | None = None, timeout: float = 10.0, nc: NATS | None = None
+        cls,
+        settings: Settings,
+        client_id: str | None = None,
+        timeout: float = 10.0,
+        nc: NATS | None = None,
+        tracer: Tracer | None = None,
     ) -> DpcoordClient:
         """Connect to NATS (unless ``nc`` is given: then resubmission after reconnects is the
         caller's business) and shake hands with a coordinator within ``timeout``. A NATS that
         cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
-        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL."""
+        ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL.
+        ``tracer`` (the caller's to close): where spans go; by default from settings."""
         exchanges = Exchanges()
         refusals = PublishRefusals()
         watch = CoordinatorWatch(
@@ -144,11 +158,15 @@ class DpcoordClient:
         if not isinstance(ack, ConnectAck):
             raise ClientError(ErrorCode.INTERNAL, f"unexpected connect reply {ack!r}")
         watch.start()
-        return cls(connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch)
+        tracing = ClientTracing.of(settings, tracer)
+        return cls(
+            connection, subjects, ack.client_id, ack.coordinator_id, owns, exchanges, refusals, replies, watch, tracing
+        )
 
     async def close(self) -> None:
         self._watch.stop()
         self._watches.close()
+        await self._tracing.close()
         if self._owns_connection:
             await close_nats(self.nc)
         elif not (self.nc.is_closed or self.nc.is_draining):
@@ -160,38 +178,6 @@ class DpcoordClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submission(
-        self,
-        prompt: str | list[int] | None,
-        messages: Sequence[ChatMessage] | None,
-        model: str | None,
-        stream: bool,
-        client_request_id: ClientRequestId | None,
-        timeout: float,
-        sampling: dict[str, Any],
-        session_id: str | None = None,
-        group_id: str | None = None,
-    ) -> bytes:
-        """A :class:`SubmitEnvelope`, so the coordinator routes it without decoding the prompt; it
-        carries the prompt's prefix hashes for prefix-aware routing (none for a prompt shorter
-        than one block), and the session and group for cache-aware routing."""
-        params = SamplingParams(**{key: value for key, value in sampling.items() if value is not None})
-        if params.timeout_s is None:
-            params.timeout_s = timeout
-        # 128 random bits in hex (uuid4 gives 122, for five times the CPU), drawn per request: an
-        # id one caller learns tells nothing of the next (docs/security.md, blind aborts)
-        request_id = client_request_id if client_request_id is not None else os.urandom(16).hex()
-        chat = list(messages) if messages is not None else None
-        try:
-            body = encode_msgpack(SubmitRequest(prompt, params, stream, request_id, self.client_id, None, model, chat))
-        except OverflowError:  # Python integers have no bound; msgpack's stop at 64 bits
-            raise ClientError(ErrorCode.MALFORMED, "an integer of the submission does not fit in 64 bits") from None
-        hashes = prefix_hashes(prompt, chat) or None
-        envelope = SubmitEnvelope(1, body, stream, request_id, self.client_id, None, params.timeout_s, model, hashes)
-        envelope.batched_replies, envelope.logprobs = True, params.asks_logprobs
-        envelope.session_id, envelope.group_id = session_id, group_id
-        return encode_msgpack(envelope)
-
     async def submit(
         self,
         prompt: str | list[int] | None = None,
@@ -202,6 +188,7 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        on_held: OnHeld | None = None,
         **sampling: Any,
     ) -> Final:
         """Run a request and return its final reply; sampling keywords are SamplingParams fields.
@@ -217,16 +204,24 @@ class DpcoordClient:
         bounds the wait and is also the request's deadline at the coordinator. With the
         ``cache_aware`` routing policy, submissions of one ``session_id`` (the turns of a
         conversation) stay on one engine while it has room, and so do those of one ``group_id``
-        (the samples of one prompt): its prefix cache serves what they share."""
-        body = self._submission(
-            prompt, messages, model, False, client_request_id, timeout, sampling, session_id, group_id
+        (the samples of one prompt): its prefix cache serves what they share. ``on_held`` is
+        called with the ``Held`` notice if the request waits because the fleet is not running."""
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, False, client_request_id, timeout, sampling,
+            session_id, group_id, on_held is not None,
+        )  # fmt: skip
+        span, headers = self._tracing.start(self._submit_subject, request_id, model, False)
+        submission = Submission(
+            self._publish, self._exchanges, self._watch, body, timeout, headers=headers, on_held=on_held
         )
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
         try:
-            await submission.start()
-            while replies := await submission.replies():
-                if isinstance(replies[-1], Final):
-                    return replies[-1]
+            with traced(span):
+                await submission.start()
+                while replies := await submission.replies():
+                    if isinstance(final := replies[-1], Final):
+                        if span is not None:
+                            span.finished(final)
+                        return final
         finally:
             submission.close()
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
@@ -241,9 +236,13 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        on_held: OnHeld | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[Partial | Final, None]:
         """Yield partials, then the final, for the arguments of :meth:`submit`; ``timeout`` bounds the whole stream.
+
+        ``flow`` bounds the replies not read: past it the request is held; stalled, aborted (``StreamStalled``).
 
         The stream is exact (:class:`~service.protocol.streams.StreamCheck`): duplicates and an
         older run's partials are dropped; after a gap, or two runs that do not join, no further
@@ -257,6 +256,8 @@ class DpcoordClient:
             timeout=timeout,
             session_id=session_id,
             group_id=group_id,
+            on_held=on_held,
+            flow=flow,
             **sampling,
         )
         async with aclosing(batches):
@@ -274,42 +275,50 @@ class DpcoordClient:
         timeout: float = 60.0,
         session_id: str | None = None,
         group_id: str | None = None,
+        on_held: OnHeld | None = None,
+        flow: FlowLimits = DEFAULT_FLOW,
         **sampling: Any,
     ) -> AsyncGenerator[list[Partial | Final], None]:
         """The replies of :meth:`stream`, checked the same way, as the lists that arrived
         together: for a reader that writes the replies ready together at once (the gateway), a
         wake-up per list rather than per reply."""
-        body = self._submission(
-            prompt, messages, model, True, client_request_id, timeout, sampling, session_id, group_id
-        )
+        body, request_id = envelope(
+            self.client_id, prompt, messages, model, True, client_request_id, timeout, sampling,
+            session_id, group_id, on_held is not None,
+        )  # fmt: skip
         check = StreamCheck()
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout)
+        span, headers = self._tracing.start(self._submit_subject, request_id, model, True)
+        control = FlowControl(flow, self._holds)
+        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, control, headers, on_held)
         try:
-            await submission.start()
-            while replies := await submission.replies():
-                passed: list[Partial | Final] = []
-                broken: StreamBroken | None = None
-                try:
-                    for reply in replies:
-                        if isinstance(reply, Final):
-                            check.finish(reply)
-                            passed.append(reply)
-                        elif check.accept(reply):
-                            passed.append(reply)
-                except StreamBroken as exc:
-                    broken = exc  # raised after the partials before it
-                if passed:
-                    yield passed
-                if broken is not None:
-                    raise ClientError(broken.code, broken.message)
-                if isinstance(replies[-1], Final):
-                    return
+            with traced(span):
+                await submission.start()
+                while replies := await submission.replies():
+                    passed: list[Partial | Final] = []
+                    broken: StreamBroken | None = None
+                    try:
+                        for reply in replies:
+                            if isinstance(reply, Final):
+                                check.finish(reply)
+                                passed.append(reply)
+                                if span is not None:
+                                    span.finished(reply)
+                            elif check.accept(reply):
+                                passed.append(reply)
+                    except StreamBroken as exc:
+                        broken = exc  # raised after the partials before it
+                    if passed:
+                        yield passed
+                    if broken is not None:
+                        raise ClientError(broken.code, broken.message)
+                    if isinstance(replies[-1], Final):
+                        return
         finally:
             submission.close()
 
-    async def _publish(self, body: bytes, inbox: str) -> None:
+    async def _publish(self, body: bytes, inbox: str, headers: Mapping[str, str] | None) -> None:
         try:
-            await self.nc.publish(self._submit_subject, body, reply=inbox)
+            await self.nc.publish(self._submit_subject, body, reply=inbox, headers=headers)  # type: ignore[arg-type]
         except MaxPayloadError:
             raise ClientError(
                 ErrorCode.TOO_LARGE,
@@ -387,4 +396,4 @@ class DpcoordClient:
         return reply
 
 
-__all__ = ["ClientError", "DpcoordClient"]
+__all__ = ["ClientError", "DpcoordClient", "FlowLimits", "StreamStalled"]

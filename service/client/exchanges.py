@@ -14,11 +14,12 @@ connection the inbox is an inline subscription (:meth:`Exchanges.on_inline`), so
 no nats-py ``Msg``, queue or task; on another connection, a callback subscription
 (:meth:`Exchanges.on_reply`).
 
-A submission's queue is a :class:`Mailbox`: one reader, which takes every item ready at once, no
-bound, and one deadline for the whole submission (its bucket's timer queues :data:`EXPIRED`),
-which costs far less per reply than an ``asyncio.Queue`` read under an ``asyncio.timeout`` (a
-timer rescheduled for every reply: a fifth of the gateway's CPU per streamed event, measured
-with py-spy in docs/gateway.md).
+A submission's queue is a :class:`~service.client.mailbox.Mailbox`: one reader, which takes
+every item ready at once, replies counted in bytes (a stream's flow control bounds them:
+:mod:`service.client.flow`), and one deadline for the whole submission (its bucket's timer
+queues :data:`EXPIRED`), which costs far less per reply than an ``asyncio.Queue`` read under an
+``asyncio.timeout`` (a timer rescheduled for every reply: a fifth of the gateway's CPU per
+streamed event, measured with py-spy in docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
 
 import msgspec
 from nats.aio.msg import Msg
 
+from service.client.mailbox import Mailbox
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
@@ -59,40 +60,6 @@ class CoordinatorLost:
 
     def __init__(self, coordinator_id: str) -> None:
         self.coordinator_id = coordinator_id
-
-
-class Mailbox:
-    """What one submission hears, in arrival order, read by that submission alone."""
-
-    __slots__ = ("_items", "_loop", "_waiter", "deadline")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._items: deque[object] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._loop = loop
-        self.deadline: dict[bytes, Mailbox] | None = None  # the deadline bucket it waits in
-
-    def put_nowait(self, item: object) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def take(self) -> list[object]:
-        """Everything queued, in arrival order, waiting for the first item if there is none: a
-        reader that handles the items ready together wakes once for them."""
-        items = self._items
-        while not items:
-            waiter = self._waiter = self._loop.create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        if len(items) == 1:
-            return [items.popleft()]
-        taken = list(items)
-        items.clear()
-        return taken
 
 
 class Exchanges:
@@ -146,8 +113,10 @@ class Exchanges:
             return
         queue = self.queues.get(token)
         if queue is not None:  # else a late reply to a submission that ended
-            no_responders = not data and headers is not None and headers.startswith(b"NATS/1.0 503")
-            queue.put_nowait(NO_RESPONDERS if no_responders else data)
+            if not data and headers is not None and headers.startswith(b"NATS/1.0 503"):
+                queue.put_nowait(NO_RESPONDERS)
+            else:
+                queue.put_reply(data)
 
     async def on_reply(self, msg: Msg) -> None:
         """The inbox's callback on a connection that is not a DirectClient."""
@@ -157,8 +126,10 @@ class Exchanges:
             return
         queue = self.queues.get(token)
         if queue is not None:
-            no_responders = not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503"  # type: ignore[union-attr]
-            queue.put_nowait(NO_RESPONDERS if no_responders else msg.data)
+            if not msg.data and bool(msg.headers) and msg.headers.get("Status") == "503":  # type: ignore[union-attr]
+                queue.put_nowait(NO_RESPONDERS)
+            else:
+                queue.put_reply(msg.data)
 
     def _on_batch(self, data: bytes) -> None:
         """A reply batch: each reply to its submission's mailbox, in the batch's order."""
@@ -171,7 +142,7 @@ class Exchanges:
         for token, body in pairs:
             queue = queues.get(token)
             if queue is not None:
-                queue.put_nowait(body)
+                queue.put_reply(body)
 
     def reconnected(self) -> None:
         for queue in self.queues.values():

@@ -10,13 +10,19 @@ the first is marked as a resubmission.
 
 An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
 raised after the replies that came before it were handed over: a reader never loses a reply.
+
+Every publish of a submission carries the same NATS ``headers`` (a traced one's ``traceparent``).
+A :class:`~service.protocol.messages.Held` notice (the fleet is paused) goes to ``on_held``,
+never to the reader. A stream with flow control (:mod:`service.client.flow`) is the exception
+to the rule above: when it stalls, the replies its reader did not take are dropped and the
+next call raises ``StreamStalled``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import msgspec
 
@@ -30,31 +36,41 @@ from service.client.exchanges import (
     Exchanges,
     Refused,
 )
+from service.client.flow import FlowControl, StreamFlow, StreamStalled
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import Final, Partial, SubmitEnvelope
+from service.protocol.messages import Final, Held, Partial, SubmitEnvelope
 
 MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
 # instead of a bare timeout.
 DEADLINE_MARGIN_S = 2.0
-Publish = Callable[[bytes, str], Awaitable[None]]
-"""``publish(body, reply_subject)``: the submission subject's publish."""
+Publish = Callable[[bytes, str, Mapping[str, str] | None], Awaitable[None]]
+"""``publish(body, reply_subject, headers)``: the submission subject's publish."""
+OnHeld = Callable[[Held], None]
 
 _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
 
 
 class Submission:
     """One envelope ``body`` in flight; :meth:`start` publishes it, :meth:`close` (always, in a
-    ``finally``) forgets its reply subject."""
+    ``finally``) forgets its reply subject. With ``flow``, its replies not read are bounded."""
 
     __slots__ = (
-        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_inbox",
-        "_mailbox", "_publish", "_request_id", "_timeout", "_watch",
+        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow", "_headers",
+        "_inbox", "_mailbox", "_on_held", "_publish", "_request_id", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
-        self, publish: Publish, exchanges: Exchanges, watch: CoordinatorWatch, body: bytes, timeout: float
+        self,
+        publish: Publish,
+        exchanges: Exchanges,
+        watch: CoordinatorWatch,
+        body: bytes,
+        timeout: float,
+        flow: FlowControl | None = None,
+        headers: Mapping[str, str] | None = None,
+        on_held: OnHeld | None = None,
     ) -> None:
         wait_s = timeout + DEADLINE_MARGIN_S
         self._deadline = time.monotonic() + wait_s
@@ -70,12 +86,20 @@ class Submission:
         self._again: bytes | None = None  # the body marked as a resubmission, made at the first one
         self._ended = False
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
+        self._headers = headers
+        self._on_held = on_held
+        self._flow: StreamFlow | None = None
+        if flow is not None:
+            inbox = self._inbox
+            self._flow = StreamFlow(self._mailbox, flow, lambda: self._request_id, lambda: exchanges.close(inbox))
 
     async def start(self) -> None:
-        await self._publish(self._body, self._inbox)
+        await self._publish(self._body, self._inbox, self._headers)
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
+        if self._flow is not None:
+            self._flow.close()
 
     async def replies(self) -> list[Partial | Final]:
         """The replies that arrived since the last call (waiting for one), in order; the last
@@ -101,6 +125,8 @@ class Submission:
                         if isinstance(reply, Final):
                             self._ended = True
                             break
+                    elif isinstance(reply, Held) and self._on_held is not None:
+                        self._on_held(reply)
         except (ClientError, TimeoutError) as exc:
             if not ready:
                 raise
@@ -116,16 +142,20 @@ class Submission:
         if item is NO_RESPONDERS:
             await asyncio.sleep(min(self._backoff, max(0.0, self._deadline - time.monotonic())))
             self._backoff = min(self._backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-            await self._publish(self._body, self._inbox)
+            await self._publish(self._body, self._inbox, self._headers)
         elif item is EXPIRED:
             raise TimeoutError(f"no reply within {self._timeout} s")
         elif isinstance(item, CoordinatorLost) and self._request_id and self._holder() != item.coordinator_id:
             return
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
-            await self._publish(self._again, self._inbox)
+            await self._publish(self._again, self._inbox, self._headers)
+            if self._flow is not None:
+                self._flow.again()
         elif isinstance(item, Refused):
             raise ClientError(ErrorCode.FORBIDDEN, item.message)
+        elif isinstance(item, StreamStalled):
+            raise item
 
 
 def _as_resubmission(body: bytes) -> bytes:

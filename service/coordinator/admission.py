@@ -22,11 +22,19 @@ Contract:
 - A submission whose client reads reply batches (``SubmitEnvelope.batched_replies``) has its
   replies batched (:mod:`service.protocol.reply_batches`) when its batch subject is one replies
   may go to, under the request's owner; else they go alone.
+- A submission that asks for it (``SubmitEnvelope.held_notices``) and is queued because the
+  fleet is not running (paused, suspended) is told so at once with a ``Held`` notice, alone on
+  its reply subject, before any other reply.
+- With tracing on (:mod:`service.ops.tracing`), the coordinator admits through
+  :meth:`Admission.admit_traced`: an accepted request continues the ``traceparent`` of its NATS
+  headers (or starts a trace) and carries its spans in the ledger. :meth:`Admission.admit`
+  itself has no tracing in it, so tracing off costs admission nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from service.bus.registry import Incoming
 from service.coordinator.answers import Answers
@@ -37,10 +45,11 @@ from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.request_ids import request_ids
 from service.coordinator.requests import ClientKey, InflightRequest
 from service.coordinator.results import body_digest
-from service.protocol.codec import detect_encoding
+from service.ops.tracing import traceparent_in
+from service.protocol.codec import detect_encoding, encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedSubmission
-from service.protocol.messages import ClientRequestId, ReturnPath, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import ClientRequestId, Held, ReturnPath, SubmitEnvelope, SubmitRequest
 from service.protocol.reply_batches import batch_subject
 from service.protocol.subjects import ReplySubjects, utf8_length
 
@@ -59,6 +68,8 @@ class Admission:
     ) -> None:
         settings = core.settings
         self._id = core.id
+        self._nc = core.nc
+        self._tracer = core.tracer
         self._settings = settings
         self._counters = core.counters
         self._ledger = ledger
@@ -72,8 +83,23 @@ class Admission:
         self._max_timeout = settings.max_request_timeout_s
         self._shared_inbox = replies.inboxes.first[1]
 
-    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        """Route or queue a submission. An envelope's body is forwarded undecoded (the engine validates it)."""
+    async def admit_traced(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
+        """:meth:`admit`, and the spans of the request it accepted, when its trace is sampled."""
+        started_ns = time.time_ns()
+        entry = await self.admit(incoming, submit)
+        admitted_ns = time.time_ns()
+        tracer = self._tracer
+        if entry is None or tracer is None:
+            return
+        trace = tracer.coordinator_request(traceparent_in(incoming.headers), started_ns)
+        if trace is not None:
+            entry.trace = trace
+            trace.admitted(entry.return_path.request_id, self._id, entry.model, entry.engine_id is None, admitted_ns)
+
+    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> InflightRequest | None:
+        """Route or queue a submission; the request it accepted (None: none, a resubmission
+        answered or a submission without a reply subject). An envelope's body is forwarded
+        undecoded (the engine validates it)."""
         if submit.reply_to is None:
             reply_to, owner = incoming.reply, incoming.owner
         else:
@@ -81,7 +107,7 @@ class Admission:
         if reply_to is None or owner is None:
             self._counters["submit_without_reply"] += 1
             log.warning("submission without reply subject dropped (client_request_id=%s)", submit.client_request_id)
-            return
+            return None
         if isinstance(submit, SubmitEnvelope):
             body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
         else:
@@ -100,7 +126,7 @@ class Admission:
         if submit.client_request_id is not None:
             client_key = (submit.client_id, submit.client_request_id)
             if await self.resubmitted(client_key, reply_to, submit.stream, owner, body):
-                return
+                return None
         ledger = self._ledger
         if len(self._pool) == 0 and ledger.running and self._peers.warmed_up:
             raise WireError(ErrorCode.NO_ENGINE, "no engine available")
@@ -131,6 +157,10 @@ class Admission:
         )
         entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
         ledger.admit(entry, timeout_s, engine)
+        if engine is None and not ledger.running and type(submit) is SubmitEnvelope and submit.held_notices:
+            held = Held(request_id, submit.client_request_id, ledger.state)
+            await self._nc.publish(reply_to, encode(held, encoding))
+        return entry
 
     def holds(self, client_key: ClientKey) -> bool:
         """Whether this replica holds ``client_key``'s request, in flight or as a cached result."""

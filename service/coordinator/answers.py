@@ -60,14 +60,18 @@ class Answers:
                 await self._deliveries.publish(return_path.reply_to, b"", client_key, batched)
 
     async def final(self, entry: InflightRequest, body: bytes) -> None:
-        """``entry``'s terminal reply, ``body`` as its engine wrote it."""
+        """``entry``'s terminal reply, ``body`` as its engine wrote it; a traced request's spans end."""
         await self.send(entry.return_path, body, True, entry.owner, entry.body)
+        if entry.trace is not None:
+            entry.trace.answered()
 
     async def error(self, entry: InflightRequest, err: WireError) -> None:
         """``entry``'s terminal reply: ``err``, in the encoding it came in."""
         self._counters[f"failed_{err.code}"] += 1
         request_id = entry.return_path.request_id
         log.info("request_id=%s engine_id=%s failed: %s", request_id, entry.engine_id, err)
+        if entry.trace is not None:
+            entry.trace.failed(err.code, err.message)
         message = error_reply(err, entry.return_path.client_request_id, request_id)
         await self.final(entry, encode(message, entry.encoding))
 

@@ -10,8 +10,8 @@ life in this replica), from the replica that owns it or the one that adopted it
 and a background task that fails is logged and counted. This class owns the connection, the
 background tasks and the lifecycle, and wires three floors (docs/architecture.md): the owners
 of state (the ledger, the pool, the peers, …), the jobs side by side above them (admission,
-outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, adoption
-and the replica watch composed of them), and this class.
+outbox, relay, fleet, control, and enrolment, weight updates, ownership, forwarding, holds,
+adoption and the replica watch composed of them), and this class.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgspec import Struct
 
@@ -41,6 +41,7 @@ from service.coordinator.dispatch import Dispatch
 from service.coordinator.enrolment import Enrolment
 from service.coordinator.fleet import Fleet
 from service.coordinator.forwarding import Forwarding
+from service.coordinator.holds import Holds
 from service.coordinator.known_clients import KnownClients
 from service.coordinator.kv_feed import KvFeed
 from service.coordinator.ledger import RequestLedger
@@ -59,6 +60,7 @@ from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
 from service.ops.loops import keep_running
 from service.ops.settings import Settings
+from service.ops.tracing import start_tracing
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import Heartbeat
@@ -78,11 +80,17 @@ from service.protocol.subjects import (
     id_problem,
 )
 
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
+
 log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, settings: Settings, handlers: HandlerRegistry[CoordinatorContext]) -> None:
+    def __init__(
+        self, settings: Settings, handlers: HandlerRegistry[CoordinatorContext], tracer: Tracer | None = None
+    ) -> None:
+        """``tracer``: where this replica's spans go; by default from settings (None: tracing off)."""
         self.settings = settings
         self.id = settings.coordinator_id or f"c{uuid.uuid4().hex[:12]}"
         self.subjects = Subjects(settings.subject_prefix)
@@ -100,7 +108,9 @@ class Coordinator:
         self.replies = ReplySubjects(self.subjects, self.inboxes, settings.max_id_bytes)
         self._handlers = handlers
         self._deliveries = ClientDeliveries(self.nc, self.counters, settings.max_buffered_bytes)
-        core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn)
+        self._owns_tracer = tracer is None
+        self.tracer = tracer if tracer is not None else start_tracing(settings, "dpcoord-coordinator")
+        core = Core(self.id, self.nc, self.subjects, settings, self.counters, self.spawn, self.tracer)
         # Floor 1: the owners of state. The ledger owns every request's life.
         self._kept = PeerReplies(
             self.peers.last_heard, settings.heartbeat_timeout_s, settings.max_buffered_bytes, self.counters
@@ -120,6 +130,7 @@ class Coordinator:
         self._relay = ReplyRelay(core, ledger, answers, self.peers, self._kept, self.replies)
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
+        self._admit = self._admission.admit if self.tracer is None else self._admission.admit_traced
         self._fleet = Fleet(core, ledger, self.engines, self.control_state)
         self._kv_feed = KvFeed(core, self.blocks, self.engines, release=ledger.release)
         self._control = Control(
@@ -147,6 +158,9 @@ class Coordinator:
         self.abort = self._ownership.abort
         self.take_resubmission = self._ownership.take_resubmission
         self.abort_held = self._ownership.abort_held
+        self._holds = Holds(core, ledger, self.peers)
+        self.hold = self._holds.hold
+        self.hold_held = self._holds.hold_held
         self.served_models = self.engines.served
         self.apply_control = self._control.apply
         self.control_engines = self._control.control_engines
@@ -255,6 +269,8 @@ class Coordinator:
         if self.nc.is_connected or self.nc.is_reconnecting:
             await close_nats(self.nc)
         self._fleet.flush_log()
+        if self.tracer is not None and self._owns_tracer:
+            await asyncio.to_thread(self.tracer.close)  # exports what is left: off the event loop
         log.info("coordinator %s stopped", self.id)
 
     async def __aenter__(self) -> Coordinator:
@@ -286,7 +302,7 @@ class Coordinator:
         if type(submit) is SubmitEnvelope and submit.resubmission:
             await self._ownership.admit(incoming, submit)
         else:
-            await self._admission.admit(incoming, submit)
+            await self._admit(incoming, submit)
 
     @property
     def settling(self) -> bool:

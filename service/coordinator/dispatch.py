@@ -84,9 +84,12 @@ class Dispatch:
     async def _on_message(self, spec: HandlerSpec[CoordinatorContext], msg: Msg) -> None:
         await self.dispatch(spec, msg.subject, msg.reply, msg.data)
 
-    async def dispatch(self, spec: HandlerSpec[CoordinatorContext], subject: str, reply: str, body: bytes) -> None:
+    async def dispatch(
+        self, spec: HandlerSpec[CoordinatorContext], subject: str, reply: str, body: bytes, headers: bytes | None = None
+    ) -> None:
         """Decode, run the handler, answer any failure. ``subject`` is ``spec``'s own, or for a
-        ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender."""
+        ``per_sender`` header ``<prefix>.<header>.<sender>``, which names the sender; ``headers``:
+        the raw NATS header block of a direct message."""
         owner = None
         if reply:
             owner = self._first_owner if reply.startswith(self._first_inbox) else self._owner_of(reply)
@@ -106,7 +109,7 @@ class Dispatch:
         # The sender a per_sender subject names; None on the plain subject (engines of earlier releases).
         prefix = self._core.subjects.prefix
         sender = (subject[len(prefix) + len(spec.header) + 2 :] or None) if spec.per_sender else None
-        incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner)
+        incoming = Incoming(spec.header, reply or None, detect_encoding(body), body, sender, owner, headers)
         try:
             if len(body) > self._max_body:
                 raise WireError(

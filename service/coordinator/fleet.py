@@ -22,7 +22,9 @@ Contract:
   (heartbeat ``steps``) for ``engine_progress_timeout_s`` while the coordinator runs is
   suspected (a black hole). It is removed as if silent (what it had not streamed is routed
   again) and its heartbeats bring it back only after it answers something: a reply, such as
-  the final of an abort it is sent for each request taken from it, or registering again.
+  the final of an abort it is sent for each request taken from it, or registering again. An
+  engine whose every request is held by backpressure (heartbeat ``held``) rightly steps none
+  of them: its heartbeats count as progress.
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class Fleet:
             if record.steps is not None:
                 record.last_progress = now
             record.steps = heartbeat.steps
+        if heartbeat.held and record.requests.issubset(heartbeat.held):
+            record.last_progress = now  # it rightly steps none of them: their readers hold them
         active = set(heartbeat.active)
         if not record.reconciling and not record.requests <= active:
             self._spawn(self.reconcile(record, active))

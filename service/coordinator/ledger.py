@@ -122,6 +122,11 @@ class RequestLedger:
     def running(self) -> bool:
         return self._control.state is RUNNING
 
+    @property
+    def state(self) -> CoordinatorState:
+        """The control state this replica follows (running, paused, ...)."""
+        return self._control.state
+
     def routing_key(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
         return self._policy.key_of(submit)
 

@@ -12,6 +12,10 @@ before its turn ends is skipped; one too large to route fails with 413; a batch 
 fails its requests with 503 (both through the ledger). A routed request carries its run
 (``attempt``) and, when it migrates, the tokens its stream already delivered
 (``resume_tokens``), counted in its size. The routing task outlives any failure.
+
+A traced request (:mod:`service.ops.tracing`) leaves alone, in a message of its own whose NATS
+headers carry its ``traceparent`` (its route span's), so the engine continues its trace; with
+tracing off nothing here looks at traces.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from service.coordinator.core import Core
 from service.coordinator.ledger import RequestLedger
 from service.coordinator.requests import InflightRequest
 from service.ops.log_limit import RateLimitedLog
+from service.ops.tracing import TRACEPARENT
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import FirstRun, RoutedRequest, RoutedRequestsOut
@@ -38,6 +43,7 @@ class Outbox:
         self._nc = core.nc
         self._subjects = core.subjects
         self._counters = core.counters
+        self._tracing = core.tracer is not None
         self._ledger = ledger
         self._publishing = False  # the routing task is publishing a round
         self._failures = RateLimitedLog(log)
@@ -87,10 +93,29 @@ class Outbox:
                 continue
             routable.append((entry, size))
         subject = self._subjects.engine(engine_id, Header.SUBMIT_REQUEST)
+        if self._tracing:
+            routable = await self._publish_traced(subject, engine_id, routable)
         for batch in split_batches(routable, itemgetter(1), max_payload):
             await self._publish_batch(subject, [entry for entry, _ in batch])
 
-    async def _publish_batch(self, subject: str, batch: list[InflightRequest]) -> None:
+    async def _publish_traced(
+        self, subject: str, engine_id: str, routable: list[tuple[InflightRequest, int]]
+    ) -> list[tuple[InflightRequest, int]]:
+        """Publish the traced requests of ``routable``, each alone with its ``traceparent``; the rest."""
+        rest: list[tuple[InflightRequest, int]] = []
+        for entry, size in routable:
+            trace = entry.trace
+            if trace is None:
+                rest.append((entry, size))
+                continue
+            traceparent = trace.routed(engine_id, entry.attempt, entry.admitted_at, entry.routed_at)
+            await self._publish_batch(subject, [entry], {TRACEPARENT: traceparent})
+            trace.sent()
+        return rest
+
+    async def _publish_batch(
+        self, subject: str, batch: list[InflightRequest], headers: dict[str, str] | None = None
+    ) -> None:
         message = RoutedRequestsOut(
             [
                 FirstRun(entry.return_path, entry.body)
@@ -100,7 +125,7 @@ class Outbox:
             ]
         )
         try:
-            await self._nc.publish(subject, encode_msgpack(message))
+            await self._nc.publish(subject, encode_msgpack(message), headers=headers)
             self._counters["routed_messages"] += 1
             self._counters["routed_requests"] += len(batch)
         except Exception as exc:  # the routing task must outlive any one failed publish

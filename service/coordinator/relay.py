@@ -102,6 +102,8 @@ class ReplyRelay:
         if entry.earlier_engines is not None and entry.stale(engine_id, reply.attempt):
             self._counters["stale_attempt_replies"] += 1
             return
+        if entry.trace is not None:
+            entry.trace.final_arrived()
         if reply.seq > entry.partials_delivered:
             entry.early_final = reply
             asyncio.get_running_loop().call_later(EARLY_FINAL_WAIT_S, self._send_early_final, request_id)

@@ -16,11 +16,15 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.coordinator.route_key import RouteKey
 from service.coordinator.timers import CoarseTimer
 from service.protocol.codec import Encoding
 from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import CoordinatorTrace
 
 ClientKey = tuple[str | None, ClientRequestId]
 
@@ -49,6 +53,7 @@ class InflightRequest:
     resumable: bool = True  # False once a partial came without tokens or after a lost one
     migrations: int = 0
     earlier_engines: list[str] | None = None  # engines that ran an earlier attempt of it
+    trace: CoordinatorTrace | None = None  # its spans, when it is traced (service/ops/tracing)
 
     @property
     def attempt(self) -> int:

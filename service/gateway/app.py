@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.errors import Error as NatsError
@@ -35,8 +36,12 @@ from service.gateway.metrics import GatewayMetrics
 from service.gateway.schemas import ModelCard, ModelCards, json_encoder
 from service.ops.log_limit import RateLimitedLog
 from service.ops.settings import Settings
+from service.ops.tracing import start_tracing
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import ModelList
+
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +52,12 @@ MODELS_PREFIX = "/v1/models/"
 class Gateway:
     """Owns the client library connection; the instance is the ASGI application."""
 
-    def __init__(self, settings: Settings, api_keys: ApiKeys) -> None:
+    def __init__(self, settings: Settings, api_keys: ApiKeys, tracer: Tracer | None = None) -> None:
+        """``tracer``: where the gateway's spans go, and its client library's; by default from
+        settings (None: tracing off)."""
         self.settings = settings
+        self._owns_tracer = tracer is None
+        self.tracer = tracer if tracer is not None else start_tracing(settings, "dpcoord-gateway")
         self.api_keys = api_keys
         self.started = int(time.time())
         self.metrics = GatewayMetrics(lambda: self._client.nc if self._client is not None else None)
@@ -69,6 +78,7 @@ class Gateway:
                 self._authorize,
                 self.requests,
                 lambda: self.draining,
+                self.tracer,
             )
             for endpoint in (COMPLETIONS, CHAT)
         }
@@ -111,6 +121,9 @@ class Gateway:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+        if self.tracer is not None and self._owns_tracer:
+            self._owns_tracer = False
+            await asyncio.to_thread(self.tracer.close)  # exports what is left: off the event loop
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -128,7 +141,9 @@ class Gateway:
         client_id = f"gateway-{uuid.uuid4().hex[:12]}"
         while True:
             try:
-                self._client = await DpcoordClient.connect(self.settings, client_id=client_id, timeout=2.0)
+                self._client = await DpcoordClient.connect(
+                    self.settings, client_id=client_id, timeout=2.0, tracer=self.tracer
+                )
                 break
             except (ClientError, TimeoutError, OSError, NatsError) as exc:
                 log.info("gateway: NATS or the coordinator not reachable yet (%s); retrying", exc)

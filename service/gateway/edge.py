@@ -15,6 +15,9 @@ uvicorn takes the protocol class as ``Config(http=...)``, so :class:`EdgeProtoco
   for a request that did not arrive whole in one read, so the common request costs none;
 - an idle keep-alive connection is closed after uvicorn's ``timeout_keep_alive``;
 - a connection beyond ``max_connections`` is answered 503 at once and closed;
+- a connection whose writes stay blocked for ``write_stall_s`` (its client takes nothing of
+  what it was sent, not even the error event that ends a stalled stream) is aborted: what waits
+  for it is freed;
 - while the server drains (service/gateway/server.py), every response closes its connection.
 
 Each request's scope carries the connection's :class:`Departure` as the ASGI extension
@@ -80,6 +83,7 @@ class EdgeLimits:
     max_headers: int = 100
     read_timeout_s: float = 10.0
     max_connections: int = 4096
+    write_stall_s: float = 120.0
 
 
 class EdgeProtocol(HttpToolsProtocol):
@@ -94,6 +98,7 @@ class EdgeProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._message_done = True  # the last request arrived in full, body included
         self._read_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
         self._refused = False
         self._departure = Departure()
 
@@ -106,8 +111,18 @@ class EdgeProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
+        self._cancel_write_timer()
         self._departure.fire()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_stall_s, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -169,6 +184,16 @@ class EdgeProtocol(HttpToolsProtocol):
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_stalled(self) -> None:
+        """The client took nothing for ``write_stall_s``: abort, dropping what waits for it."""
+        self._write_timer = None
+        self.transport.abort()
 
     def _read_timed_out(self) -> None:
         """The request (head or body) is late. Its handler, if it runs, waits for the body: it

@@ -6,6 +6,7 @@ status each wire error code maps to.
 | 400 | 400 | invalid_request_error |
 | 403 | 403 | permission_error |
 | 404 | 404 | not_found_error (code ``model_not_found`` for an unknown model) |
+| 408 | 408 | invalid_request_error (code ``stream_stalled``: the client read nothing of a held stream for ``gateway_stream_stall_s``; raised by the client library) |
 | 409 | 409 | conflict_error |
 | 413 | 413 | invalid_request_error (code ``payload_too_large``) |
 | 429 | 429 | rate_limit_error, with ``Retry-After`` |
@@ -93,6 +94,8 @@ def from_wire(code: int, message: str) -> GatewayError:
         return GatewayError(status, message, "model", "model_not_found")
     if status == ErrorCode.TOO_LARGE:
         error_code = "payload_too_large"
+    elif status == ErrorCode.STALLED:
+        error_code = "stream_stalled"
     return GatewayError(status, message, None, error_code)
 
 

@@ -25,12 +25,12 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from service.client import ClientError, DpcoordClient
+from service.client import ClientError, DpcoordClient, FlowLimits
 from service.gateway.asgi import check_json, header, read_body, respond, respond_error
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
@@ -57,6 +57,9 @@ from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import Final
 
+if TYPE_CHECKING:
+    from service.ops.tracing.otel import Tracer
+
 log = logging.getLogger(__name__)
 Sent = TypeVar("Sent")
 SESSION_HEADER = b"x-session-id"
@@ -80,7 +83,8 @@ CHAT = Endpoint("chat.completions", chat_decoder.decode, chat_plan, chat_respons
 
 class Generation:
     """Serves one endpoint; ``client`` raises a 503 GatewayError while not connected and
-    ``authorize`` a 401 for a missing or wrong key."""
+    ``authorize`` a 401 for a missing or wrong key. With a ``tracer``, each request is a span
+    continuing the HTTP client's ``traceparent``, the current span while it is served."""
 
     def __init__(
         self,
@@ -91,8 +95,10 @@ class Generation:
         authorize: Callable[[Scope], None],
         requests: Requests,
         draining: Callable[[], bool],
+        tracer: Tracer | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._tracer = tracer
         self.settings = settings
         self.metrics = metrics
         self._client = client
@@ -100,16 +106,26 @@ class Generation:
         self._requests = requests
         self._draining = draining
         self._timeout = settings.request_timeout_s
+        self._flow = FlowLimits(settings.gateway_stream_buffer_bytes, settings.gateway_stream_stall_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         requests = self._requests
         task = requests.enter()
         try:
-            await self._serve(task, scope, receive, send)
+            tracer = self._tracer
+            if tracer is None:
+                await self._serve(task, scope, receive, send)
+                return
+            traceparent = header(scope, b"traceparent")
+            with tracer.http_request(
+                "POST", scope["path"], traceparent.decode("latin-1") if traceparent else None
+            ) as span:
+                span.answered(await self._serve(task, scope, receive, send))
         finally:
             requests.leave(task)
 
-    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, task: asyncio.Task[Any], scope: Scope, receive: Receive, send: Send) -> int:
+        """Serve one request; its HTTP status."""
         started = time.perf_counter()
         metrics = self.metrics
         metrics.in_flight += 1
@@ -137,7 +153,7 @@ class Generation:
         if stream is None:
             metrics.in_flight -= 1
             metrics.answered(self.endpoint.name, status, time.perf_counter() - started)
-            return
+            return status
         try:
             await self._requests.write(task, stream, send)
         finally:
@@ -145,6 +161,7 @@ class Generation:
             metrics.in_flight -= 1
             metrics.answered(self.endpoint.name, 200, time.perf_counter() - started)
             metrics.used(stream.usage())
+        return 200
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> EventStream | None:
         """Answers a non-streamed request itself; returns a stream whose first reply arrived."""
@@ -187,10 +204,17 @@ class Generation:
             await asyncio.shield(aborted(client, ids))
 
     def _send(
-        self, call: Callable[..., Sent], plan: Plan, job: Job, client_request_id: str, session_id: str | None
+        self,
+        call: Callable[..., Sent],
+        plan: Plan,
+        job: Job,
+        client_request_id: str,
+        session_id: str | None,
+        **flow: Any,
     ) -> Sent:
         """``job`` through ``call``: the client's ``submit`` or ``stream_batches``, which take the
-        same arguments. The ``n`` samples of one prompt form a group."""
+        same arguments (``stream_batches`` also the bounds of its ``flow``). The ``n`` samples of
+        one prompt form a group."""
         return call(
             job.prompt,
             messages=job.messages,
@@ -199,6 +223,7 @@ class Generation:
             timeout=self._timeout,
             session_id=session_id,
             group_id=f"{plan.id}-g{job.index // plan.n}" if plan.n > 1 else None,
+            **flow,
             **plan.sampling,
         )
 
@@ -219,8 +244,9 @@ class Generation:
         self, client: DpcoordClient, plan: Plan, ids: list[str], watch: DisconnectWatch, session_id: str | None
     ) -> EventStream:
         """Wait for the first reply, so an error before the first token is a plain HTTP error."""
+        flow = self._flow
         replies = Replies(
-            (job, self._send(client.stream_batches, plan, job, rid, session_id))
+            (job, self._send(client.stream_batches, plan, job, rid, session_id, flow=flow))
             for job, rid in zip(plan.jobs, ids, strict=True)
         )
         try:

@@ -93,10 +93,16 @@ class ChatCompletionRequest(_Common, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
-class Usage(Struct):
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens read from the engines' prefix cache (Final.timings)
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Where every choice's final carried timings (docs/gateway.md, *Usage*); left out otherwise.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(Struct):

@@ -56,6 +56,7 @@ def edge_limits(settings: Settings) -> EdgeLimits:
         max_headers=settings.gateway_max_headers,
         read_timeout_s=settings.gateway_read_timeout_s,
         max_connections=settings.gateway_max_connections,
+        write_stall_s=2 * settings.gateway_stream_stall_s,
     )
 
 

@@ -263,13 +263,19 @@ class Replies:
     failure is raised after the replies that came before it. Each submission is read as the client
     library's ``stream_batches``: the replies that arrived together.
 
+    The queue is bounded: each submission's pump has about one list of replies in it at a time,
+    so a stream whose HTTP client stops reading stops taking its submissions' replies, which
+    then wait in the client library's mailboxes, bounded there (service/client/flow.py).
+
     A plan of one submission (the common case) reads its batches directly: no pump task and no
     second queue, so the replies ready together wake one task once."""
 
     def __init__(self, streams: Iterable[tuple[Job, AsyncGenerator[list[Partial | Final], None]]]) -> None:
-        self._queue: asyncio.Queue[Reply | BaseException | None] = asyncio.Queue()
-        self._failure: BaseException | None = None
         pairs = list(streams)
+        self._queue: asyncio.Queue[tuple[Job, list[Partial | Final]] | BaseException | None] = asyncio.Queue(
+            max(1, len(pairs))
+        )
+        self._failure: BaseException | None = None
         self._only = pairs[0] if len(pairs) == 1 else None
         self._pumps = [] if self._only is not None else [asyncio.ensure_future(self._pump(*pair)) for pair in pairs]
         self._running = len(pairs)
@@ -279,12 +285,10 @@ class Replies:
         try:
             async with aclosing(stream):
                 async for replies in stream:
-                    for reply in replies:
-                        queue.put_nowait((job, reply))
+                    await queue.put((job, replies))
         except Exception as exc:  # any failure of a choice reaches the stream, never silence
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(None)
+            await queue.put(exc)
+        await queue.put(None)  # not when cancelled: then nothing reads the queue any more
 
     async def batch(self) -> list[Reply]:
         """The replies ready now (waiting for one if none is); empty once every stream ended."""
@@ -319,7 +323,8 @@ class Replies:
                         raise item
                     return ready
                 else:
-                    ready.append(item)
+                    job, replies = item
+                    ready.extend((job, reply) for reply in replies)
                 if queue.empty():
                     break
                 item = queue.get_nowait()

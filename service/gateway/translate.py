@@ -29,6 +29,7 @@ from service.gateway.schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    PromptTokensDetails,
     Usage,
 )
 from service.protocol.messages import ChatMessage, Final
@@ -219,15 +220,22 @@ def _message(message: ChatMessageIn) -> ChatMessage:
 
 def usage_of(plan: Plan, finals: Iterable[tuple[int, Final]]) -> Usage:
     """Usage of the choices ``(index, final)``: completion tokens of each, prompt tokens once per
-    prompt (the largest count among its samples, which all share it)."""
+    prompt (the largest count among its samples, which all share it), and so the cached ones."""
     prompts: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    timed = True
     completion = 0
     for index, final in finals:
         group = index // plan.n
         prompts[group] = max(prompts.get(group, 0), final.prompt_tokens or 0)
         completion += len(final.generated_tokens)
+        if final.timings is None:
+            timed = False
+        else:
+            cached[group] = max(cached.get(group, 0), final.timings.cached_prompt_tokens)
     prompt = sum(prompts.values())
-    return Usage(prompt, completion, prompt + completion)
+    details = PromptTokensDetails(sum(cached.values())) if timed and cached else None
+    return Usage(prompt, completion, prompt + completion, details)
 
 
 def visible_text(plan: Plan, final: Final) -> str:
@@ -260,7 +268,9 @@ def answered_usage(plan: Plan, finals: list[Final]) -> Usage:
     if len(finals) == 1:
         final = finals[0]
         prompt, completion = final.prompt_tokens or 0, len(final.generated_tokens)
-        return Usage(prompt, completion, prompt + completion)
+        timings = final.timings
+        details = None if timings is None else PromptTokensDetails(timings.cached_prompt_tokens)
+        return Usage(prompt, completion, prompt + completion, details)
     return usage_of(plan, zip([job.index for job in plan.jobs], finals, strict=True))
 
 

@@ -343,6 +343,16 @@ class Settings(BaseSettings):
         ge=0,
         description="Seconds the gateway lets requests in progress run after SIGTERM: /readyz and /health fail at once and new generation requests get 503 shutting_down; streams still running then end with an error event and [DONE], other requests with a 503 error body. Match the pod's terminationGracePeriodSeconds",
     )
+    gateway_stream_buffer_bytes: GatewaySetting[int] = Field(
+        1 << 20,
+        ge=65536,
+        description="Bytes of a stream's replies the gateway keeps for an HTTP client that reads slower than its engine generates; past them the request is held in its engine until the client catches up (docs/gateway.md, Backpressure)",
+    )
+    gateway_stream_stall_s: GatewaySetting[float] = Field(
+        60.0,
+        gt=0,
+        description="Seconds a stream may stay held for an HTTP client that reads nothing: its request is then aborted and the stream ends with an error event when the client reads again; a connection whose writes stay blocked twice as long is closed",
+    )
     gateway_read_timeout_s: GatewaySetting[float] = Field(
         10.0,
         gt=0,
@@ -367,6 +377,20 @@ class Settings(BaseSettings):
     log_level: ServiceSetting[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field("INFO", description="Log level")
     event_loop: ServiceSetting[Literal["auto", "asyncio", "uvloop"]] = Field(
         "auto", description="Event loop; auto takes uvloop when installed"
+    )
+    # Tracing with OpenTelemetry (docs/protocol.md, *Tracing*; the otel extra): off unless an endpoint is set.
+    otlp_endpoint: ServiceSetting[str | None] = Field(
+        None,
+        pattern=r"^https?://[^\s]+$",
+        description="Base URL of an OTLP/HTTP collector (http://collector:4318); spans go to its /v1/traces. "
+        "Unset: tracing off, and OpenTelemetry is not imported",
+    )
+    trace_sample_ratio: ServiceSetting[float] = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of requests traced where a trace starts; a request that arrives with a W3C "
+        "traceparent follows its sampled flag",
     )
 
     @model_validator(mode="after")

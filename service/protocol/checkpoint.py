@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -21,6 +22,7 @@ import xxhash
 from service.protocol.errors import ErrorCode, WireError
 
 DIGEST_PREFIX = "xxh3-128:"
+DIGEST_CHUNK = 64 * 1024 * 1024  # bytes hashed between two progress reports
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -35,8 +37,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
-def checkpoint_digest(files: list[Path]) -> str:
-    """``xxh3-128:<hex>`` over the files as described above."""
+def checkpoint_digest(files: list[Path], on_bytes: Callable[[int], None] | None = None) -> str:
+    """``xxh3-128:<hex>`` over the files as described above; ``on_bytes`` hears each chunk of
+    :data:`DIGEST_CHUNK` bytes read (progress)."""
     digest = xxhash.xxh3_128()
     for path in files:
         with path.open("rb") as handle:
@@ -44,6 +47,11 @@ def checkpoint_digest(files: list[Path]) -> str:
             digest.update(path.name.encode())
             digest.update(struct.pack("<Q", size))
             if size:
-                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                    digest.update(mapped)
+                with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+                    for start in range(0, size, DIGEST_CHUNK):
+                        chunk = view[start : start + DIGEST_CHUNK]
+                        digest.update(chunk)
+                        chunk.release()
+                        if on_bytes is not None:
+                            on_bytes(min(DIGEST_CHUNK, size - start))
     return DIGEST_PREFIX + digest.hexdigest()

@@ -9,6 +9,7 @@ class ErrorCode(enum.IntEnum):
     MALFORMED = 400
     FORBIDDEN = 403
     NOT_FOUND = 404
+    STALLED = 408  # a stream whose reader took nothing for the stall limit (service/client/flow.py)
     CONFLICT = 409
     TOO_LARGE = 413
     OVERLOADED = 429

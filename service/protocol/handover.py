@@ -1,7 +1,7 @@
 """Messages between coordinator replicas, and from the adopter of a dead replica to engines.
 
 A request belongs to the replica that admitted it (its id starts with that replica's id). A
-resubmission or an abort can reach another replica through the queue group; that replica asks
+resubmission, an abort or a hold can reach another replica through the queue group; that replica asks
 its live peers, each on its own subject (``<prefix>.<header>.<recipient>``), whether they hold
 the request, passing along the client's owner and reply subject, which only it saw. Only
 coordinators may publish these (NATS permissions, docs/security.md): a forwarded message names
@@ -39,6 +39,16 @@ class ForwardedAbort(Struct, array_like=True):
     request_id: str | None = None
     client_id: str | None = None
     client_request_id: ClientRequestId | None = None
+
+
+class ForwardedHold(Struct, array_like=True):
+    """A ``hold_request`` the sending replica does not hold: the recipient passes it on to the
+    request's engine if it holds the request and ``owner`` owns it, and answers as to the client."""
+
+    owner: str
+    request_id: str
+    held: bool
+    seq: int = 0
 
 
 class Holding(Struct, tag="holding", tag_field="type"):

@@ -55,6 +55,9 @@ class Heartbeat(Struct):
     steps: Int64 | None = None  # steps taken since the engine started: progress while no reply is due
     weight_version: WeightVersion | None = None  # an extension: the weights it serves
     kv_sequence: Count | None = None  # an extension, as in EngineRegister: a missed last KV event shows here
+    # An extension: the requests of ``active`` held by backpressure (hold_request), which the
+    # engine rightly does not step; None from engines that predate it.
+    held: list[str] | None = None
 
 
 class ResendReplies(Struct):

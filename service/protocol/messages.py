@@ -135,6 +135,9 @@ class SubmitEnvelope(Struct, array_like=True):
     # Extensions, as SubmitRequest's: the body's session and group, for routing without decoding it.
     session_id: AffinityId | None = None
     group_id: AffinityId | None = None
+    # An extension: the client reads a :class:`Held` notice when its request waits because the
+    # fleet is not running (paused, suspended); clients that leave it False never get one.
+    held_notices: bool = False
 
 
 class ConnectRequest(Struct):
@@ -145,6 +148,18 @@ class AbortRequest(Struct):
     client_request_id: ClientRequestId | None = None
     client_id: str | None = None
     request_id: str | None = None
+
+
+class HoldRequest(Struct):
+    """The body of ``hold_request`` (an extension, docs/protocol.md *Backpressure*): a client
+    whose reader fell behind asks that the request's generation be ``held`` (paused in its
+    engine) or, once the reader caught up, released (``held`` false). ``seq`` counts the
+    client's hold requests for this request, so an engine that gets two out of order keeps the
+    newer."""
+
+    request_id: str
+    held: bool = True
+    seq: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0
 
 
 class ControlSignal(Struct):
@@ -232,6 +247,20 @@ class WeightVersionSpan(Struct):
     end: int
 
 
+class Timings(Struct):
+    """An extension on every engine's final (docs/protocol.md, *Timings*), measured by the engine
+    that ran this run of the request, in seconds from the routed request's arrival there:
+    ``queued_s`` until the step that prefilled it began (its wait in the engine's queue; the
+    coordinator's queue is not in it), ``ttft_s`` until its first token (None: it generated
+    none), ``decode_s`` from the first token to the last; ``cached_prompt_tokens`` of the
+    prompt were read from the prefix cache instead of being computed."""
+
+    queued_s: float
+    ttft_s: float | None = None
+    decode_s: float = 0.0
+    cached_prompt_tokens: int = 0
+
+
 class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     request_id: str
     client_request_id: ClientRequestId | None
@@ -251,6 +280,18 @@ class Final(Struct, tag="final", tag_field="type", omit_defaults=True):
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[TopLogprob] | None] | None = None
     token_bytes: dict[int, bytes] | None = None
+    timings: Timings | None = None  # an extension: None from the coordinator and older engines
+
+
+class Held(Struct, tag="held", tag_field="type"):
+    """An extension, sent to clients that asked (``SubmitEnvelope.held_notices``): the request
+    was accepted and waits in the coordinator's queue because the fleet is ``state`` (the
+    control state: ``paused``, ``suspended``); it runs once the fleet runs again. At most one
+    per submission, before any other reply; never terminal."""
+
+    request_id: str
+    client_request_id: ClientRequestId | None
+    state: str
 
 
 class ErrorReply(Struct, tag="error", tag_field="type", omit_defaults=True):
@@ -297,7 +338,7 @@ class ModelList(Struct, tag="models", tag_field="type"):
     models: list[ServedModel]
 
 
-Reply = Partial | Final | ErrorReply | Ack | ConnectAck | ModelList
+Reply = Partial | Final | Held | ErrorReply | Ack | ConnectAck | ModelList
 
 
 def error_reply(
@@ -367,6 +408,17 @@ class RoutedRequestsOut(Struct, array_like=True):
 
 class RoutedAbort(Struct):
     request_id: str
+
+
+class RoutedHold(Struct):
+    """A :class:`HoldRequest` the request's owner passes on to its engine
+    (``<prefix>.engine.<id>.hold_request``): the engine skips the request in its steps while
+    held, keeping it; unknown request ids and a ``seq`` not newer than the last applied are
+    ignored. An engine of an earlier release does not listen there and keeps generating."""
+
+    request_id: str
+    held: bool
+    seq: int = 0
 
 
 class RoutedReply(Struct, array_like=True, gc=False):

@@ -24,6 +24,7 @@ class Header(enum.StrEnum):
     CONNECT = "connect"
     SUBMIT_REQUEST = "submit_request"
     ABORT_REQUEST = "abort_request"
+    HOLD_REQUEST = "hold_request"  # an extension: backpressure from a client whose reader fell behind
     LIST_MODELS = "list_models"
     PAUSE = "pause"
     UNPAUSE = "unpause"
@@ -47,6 +48,7 @@ class Header(enum.StrEnum):
     # A replica that does not hold a request asks the others (``<prefix>.<header>.<recipient>``).
     FORWARD_SUBMISSION = "forward_submission"
     FORWARD_ABORT = "forward_abort"
+    FORWARD_HOLD = "forward_hold"
 
 
 # Routed to one engine only (``<prefix>.engine.<id>.resend_replies``): the coordinator asks for

@@ -100,9 +100,14 @@ def subjects(headers: set[Header] | frozenset[Header]) -> set[str]:
 # Who sends each header. A new header fails this test until it is given to a user here and in
 # templates/nats-auth.yaml.
 SIGNALS = CONTROL_HEADERS | PROFILER_HEADERS | {Header.SHUTDOWN, Header.UPDATE_WEIGHTS}
-BETWEEN_COORDINATORS = {Header.COORDINATOR_HEARTBEAT, Header.FORWARD_SUBMISSION, Header.FORWARD_ABORT}
+BETWEEN_COORDINATORS = {
+    Header.COORDINATOR_HEARTBEAT,
+    Header.FORWARD_SUBMISSION,
+    Header.FORWARD_ABORT,
+    Header.FORWARD_HOLD,
+}
 FROM_ENGINES = set(ENGINE_HEADERS)
-FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.LIST_MODELS}
+FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Header.HOLD_REQUEST, Header.LIST_MODELS}
 
 
 def test_permissions_follow_the_protocols_subjects() -> None:
@@ -119,6 +124,7 @@ def test_permissions_follow_the_protocols_subjects() -> None:
         "dpcoord.coordinator_heartbeat",
         "dpcoord.forward_submission.*",  # to one replica: only coordinators may forward
         "dpcoord.forward_abort.*",
+        "dpcoord.forward_hold.*",
     }
     # Replies into inboxes only: the clients' and admin's, and the pods'.
     inboxes = {subject for subject in coordinator["allow"] if subject.startswith("_INBOX")}

@@ -45,6 +45,7 @@ from tests.faults.chaos_load import (
     run_load,
     sdk_client,
 )
+from tests.faults.chaos_stalled import StalledReaders
 from tests.gateway_helpers import hang_up_after, http
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
@@ -84,6 +85,38 @@ async def test_streams_stay_exact_through_faults(scenario: str, stack: ChaosStac
     title, streams, faults = SCENARIOS[scenario]
     tally = await run_load(stack, title, streams, [partial(fault, stack) for fault in faults])
     await report(stack, tally, chaos_report)
+
+
+# ---------------------------------------------------------------- stalled readers
+
+STALLED_LIBRARY = 30
+STALLED_HTTP = 10
+
+
+async def test_stalled_readers_are_held_through_faults_and_end_exact(
+    stack: ChaosStack, chaos_report: list[str]
+) -> None:
+    """Library streams whose readers stop are held in their engines while a replica and an
+    engine are SIGKILLed beside a load through the gateway (and gateway streams nobody reads
+    sit beside it too); the load is as exact as ever, and the stalled streams, read again once
+    the faults are over, end exact (tests/faults/chaos_stalled.py)."""
+    await stack.heal()
+    async with StalledReaders(stack, STALLED_LIBRARY, STALLED_HTTP) as stalled:
+        held = await stalled.held()
+        tally = await run_load(
+            stack,
+            "stalled readers + replica + engine",
+            STREAMS,
+            [partial(kill_and_restart_a_replica, stack), partial(kill_an_engine, stack)],
+        )
+        outcomes = await stalled.read_again()
+    line = f"{'stalled readers, read again':<34} streams {STALLED_LIBRARY:>4}  held {held}  {dict(outcomes)}"
+    chaos_report.append(line)
+    print(f"\n[chaos] {line}")
+    await report(stack, tally, chaos_report)
+    assert held >= STALLED_LIBRARY, line
+    assert outcomes["corrupt"] == outcomes["hung"] == 0, line
+    assert outcomes["exact"] >= 0.9 * STALLED_LIBRARY, line
 
 
 # ---------------------------------------------------------------- a dead coordinator's requests

@@ -16,6 +16,7 @@ import pytest
 
 from service.bus.connection import NatsUnreachable
 from service.cli.fleet_commands import CONTROL_WAIT_FLOOR_S, CONTROL_WAIT_MARGIN_S, control_wait_s
+from service.cli.stack import until_ready
 from service.client import DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.coordinator.observability import coordinator_observability
@@ -143,3 +144,12 @@ def test_control_waits_as_long_as_the_coordinator_may_take() -> None:
     assert control_wait_s(Header.UPDATE_WEIGHTS, None, settings) == 5 + 2 * 600 + CONTROL_WAIT_MARGIN_S
     assert control_wait_s(Header.PAUSE, "keep", settings) == CONTROL_WAIT_FLOOR_S
     assert control_wait_s(Header.STOP, None, Settings(control_timeout_s=30)) == 30 + 30 + CONTROL_WAIT_MARGIN_S
+
+
+async def test_up_says_it_waits_for_engines_while_they_load(
+    settings: Settings, observed: Coordinator, start_engines: EngineFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ready = asyncio.ensure_future(until_ready(settings, 1, line_every_s=0.2))
+    await until(lambda: "waiting for the engines" in capsys.readouterr().err, 10)
+    await start_engines(1)
+    assert await asyncio.wait_for(ready, 10) == 1

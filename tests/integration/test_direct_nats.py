@@ -37,12 +37,14 @@ def test_nats_py_still_has_the_hook_and_the_sid() -> None:
     assert "self._id = id" in inspect.getsource(Subscription.__init__)
 
 
-async def test_direct_handler_gets_subject_reply_and_body_in_order(direct: DirectClient, nc: NATS) -> None:
+async def test_direct_handler_gets_subject_reply_body_and_headers_in_order(direct: DirectClient, nc: NATS) -> None:
     got: list[tuple[str, str, bytes]] = []
+    headers: list[bytes | None] = []
     done = asyncio.Event()
 
-    async def handler(subject: str, reply: str, body: bytes) -> None:
+    async def handler(subject: str, reply: str, body: bytes, header_block: bytes | None) -> None:
         got.append((subject, reply, body))
+        headers.append(header_block)
         if len(got) == 3:
             done.set()
 
@@ -53,6 +55,8 @@ async def test_direct_handler_gets_subject_reply_and_body_in_order(direct: Direc
     await nc.publish("direct.test.a", b"", headers={"K": "V"})
     await asyncio.wait_for(done.wait(), 5)
     assert got == [("direct.test.a", "inbox.1", b"1"), ("direct.test.b", "", b"2"), ("direct.test.a", "", b"")]
+    assert headers[:2] == [None, None]
+    assert headers[2] is not None and headers[2].startswith(b"NATS/1.0") and b"K: V" in headers[2]
     assert direct.stats["in_msgs"] >= 3
 
 
@@ -61,7 +65,7 @@ async def test_a_failing_handler_is_logged_and_the_next_message_still_arrives(
 ) -> None:
     second = asyncio.Event()
 
-    async def handler(subject: str, reply: str, body: bytes) -> None:
+    async def handler(subject: str, reply: str, body: bytes, headers: bytes | None) -> None:
         if body == b"boom":
             raise ValueError("boom")
         second.set()
@@ -80,11 +84,11 @@ async def test_unsubscribed_direct_handler_hears_nothing_more(direct: DirectClie
     heard: list[bytes] = []
     first, marker = asyncio.Event(), asyncio.Event()
 
-    async def handler(subject: str, reply: str, body: bytes) -> None:
+    async def handler(subject: str, reply: str, body: bytes, headers: bytes | None) -> None:
         heard.append(body)
         first.set()
 
-    async def on_marker(subject: str, reply: str, body: bytes) -> None:
+    async def on_marker(subject: str, reply: str, body: bytes, headers: bytes | None) -> None:
         marker.set()
 
     subscription = await direct.subscribe_direct("direct.unsub", handler)
@@ -105,7 +109,7 @@ async def test_unsubscribed_direct_handler_hears_nothing_more(direct: DirectClie
 async def test_ordinary_subscriptions_on_a_direct_client_behave_as_in_nats_py(
     direct: DirectClient, nats_url: str
 ) -> None:
-    async def handler(subject: str, reply: str, body: bytes) -> None:
+    async def handler(subject: str, reply: str, body: bytes, headers: bytes | None) -> None:
         await direct.publish(reply, b"direct:" + body)
 
     await direct.subscribe_direct("direct.echo", handler)

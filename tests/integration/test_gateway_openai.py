@@ -42,6 +42,9 @@ async def test_sync_completion_with_usage(start_engines: EngineFactory, gateway:
         7,
         12,
     )
+    # The engines' timings give OpenAI's cached prompt tokens (the echo engine caches nothing).
+    assert completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0
 
 
 async def test_async_completion_of_several_prompts_and_n(
@@ -60,6 +63,8 @@ async def test_async_completion_of_several_prompts_and_n(
     ]
     assert completion.usage is not None and completion.usage.prompt_tokens == 2 + 3
     assert completion.usage.completion_tokens == 3 * 4
+    assert completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0
     by_ids = await aclient.completions.create(model=ECHO, prompt=[104, 105], max_tokens=3)
     assert by_ids.choices[0].text == "hih"
 
@@ -75,6 +80,7 @@ async def test_streamed_completion_with_usage(start_engines: EngineFactory, acli
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (5, 7)
+    assert chunks[-1].usage.prompt_tokens_details is not None
 
 
 async def test_sync_chat_renders_the_plain_fallback(start_engines: EngineFactory, gateway: Served) -> None:

@@ -29,6 +29,9 @@ async def test_json_submission_gets_one_json_final(
         submit_subject(coordinator),
         {"prompt": "hello", "sampling_params": {"max_tokens": 7}, "client_request_id": "r-1", "unknown_key": [1, 2]},
     )
+    timings = reply.pop("timings")  # the engine's, in seconds (docs/protocol.md, Timings)
+    assert timings["cached_prompt_tokens"] == 0 and 0 <= timings["queued_s"] <= timings["ttft_s"]
+    assert timings["decode_s"] >= 0 and len(timings) == 4
     assert reply == {
         "type": "final",
         "request_id": reply["request_id"],

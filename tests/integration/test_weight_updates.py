@@ -64,7 +64,11 @@ async def client(settings: Settings, nc: NATS) -> AsyncIterator[DpcoordClient]:
 
 
 async def test_an_update_is_acknowledged_by_every_engine_and_recorded_for_the_fleet(
-    coordinator: Coordinator, start_engines: EngineFactory, client: DpcoordClient, tmp_path: Path
+    coordinator: Coordinator,
+    start_engines: EngineFactory,
+    client: DpcoordClient,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     engines = await start_engines(2)
     path = checkpoint(tmp_path / "b", b"weights of B")
@@ -77,6 +81,9 @@ async def test_an_update_is_acknowledged_by_every_engine_and_recorded_for_the_fl
     digest = checkpoint_digest(checkpoint_files(path))
     assert ack.weight_version == 1 and ack.digest == digest and ack.state == "paused"
     assert ack.engines == {engine.engine_id: digest for engine in engines}
+    said = [record.getMessage() for record in caplog.records if record.name == "engines.weight_updates"]
+    for phase in (": staging from ", ": digest: done, 12 B in ", ": swap: done, in "):  # each engine says each phase
+        assert sum(phase in line for line in said) == 2, (phase, said)
     record = coordinator.shared.record
     assert (record.weight_version, record.weight_path, record.weight_digest) == (1, str(path), digest)
     assert all(engine.weights.version == 1 and engine_status(engine).weight_version == 1 for engine in engines)

@@ -1,9 +1,12 @@
-"""Shared pieces of the torch tests: tiny configs, transformers' reference model with the
-same weights, and a harness that drives the engine's model step by step."""
+"""Shared pieces of the torch tests: tiny configs, transformers' reference model of the same
+family with the same weights, and a harness that drives the engine's model step by step."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,7 +14,8 @@ import torch
 from engines.torch_backend.batch import build_batch
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig, RopeConfig
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.families import hf_config
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.options import TorchOptions
 from engines.torch_backend.rope import rotary_table
 from engines.torch_backend.scheduler import Scheduler
@@ -45,12 +49,16 @@ LLAMA3_ROPE = RopeConfig(
 
 
 def hf_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' causal LM of the config's family holding ``weights`` (Hugging Face names),
+    loaded by ``from_pretrained`` from a checkpoint written here, so that transformers maps
+    the names itself (per-expert tensors onto its stacked experts, for one)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(**config.to_hf()))
-    result = model.load_state_dict(weights, strict=False)
-    tied = ["lm_head.weight"] if config.tie_word_embeddings else []
-    assert result.missing_keys == tied and not result.unexpected_keys, result
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(hf_config(config)))
+        save_file({name: tensor.contiguous() for name, tensor in weights.items()}, f"{directory}/model.safetensors")
+        model = AutoModelForCausalLM.from_pretrained(directory)
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.eval()
@@ -66,7 +74,7 @@ def record_token(sequence: Sequence, token: int, blocks: BlockManager | None = N
         blocks.commit(sequence)
 
 
-def engine_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaModel:
+def engine_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> DecoderModel:
     return build_model(config, iter(weights.items()), torch.float32, torch.device("cpu"))
 
 
@@ -79,7 +87,7 @@ class Harness:
     """The engine's model, scheduler and cache without the backend: feeds chosen tokens and
     returns the logits of every step, so prefill and decode can be compared with transformers."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int = 64, block_size: int = 4, max_batch: int = 16) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int = 64, block_size: int = 4, max_batch: int = 16) -> None:
         config = model.config
         self.model = model
         self.block_size = block_size
@@ -95,7 +103,12 @@ class Harness:
     def step(self) -> dict[str, torch.Tensor]:
         scheduled = self.scheduler.schedule()
         batch = build_batch(
-            scheduled, self.block_size, self.model.config.group_size, torch.float32, torch.device("cpu")
+            scheduled,
+            self.block_size,
+            self.model.config.group_size,
+            torch.float32,
+            torch.device("cpu"),
+            sliding_window=self.model.config.sliding_window,
         )
         logits = self.model(batch, self.rotary, self.cache)
         return {sequence.request_id: row for sequence, row in zip(scheduled.sequences, logits, strict=True)}

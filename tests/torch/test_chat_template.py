@@ -134,11 +134,12 @@ def test_the_torch_backend_tokenises_the_rendered_chat_as_transformers(tmp_path:
     from safetensors.torch import save_file
 
     from engines.torch_backend.backend import TorchBackend
+    from engines.torch_backend.families import hf_config
     from engines.torch_backend.weights import random_weights
     from tests.torch.reference import engine_options, tiny
 
     config = tiny(vocab_size=300)
-    (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(config)))
     save_file(random_weights(config, seed=0), str(tmp_path / "model.safetensors"))
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(tmp_path)

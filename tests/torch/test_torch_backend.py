@@ -12,6 +12,7 @@ import torch
 from engines.backend import GenerationRequest, TokenOutput
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.families import hf_config
 from engines.torch_backend.memory import KVCacheSizeError, page_bytes
 from engines.torch_backend.sampling import SamplingParams, request_key, sample
 from engines.torch_backend.setup import resolve_dtype
@@ -114,7 +115,7 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path, overlap: boo
     """Launched ahead, the step after the EOS has a row for it, whose token is never emitted."""
     config = tiny()
     weights = random_weights(config, seed=2)
-    _checkpoint(tmp_path, config.to_hf(), weights)
+    _checkpoint(tmp_path, hf_config(config), weights)
     free = TorchBackend(engine_options(), str(tmp_path))
     generated = tokens(run_to_end(free, GenerationRequest("r", [1, 2, 3], max_tokens=12, temperature=0.0))["r"])
     eos = generated[4]
@@ -130,7 +131,7 @@ def test_eos_from_generation_config_stops_with_stop(tmp_path: Path, overlap: boo
 
 def test_eos_null_means_no_eos(tmp_path: Path) -> None:
     config = tiny()
-    _checkpoint(tmp_path, config.to_hf() | {"eos_token_id": 5}, random_weights(config, seed=2))
+    _checkpoint(tmp_path, hf_config(config) | {"eos_token_id": 5}, random_weights(config, seed=2))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
     assert TorchBackend(engine_options(), str(tmp_path)).config.eos_token_ids == ()
     (tmp_path / "generation_config.json").write_text(json.dumps({}))
@@ -163,6 +164,28 @@ def test_a_full_cache_queues_requests_and_serves_them_all(overlap: bool) -> None
     assert all(len(tokens(outputs[f"q{i}"])) == 12 for i in range(5))
     assert len({tuple(tokens(value)) for value in outputs.values()}) == 1  # preemption and recompute change nothing
     assert backend.scheduler.num_preempted > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one at a time", "launched ahead"])
+def test_a_held_request_generates_nothing_until_released_and_then_what_it_would_have(overlap: bool) -> None:
+    """Backpressure: a held request gives its pages back and is recomputed when released; a
+    step launched ahead drops its token for it, as for a preemption."""
+    backend = TorchBackend(engine_options(model_seed=1, overlap_steps=overlap))
+    expected = tokens(run_to_end(backend, sampled("h", seed=5, top_k=20))["h"])
+    backend.add(sampled("h", seed=5, top_k=20))
+    backend.add(sampled("other", max_tokens=40))
+    got: list[int] = []
+    for _ in range(4):
+        got += [token for output in backend._step() if output.request_id == "h" for token in output.new_tokens]
+    free = backend.scheduler.blocks.num_free
+    assert backend.hold("h") and not backend.hold("h") and not backend.hold("unknown")
+    for _ in range(6):
+        assert all(output.request_id == "other" for output in backend._step() if output.new_tokens)
+    assert backend.scheduler.blocks.num_free > free  # its pages went back
+    backend.release("h")
+    while backend.has_work():
+        got += [token for output in backend._step() if output.request_id == "h" for token in output.new_tokens]
+    assert got == expected
 
 
 def test_abort_frees_the_cache_at_once(backend: TorchBackend) -> None:
@@ -222,10 +245,15 @@ def test_dtype_rules() -> None:
     assert resolve_dtype("bfloat16", ModelConfig(dtype="float16"), cpu) == torch.bfloat16
 
 
-def test_checkpoint_dtype_is_used(tmp_path: Path) -> None:
+def test_checkpoint_dtype_is_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = tiny()
-    _checkpoint(tmp_path, config.to_hf() | {"torch_dtype": "bfloat16", "dtype": None}, random_weights(config, seed=2))
+    _checkpoint(
+        tmp_path, hf_config(config) | {"torch_dtype": "bfloat16", "dtype": None}, random_weights(config, seed=2)
+    )
     backend = TorchBackend(engine_options(), str(tmp_path))
+    said = [record.getMessage() for record in caplog.records if record.name == "engines.torch_backend.loading"]
+    assert said[0].startswith(f"loading weights from {tmp_path}: 1 files, ")  # then progress, then its end
+    assert said[-1].startswith(f"loading weights from {tmp_path.name}: done, ")
     assert backend.dtype == torch.bfloat16
     assert next(backend.model.parameters()).dtype == torch.bfloat16
     outputs = run_to_end(backend, GenerationRequest("r", [1, 2, 3], max_tokens=4, temperature=0.0))["r"]

@@ -130,3 +130,13 @@ def test_abort_while_the_next_step_is_launched_drops_its_token_and_frees_its_pag
         rest += backend._step()
     assert {output.request_id for output in rest} == {"kept"}
     assert len(rest) == 7 and blocks.num_free == blocks.num_blocks
+
+
+def test_every_output_says_how_many_prompt_tokens_the_prefix_cache_held_when_first_scheduled() -> None:
+    """What ``Final.timings.cached_prompt_tokens`` reports: the full pages of a prompt another
+    request computed (32 of PREFIX's 40 tokens), 0 for the first."""
+    backend = TorchBackend(engine_options(model_seed=SEED))
+    first = run_to_end(backend, greedy("first", PREFIX, max_tokens=3))["first"]
+    second = run_to_end(backend, greedy("second", PREFIX + [1, 2], max_tokens=3))["second"]
+    assert {output.cached_tokens for output in first} == {0}
+    assert {output.cached_tokens for output in second} == {32}

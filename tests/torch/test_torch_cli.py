@@ -16,6 +16,7 @@ from engines.torch_backend.backend import TorchBackend
 from service.cli.main import build_parser, settings_from
 from service.ops.settings import Settings
 from tests.helpers import REPO_ROOT, read_up_banner
+from tests.torch.families import Checkpoints
 
 
 def test_torch_is_the_default_backend() -> None:
@@ -67,8 +68,14 @@ def test_a_directory_without_config_json_is_a_clear_error(tmp_path: Path) -> Non
         make_backend(Settings(device="cpu"), str(tmp_path))
 
 
-def test_up_then_submit_streams_tokens_from_torch_engines(tmp_path: Path) -> None:
-    """The issue's acceptance check: `dpcoord up`, then `dpcoord submit "Hello" --stream`."""
+@pytest.mark.parametrize("family", [None, "qwen3_moe"], ids=["default model", "qwen3-moe checkpoint"])
+def test_up_then_submit_streams_tokens_from_torch_engines(
+    tmp_path: Path, checkpoints: Checkpoints, family: str | None
+) -> None:
+    """The issue's acceptance check: `dpcoord up`, then `dpcoord submit "Hello" --stream`; also
+    with `--model` a model directory of another family than Llama."""
+    model_dir = None if family is None else checkpoints.get(family).path
+    model = [] if model_dir is None else ["--model", str(model_dir)]
     dpcoord = [sys.executable, "-m", "service"]
     env = {key: value for key, value in os.environ.items() if not key.startswith("DPCOORD_")}
     env.update(
@@ -76,12 +83,19 @@ def test_up_then_submit_streams_tokens_from_torch_engines(tmp_path: Path) -> Non
     )
     with (tmp_path / "up.log").open("w") as log:
         stack = subprocess.Popen(
-            dpcoord + ["up", "--engines", "1"], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True
+            dpcoord + ["up", "--engines", "1", *model],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
         )
         try:
             assert stack.stdout is not None
             lines = read_up_banner(stack.stdout)
             assert "1 torch engine(s)" in lines[0]
+            if model_dir is not None:  # the engine serves the directory's model, named after it
+                assert f"(models: {model_dir.name})" in "".join(lines)
             url = next(line.split()[1] for line in lines if line.startswith("NATS:"))
             submit = subprocess.run(
                 dpcoord + ["submit", "Hello", "--stream", "--max-tokens", "6", "--seed", "1"],

@@ -18,6 +18,8 @@ from engines.observability import engine_status
 from engines.runtime import EngineRuntime
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.batch import build_batch
+from engines.torch_backend.config import MoeConfig
+from engines.torch_backend.experts import grouped_experts
 from engines.torch_backend.fast_path import FastPathUnavailable, capture_graphs, execution_path, require_fast
 from engines.torch_backend.kernels import EAGER, Kernels, compiled_pointwise
 from engines.torch_backend.rope import rotary_table
@@ -81,13 +83,23 @@ def test_a_failed_capture_is_logged_with_its_traceback_and_counted(caplog: pytes
     assert path.failures == ("CUDA graphs",) and not path.cuda_graphs
 
 
-def test_serving_never_recompiles_the_pieces_the_load_time_check_compiled() -> None:
+SERVED = {
+    "llama": tiny(),
+    # Head norms on views of the fused q|k|v rows (3-d inputs); grouped experts of another width.
+    "qwen3-moe": tiny(
+        family="qwen3_moe", head_dim=24, qk_norm=True, moe=MoeConfig(8, 2, 32, mlp_only_layers=(1,)), num_layers=3
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_serving_never_recompiles_the_pieces_the_load_time_check_compiled(name: str) -> None:
     """The check compiles under inference_mode with several tokens and with one; a prefill and
     decode steps at batch 1 and 3 then run every compiled piece without a new variant
     (``error_on_recompile`` turns one into an error). ``aot_eager`` traces what inductor would."""
-    config = tiny()
+    config = SERVED[name]
     model = engine_model(config, random_weights(config, seed=4))
-    model.kernels = Kernels(*compiled_pointwise("aot_eager"), None)
+    model.kernels = Kernels(*compiled_pointwise("aot_eager"), None, grouped_experts)
     rotary = rotary_table(config.rope, config.head_dim, 128, torch.float32, torch.device("cpu"))
     check_pointwise(model.kernels, config, rotary)
     block_size = 4

@@ -1,9 +1,11 @@
 """The CUDA fast paths of the torch backend: the Triton paged decode kernel, compiled
 element-wise pieces, decode CUDA graphs per batch bucket, overlapped steps and prefix caching,
-against transformers and against the same engine with every fast path off. Skipped without a
-CUDA device (run them with ``pytest -m gpu tests/torch/test_torch_gpu*.py``; the kernel tests of test_torch_kernels.py run on the device too, unmarked)."""
+against transformers and against the same engine with every fast path off, for the default
+model and for every supported family. Skipped without a CUDA device (run them with ``pytest -m gpu tests/torch/test_torch_gpu*.py``; the kernel tests of test_torch_kernels.py run on the device too, unmarked)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.kernels import EAGER
 from engines.torch_backend.options import TorchOptions
+from engines.torch_backend.setup import MOE_EAGER
+from tests.torch.families import FAMILIES, Checkpoints
 from tests.torch.reference import engine_options, hf_model, random_weights
 
 pytestmark = [
@@ -132,3 +136,45 @@ async def test_resume_captures_the_graphs_again_and_requests_continue() -> None:
         for output in await backend.step():
             got[output.request_id] += output.new_tokens
     assert got == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_on_the_fast_path_gives_transformers_and_slow_path_tokens(
+    checkpoints: Checkpoints, family: str
+) -> None:
+    """float32: graphs (with the window in the paged kernel, the experts grouped) equal
+    transformers on the GPU and the same engine with every fast path off, for a batch whose
+    bucket has padding rows and prompts longer than Mistral's 8-token window."""
+    checkpoint = checkpoints.get(family)
+    chosen = prompts(5)
+    requests = [greedy(rid, prompt, 20) for rid, prompt in chosen.items()]
+    fast = TorchBackend(options(dtype="float32"), str(checkpoint.path))
+    # torch's float32 grouped GEMM loops on the host: float32 experts run eager, and say so.
+    path = fast.execution_path()
+    assert (fast.graphs is None) == (MOE_EAGER in path.failures), path.describe()
+    got = generate(fast, *requests)
+    assert got == generate(TorchBackend(slow(dtype="float32"), str(checkpoint.path)), *requests)
+    reference = copy.deepcopy(checkpoint.reference).cuda()
+    for rid, prompt in chosen.items():
+        with torch.inference_mode():
+            expected = reference.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=20,
+                min_new_tokens=20,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert got[rid] == expected[0, len(prompt) :].tolist(), rid
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_the_whole_fast_path_in_bf16(checkpoints: Checkpoints, family: str) -> None:
+    """bf16, as served: no piece falls back (no "MoE runs eager"), and sampled requests finish."""
+    backend = TorchBackend(options(require_fast_path=True), str(checkpoints.get(family).path))
+    path = backend.execution_path()
+    assert path.fast and path.failures == (), path.describe()
+    requests = [GenerationRequest(f"s{i}", list(range(3 + i)), max_tokens=12, seed=i) for i in range(20)]
+    assert {rid: len(tokens) for rid, tokens in generate(backend, *requests).items()} == {
+        f"s{i}": 12 for i in range(20)
+    }

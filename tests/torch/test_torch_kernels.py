@@ -50,21 +50,27 @@ def test_decode_buckets() -> None:
 
 @needs_triton
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim", "block_size"), [(8, 2, 32, 16), (4, 4, 24, 3), (6, 1, 16, 5)]
+    ("heads", "kv_heads", "head_dim", "block_size", "window"),
+    [(8, 2, 32, 16, 0), (4, 4, 24, 3, 0), (6, 1, 16, 5, 0), (8, 2, 32, 16, 7), (4, 2, 16, 4, 66)],
 )
-def test_paged_decode_equals_gathered_attention(heads: int, kv_heads: int, head_dim: int, block_size: int) -> None:
+def test_paged_decode_equals_gathered_attention(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, window: int
+) -> None:
+    """``window`` > 0 (a sliding window): only each sequence's last ``window`` keys count; 66
+    starts the 70-token sequence's keys past the first 64-token tile."""
     kernel = paged_decode_kernel().paged_decode
     assert kernel is not None
     generator = torch.Generator().manual_seed(heads * head_dim)
-    pages, lengths = 40, [1, block_size, 2 * block_size + 1, 70]
+    pages, lengths = 60, [1, block_size, 2 * block_size + 1, 70, 140]
     cache = torch.randn((pages, block_size, 2, kv_heads, head_dim), generator=generator).to(DEVICE)
     width = max(-(-length // block_size) for length in lengths)
     tables = torch.stack([torch.randperm(pages - 1, generator=generator)[:width] for _ in lengths]).to(torch.int32)
     # A view of fused q|k|v rows, as the model passes it.
     query = torch.randn((len(lengths), heads + 2 * kv_heads, head_dim), generator=generator).to(DEVICE)[:, :heads]
-    out = kernel(query, cache, tables.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    out = kernel(query, cache, tables.to(DEVICE), torch.tensor(lengths, dtype=torch.int32, device=DEVICE), window)
     for row, length in enumerate(lengths):
-        slots = [int(tables[row, p // block_size]) * block_size + p % block_size for p in range(length)]
+        first = max(length - window, 0) if window else 0
+        slots = [int(tables[row, p // block_size]) * block_size + p % block_size for p in range(first, length)]
         kv = cache.view(-1, 2, kv_heads, head_dim)[slots].transpose(0, 2)
         folded = query[row].reshape(kv_heads, heads // kv_heads, head_dim)
         expected = torch.nn.functional.scaled_dot_product_attention(folded, kv[:, 0], kv[:, 1]).reshape(heads, head_dim)
@@ -72,8 +78,9 @@ def test_paged_decode_equals_gathered_attention(heads: int, kv_heads: int, head_
 
 
 @needs_triton
-def test_the_model_decodes_the_same_with_the_paged_kernel() -> None:
-    config = tiny(num_layers=2)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding window"])
+def test_the_model_decodes_the_same_with_the_paged_kernel(window: int | None) -> None:
+    config = tiny(num_layers=2, sliding_window=window)
     model = engine_model(config, random_weights(config, seed=8)).to(DEVICE)
     block_size, pages = 4, 40
     rotary = rotary_table(config.rope, config.head_dim, 128, torch.float32, DEVICE)
@@ -86,12 +93,15 @@ def test_the_model_decodes_the_same_with_the_paged_kernel() -> None:
         next_page += count
     cache = torch.zeros(config.num_layers, pages, block_size, 2, config.num_kv_heads, config.head_dim, device=DEVICE)
     with torch.inference_mode():
-        prefill = build_batch(ScheduledBatch([], sequences), block_size, config.group_size, torch.float32, DEVICE)
+        prefill = build_batch(
+            ScheduledBatch([], sequences), block_size, config.group_size, torch.float32, DEVICE, sliding_window=window
+        )
         first = model(prefill, rotary, cache).argmax(dim=-1).tolist()
         for sequence, token in zip(sequences, first, strict=True):
             record_token(sequence, token)
         decode = ScheduledBatch(sequences, [])
-        eager = model(build_batch(decode, block_size, config.group_size, torch.float32, DEVICE), rotary, cache.clone())
+        gathered = build_batch(decode, block_size, config.group_size, torch.float32, DEVICE, sliding_window=window)
+        eager = model(gathered, rotary, cache.clone())
         model.kernels = paged_decode_kernel()
         paged_batch = build_batch(decode, block_size, config.group_size, torch.float32, DEVICE, paged_decode=True)
         assert paged_batch.decode is not None and paged_batch.decode.mask is None
@@ -114,13 +124,14 @@ def test_the_load_time_check_passes_the_kernels_and_catches_a_wrong_one() -> Non
     kernels = paged_decode_kernel()
     rotary = rotary_table(TINY.rope, TINY.head_dim, 64, torch.float32, DEVICE)
     check_kernels(kernels, TINY, rotary)
+    check_kernels(kernels, tiny(sliding_window=4096), rotary)  # checked with a window that leaves keys out
     assert kernels.paged_decode is not None
     kernel = kernels.paged_decode
 
     def off_by_one(
-        query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+        query: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor, window: int = 0
     ) -> torch.Tensor:
-        return kernel(query, cache, tables, (lengths - 1).clamp(min=1))
+        return kernel(query, cache, tables, (lengths - 1).clamp(min=1), window)
 
     with pytest.raises(AssertionError):
         check_kernels(Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, off_by_one), TINY, rotary)

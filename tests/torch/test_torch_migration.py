@@ -83,18 +83,18 @@ def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(
 
 class StallingTorchBackend(TorchBackend):
     """A test double of an engine that stalls mid-stream: once armed, after ``CUT`` tokens it
-    steps no more until released, as an engine that hangs before it is declared gone. (A pause
+    steps no more until unstalled, as an engine that hangs before it is declared gone. (A pause
     could not hold it there: the engine may generate every token before the pause lands.)"""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.armed = False
         self.generated = 0
-        self.release = asyncio.Event()
+        self.unstalled = asyncio.Event()  # not "release": that is Backend.release (backpressure)
 
     async def step(self) -> list[TokenOutput]:
         if self.armed and self.generated >= CUT:
-            await self.release.wait()
+            await self.unstalled.wait()
         outputs = await super().step()
         if self.armed:
             self.generated += sum(len(output.new_tokens) for output in outputs)
@@ -111,7 +111,7 @@ async def torch_engines(settings: Settings, coordinator: Coordinator) -> AsyncIt
         EngineRuntime(engine_settings, backend) for backend in (stalling, TorchBackend(torch_options(engine_settings)))
     ]
     yield engines
-    stalling.release.set()
+    stalling.unstalled.set()
     for engine in engines:
         await engine.stop()
 

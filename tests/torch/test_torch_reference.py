@@ -13,6 +13,7 @@ import torch
 from engines.backend import GenerationRequest
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig, RopeConfig
+from engines.torch_backend.families import hf_config, read_hf_config
 from tests.torch.reference import (
     LLAMA3_ROPE,
     Harness,
@@ -31,7 +32,7 @@ CONFIGS = {
     "gqa": tiny(),
     "multi-head": tiny(num_kv_heads=4),
     "multi-query": tiny(num_kv_heads=1),
-    "tied-biased": tiny(tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "tied-biased": tiny(tie_word_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True),
     "llama3-rope": tiny(rope=LLAMA3_ROPE),
     "linear-rope": tiny(rope=RopeConfig(theta=10000.0, type="linear", factor=4.0)),
     "head-dim-not-hidden-over-heads": tiny(head_dim=24),
@@ -42,7 +43,7 @@ CONFIGS = {
 def test_logits_match_transformers(name: str) -> None:
     config = CONFIGS[name]
     weights = random_weights(config, seed=7)
-    if config.attention_bias:  # transformers initialises biases at zero too; make them matter
+    if config.qkv_bias:  # transformers initialises biases at zero too; make them matter
         generator = torch.Generator().manual_seed(1)
         weights = {
             key: torch.randn(value.shape, generator=generator) * 0.1 if key.endswith(".bias") else value
@@ -102,7 +103,7 @@ def test_loads_a_save_pretrained_directory_with_its_tokenizer(tmp_path: Path) ->
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    hf_config = LlamaConfig(
+    llama_config = LlamaConfig(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=128,
@@ -113,7 +114,7 @@ def test_loads_a_save_pretrained_directory_with_its_tokenizer(tmp_path: Path) ->
         bos_token_id=None,
         eos_token_id=None,
     )
-    reference = LlamaForCausalLM(hf_config).eval()
+    reference = LlamaForCausalLM(llama_config).eval()
     reference.save_pretrained(tmp_path)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -139,13 +140,13 @@ def test_transformers_4_config_layout_loads(tmp_path: Path) -> None:
     """rope_theta / rope_scaling / torch_dtype (4.x) give the same model as rope_parameters / dtype (5.x)."""
     config = tiny(rope=LLAMA3_ROPE)
     weights = random_weights(config, seed=5)
-    v5 = config.to_hf()
+    v5 = hf_config(config)
     v4 = {key: value for key, value in v5.items() if key not in ("rope_parameters", "dtype")}
     rope = dict(v5["rope_parameters"])
     v4["rope_theta"] = rope.pop("rope_theta")
     v4["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
     v4["torch_dtype"] = "float32"
-    assert ModelConfig.from_hf(v4) == ModelConfig.from_hf(v5 | {"dtype": "float32"})
+    assert read_hf_config(v4) == read_hf_config(v5 | {"dtype": "float32"})
     _write_checkpoint(tmp_path, v4, weights)
     backend = TorchBackend(engine_options(), str(tmp_path))
     backend.add(GenerationRequest("r", PROMPTS[0], max_tokens=10, temperature=0.0))
@@ -161,7 +162,7 @@ def test_transformers_4_config_layout_loads(tmp_path: Path) -> None:
     ],
 )
 def test_an_unimplemented_rope_type_is_refused_at_load(tmp_path: Path, rope_scaling: dict[str, object]) -> None:
-    config = tiny().to_hf() | {"rope_scaling": rope_scaling}
+    config = hf_config(tiny()) | {"rope_scaling": rope_scaling}
     del config["rope_parameters"]
     _write_checkpoint(tmp_path, config, random_weights(tiny(), seed=0))
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))

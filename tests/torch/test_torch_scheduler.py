@@ -149,6 +149,30 @@ def test_abort_of_waiting_and_running_requests() -> None:
     assert running.status is SequenceStatus.FINISHED
 
 
+def test_a_held_sequence_gives_its_pages_back_and_is_recomputed_first_when_released() -> None:
+    scheduler = make(num_blocks=8, max_batch=2)
+    held, other, queued = seq("h", 5), seq("o", 3), seq("q", 2)
+    for sequence in (held, other, queued):
+        scheduler.add(sequence)
+    advance(scheduler.schedule().sequences)  # h and o run, q waits (max_batch)
+    assert scheduler.hold(held) and not scheduler.hold(held)  # held once
+    assert held.status is SequenceStatus.HELD and held.block_table == []
+    assert scheduler.hold(queued) and list(scheduler.waiting) == []  # a waiting one leaves the queue
+    batch = scheduler.schedule()
+    assert batch.decode == [other] and batch.prefill == []  # neither held one is scheduled
+    advance(batch.sequences)
+    scheduler.remove(other)
+    assert not scheduler.has_work()  # what is held is no work
+    scheduler.release(queued)
+    scheduler.release(held)
+    scheduler.release(held)  # twice is harmless
+    resumed = scheduler.schedule()
+    assert resumed.prefill == [held, queued] and held.num_new == 6  # recomputed: prompt and generated token
+    scheduler.hold(queued)
+    scheduler.remove(queued)  # an abort while held
+    assert queued.status is SequenceStatus.FINISHED and scheduler.held == []
+
+
 def test_a_prompt_larger_than_the_whole_cache_is_refused() -> None:
     with pytest.raises(ValueError, match="never fit"):
         make(num_blocks=2, block_size=4).add(seq("big", 9))

@@ -17,7 +17,7 @@ from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.config import ModelConfig
 from engines.torch_backend.kernels import EAGER
 from engines.torch_backend.memory import cache_shape
-from engines.torch_backend.model import LlamaModel
+from engines.torch_backend.model import DecoderModel
 from engines.torch_backend.model_runner import ModelRunner
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.request_table import RequestTable
@@ -54,7 +54,7 @@ def state(request: GenerationRequest) -> RequestState:
 def parts(launches_ahead: bool) -> tuple[RequestTable, ModelRunner, StepPhases]:
     table = RequestTable(Scheduler(BlockManager(PAGES, BLOCK, True), max_batch=4, max_prefill_tokens=64))
     runner = ModelRunner(
-        cast(LlamaModel, CountingModel()),
+        cast(DecoderModel, CountingModel()),
         torch.zeros(CONTEXT, 2, CONFIG.head_dim),
         torch.zeros(cache_shape(CONFIG, PAGES, BLOCK)),
         [],

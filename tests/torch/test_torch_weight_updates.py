@@ -17,6 +17,7 @@ from engines.factory import torch_options
 from engines.runtime import EngineRuntime
 from engines.torch_backend.backend import TorchBackend
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.families import hf_config
 from engines.torch_backend.weight_update import CheckpointMismatch, check_checkpoint
 from engines.torch_backend.weights import random_weights
 from service.client import ClientError, DpcoordClient
@@ -33,7 +34,7 @@ def save_checkpoint(path: Path, config: ModelConfig, weights: dict[str, torch.Te
     from safetensors.torch import save_file
 
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(config.to_hf()))
+    (path / "config.json").write_text(json.dumps(hf_config(config)))
     save_file(weights, str(path / "model.safetensors"))
     return path
 

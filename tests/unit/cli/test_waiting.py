@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 
-from service.cli.terminal import Waiting
+from service.cli.terminal import Spinner, Waiting
 
 
 class _Log(io.StringIO):
@@ -33,3 +33,10 @@ async def test_a_wait_that_lasts_is_said_once_on_a_line_of_its_own() -> None:
     async with Waiting(stream, "waiting for every engine", line_after_s=0):
         await asyncio.wait_for(stream.written.wait(), 5)
     assert stream.getvalue() == "waiting for every engine\n"
+
+
+async def test_what_a_wait_learns_is_one_line_where_no_spinner_is_drawn() -> None:
+    stream = _Log()
+    async with Spinner(stream, "waiting for the reply") as spinner:
+        spinner.say("held: the fleet is paused")
+    assert stream.getvalue() == "held: the fleet is paused\n"

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from service.client.exchanges import DEADLINE_RESOLUTION_S, EXPIRED, NO_RESPONDERS, Exchanges, Mailbox, Refused
+from service.client.exchanges import DEADLINE_RESOLUTION_S, EXPIRED, NO_RESPONDERS, Exchanges, Refused
+from service.client.mailbox import Mailbox
 from service.protocol.reply_batches import batch_subject, encode_batch
 
 

@@ -7,30 +7,34 @@ round trips are tests/integration/test_client.py and the fault suites)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import msgspec
 import pytest
 
 from service.client.calls import ClientError
+from service.client.envelope import envelope
 from service.client.exchanges import EXPIRED, NO_RESPONDERS, RECONNECTED, CoordinatorWatch, Exchanges
 from service.client.submission import Submission
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
-from service.protocol.messages import ErrorBody, ErrorReply, Final, Partial, SubmitEnvelope
+from service.protocol.messages import ErrorBody, ErrorReply, Final, Held, Partial, SubmitEnvelope
 
 ENVELOPE = encode_msgpack(SubmitEnvelope(1, b"\x80", True, "r1", "c1", None, 10.0, None, None))
 
 
 class Published:
-    """Test double for the submission subject's publish: records (body, reply subject)."""
+    """Test double for the submission subject's publish: records (body, reply subject, headers)."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.subjects: list[str] = []
+        self.headers: list[Mapping[str, str] | None] = []
 
-    async def __call__(self, body: bytes, reply_subject: str) -> None:
+    async def __call__(self, body: bytes, reply_subject: str, headers: Mapping[str, str] | None) -> None:
         self.bodies.append(body)
         self.subjects.append(reply_subject)
+        self.headers.append(headers)
 
 
 def partial(offset: int) -> bytes:
@@ -116,3 +120,28 @@ async def test_a_lost_replica_resubmits_only_the_requests_it_held() -> None:
         await submission.replies()
     assert len(published.bodies) == 2  # the first publish, and one for coord1's loss
     submission.close()
+
+
+async def test_a_held_notice_goes_to_on_held_and_every_publish_carries_the_headers() -> None:
+    published = Published()
+    exchanges = Exchanges()
+    exchanges.inbox = "_INBOX.me"
+    heard: list[Held] = []
+    headers = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0)
+    submission = Submission(published, exchanges, watch, ENVELOPE, 10.0, headers=headers, on_held=heard.append)
+    await submission.start()
+    subject = published.subjects[0]
+    exchanges.queues[subject.rpartition(".")[2].encode()].put_nowait(RECONNECTED)
+    deliver(exchanges, subject, encode_msgpack(Held("coord1-7", "r1", "paused")), final(1))
+    assert [type(reply) for reply in await submission.replies()] == [Final]
+    assert heard == [Held("coord1-7", "r1", "paused")]
+    assert published.headers == [headers, headers]  # the first publish and the resubmission
+    submission.close()
+
+
+def test_a_first_publish_is_no_resubmission_and_reads_reply_batches() -> None:
+    body, request_id = envelope("me", "hi", None, None, False, None, 5.0, {"max_tokens": 2}, held_notices=True)
+    sent = msgspec.msgpack.decode(body, type=SubmitEnvelope)
+    assert (sent.resubmission, sent.batched_replies, sent.held_notices) == (False, True, True)
+    assert sent.client_request_id == request_id and sent.client_id == "me" and sent.timeout_s == 5.0

@@ -99,7 +99,7 @@ class Wired:
         return None
 
     async def routed(self, header: str, body: bytes, reply: str = "") -> None:
-        await self.dispatch.routed(self.floor.core.subjects.engine(ENGINE_ID, header), reply, body)
+        await self.dispatch.routed(self.floor.core.subjects.engine(ENGINE_ID, header), reply, body, None)
 
     async def broadcast(self, header: str, body: bytes, reply: str = "_INBOX.c.1") -> None:
         subject = self.floor.core.subjects.broadcast(header)

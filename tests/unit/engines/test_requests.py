@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engines.backend import GenerationRequest
+from engines.backend import GenerationRequest, TokenOutput
 from engines.echo import EchoBackend
 from service.protocol.codec import Encoding
 from service.protocol.errors import ErrorCode, WireError
@@ -164,3 +164,28 @@ async def test_emptied_returns_once_the_last_request_left() -> None:
     assert not emptied.done()
     await floor.requests.abort(second.return_path.request_id)
     await asyncio.wait_for(emptied, 1)
+
+
+async def test_a_final_carries_the_timings_of_its_steps_read_from_the_steps_it_came_from() -> None:
+    """Timings come from the step loop's readings: arrival to the first token's step (queued),
+    to that step's end (ttft), then to the last step's end (decode); cached prompt tokens from
+    the first output. An abort before any token waited all along."""
+    floor = build()
+    routed, waiting = floor.routed(request_id="r"), floor.routed(request_id="w")
+    start(floor, routed)
+    arrived = floor.requests.records["r"].arrived
+    outputs = [TokenOutput("r", [97], "a", cached_tokens=2)]
+    await floor.requests.record_step(outputs, None, None, arrived + 1.0, arrived + 1.5)
+    outputs = [TokenOutput("r", [98], "b"), TokenOutput("r", [99], "c", "length")]
+    await floor.requests.record_step(outputs, None, None, arrived + 2.0, arrived + 4.0)
+    start(floor, waiting)
+    await floor.requests.abort("w")
+    final, aborted = floor.bodies()
+    assert final["timings"] == {
+        "queued_s": pytest.approx(1.0),
+        "ttft_s": pytest.approx(1.5),
+        "decode_s": pytest.approx(2.5),
+        "cached_prompt_tokens": 2,
+    }
+    assert aborted["timings"]["ttft_s"] is None and aborted["timings"]["queued_s"] >= 0
+    assert aborted["timings"]["decode_s"] == 0 and aborted["timings"]["cached_prompt_tokens"] == 0
