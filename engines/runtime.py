@@ -45,7 +45,7 @@ from engines.runtime_control import ControlSignals
 from engines.runtime_core import EngineCore, Route
 from engines.runtime_dispatch import EngineDispatch
 from engines.runtime_intake import RequestIntake
-from engines.runtime_kv import KvEvents
+from engines.runtime_kv import KvPublisher
 from engines.runtime_membership import Membership
 from engines.runtime_steps import StepLoop
 from engines.runtime_weights import WeightUpdates
@@ -112,7 +112,7 @@ class EngineRuntime:
         self.kv_prefixes = PublishedPrefixes(self.engine_id)  # what its KV events told, for a prefix cache
         publishes_kv = backend.publishes_kv_events
         # Floor 2: the jobs, side by side; none imports another.
-        self._kv_events = KvEvents(core, self.kv_prefixes)
+        self._kv_events = KvPublisher(core, self.kv_prefixes)
         self._steps = StepLoop(
             core, requests, self.control_state, self.weights, self._kv_events.publish if publishes_kv else None
         )

@@ -1,13 +1,13 @@
 """KV events: what the engine's prefix cache holds, told to every coordinator replica
 (docs/protocol.md, *KV events*), for a backend that has one (``Backend.publishes_kv_events``).
 
-Contract: :meth:`KvEvents.publish` is called by the step loop after every step and when it
+Contract: :meth:`KvPublisher.publish` is called by the step loop after every step and when it
 goes idle (the wiring passes it in): it asks the backend what changed since it last asked and,
 when something did, publishes one numbered message on ``<prefix>.kv_events.<engine_id>``
 (:class:`~engines.kv_prefixes.PublishedPrefixes` numbers it and keeps the published set). While
 NATS is unreachable it asks nothing, so the changes wait in the backend. A message that fails to
 leave is logged and counted (``kv_events_failed``): its number is used, so the coordinators see
-a gap and ask a snapshot. :meth:`KvEvents.snapshot` answers ``kv_snapshot`` (routed here alone,
+a gap and ask a snapshot. :meth:`KvPublisher.snapshot` answers ``kv_snapshot`` (routed here alone,
 a request) from the published set: between steps, never waiting.
 """
 
@@ -30,7 +30,7 @@ SNAPSHOT_ENTRY_BYTES = 16
 SNAPSHOT_OVERHEAD_BYTES = 1024
 
 
-class KvEvents:
+class KvPublisher:
     def __init__(self, core: EngineCore, published: PublishedPrefixes) -> None:
         self._core = core
         self._engine_id = core.engine_id

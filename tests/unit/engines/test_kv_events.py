@@ -15,7 +15,7 @@ from engines.echo import EchoBackend
 from engines.echo_cache import SimulatedPrefixCache
 from engines.kv_prefixes import PublishedPrefixes
 from engines.runtime_intake import RequestIntake
-from engines.runtime_kv import KvEvents as KvEventsJob
+from engines.runtime_kv import KvPublisher
 from engines.runtime_membership import Membership
 from engines.runtime_steps import StepLoop
 from service.bus.registry import Incoming
@@ -87,7 +87,7 @@ def test_a_snapshot_is_the_state_after_the_published_events_leaving_out_the_olde
 
 async def test_the_first_step_of_a_prompt_stores_its_prefixes_once_and_queued_tokens_follow() -> None:
     floor = build()
-    job = KvEventsJob(floor.core, PublishedPrefixes(ENGINE_ID))
+    job = KvPublisher(floor.core, PublishedPrefixes(ENGINE_ID))
     await start(floor, PROMPT)
     await start(floor, PROMPT)
     await job.publish()  # nothing stepped yet: both prompts wait, none served by the cache
@@ -107,7 +107,7 @@ async def test_the_first_step_of_a_prompt_stores_its_prefixes_once_and_queued_to
 async def test_text_prompts_are_hashed_as_submitted_and_the_cache_keeps_the_last_prompts() -> None:
     backend = EchoBackend(cached_prompts=2)
     floor = build(backend)
-    job = KvEventsJob(floor.core, PublishedPrefixes(ENGINE_ID))
+    job = KvPublisher(floor.core, PublishedPrefixes(ENGINE_ID))
     texts = ["a" * 64, "b" * 128, "c" * 64]
     for text in texts:
         await start(floor, text, max_tokens=1)
@@ -121,7 +121,7 @@ async def test_text_prompts_are_hashed_as_submitted_and_the_cache_keeps_the_last
 async def test_kv_snapshot_answers_what_the_published_events_hold() -> None:
     floor = build()
     published = PublishedPrefixes(ENGINE_ID)
-    job = KvEventsJob(floor.core, published)
+    job = KvPublisher(floor.core, published)
     await start(floor, PROMPT)
     await floor.backend.step()
     await job.publish()
@@ -136,14 +136,14 @@ async def test_a_snapshot_stays_under_max_payload() -> None:
     floor = build(max_payload=2048)
     published = PublishedPrefixes(ENGINE_ID)
     published.events(CacheChanges([(2**64 - 1 - index, 2**20) for index in range(500)], [], 0))
-    await KvEventsJob(floor.core, published).snapshot(Incoming("kv_snapshot", "r", Encoding.MSGPACK, b""), Empty())
+    await KvPublisher(floor.core, published).snapshot(Incoming("kv_snapshot", "r", Encoding.MSGPACK, b""), Empty())
     [answer] = floor.bus.on("r")
     assert len(answer.body) <= 2048 and answer.decode(KvSnapshot).held[-1] == HeldPrefix(2**64 - 500, 2**20)
 
 
 async def test_nothing_is_asked_of_the_backend_while_disconnected_so_no_change_is_lost() -> None:
     floor = build()
-    job = KvEventsJob(floor.core, PublishedPrefixes(ENGINE_ID))
+    job = KvPublisher(floor.core, PublishedPrefixes(ENGINE_ID))
     await start(floor, PROMPT)
     await floor.backend.step()
     floor.core.connected.clear()
@@ -156,7 +156,7 @@ async def test_nothing_is_asked_of_the_backend_while_disconnected_so_no_change_i
 async def test_a_failed_publish_is_counted_and_its_number_used() -> None:
     floor = build()
     published = PublishedPrefixes(ENGINE_ID)
-    job = KvEventsJob(floor.core, published)
+    job = KvPublisher(floor.core, published)
     floor.bus.refusals[floor.core.subjects.sent_by(Header.KV_EVENTS, ENGINE_ID)] = OSError("gone")
     await start(floor, PROMPT)
     await job.publish()
