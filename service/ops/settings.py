@@ -89,7 +89,7 @@ class Settings(BaseSettings):
         "dpcoord-coordinators", description="Queue group shared by coordinator replicas"
     )
     routing_policy: CoordinatorSetting[Literal["least_loaded", "p2c", "round_robin", "prefix", "cache_aware"]] = Field(
-        "least_loaded",
+        "cache_aware",
         description="How a request picks an engine: least_loaded, p2c (less loaded of two drawn at random), round_robin, "
         "prefix (where its prompt's longest prefix went, within prefix_load_bound), or cache_aware (the engines' KV "
         "events blended with load; sessions and groups kept together); see docs/protocol.md",

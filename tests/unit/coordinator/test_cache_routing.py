@@ -227,3 +227,28 @@ def test_homes_are_bounded_in_count_and_age(clock: Clock) -> None:
     assert len(fleet.policy.sessions) == 2 and fleet.policy.sessions.get("a", clock.now) is None
     clock.now += 11
     assert fleet.policy.sessions.get("c", clock.now) is None
+
+
+def test_the_default_routes_a_fleet_without_kv_events_as_least_loaded() -> None:
+    """cache_aware is the default; over engines that publish no KV events it makes least_loaded's
+    choices, request for request (prompts with prefix hashes included)."""
+    assert Settings().routing_policy == "cache_aware"
+    pools, policies = [], []
+    for settings in (Settings(), Settings(routing_policy="least_loaded")):
+        pool = EnginePool(max_inflight_per_engine=1024, departed_memory_s=10.0)
+        for n in range(3):
+            pool.add(f"e{n}", 256)
+        pools.append(pool)
+        policies.append(make_policy(settings))
+    for seed in range(24):
+        key = RouteKey(prefix_hashes(prompt(8, 1, seed % 3)))
+        chosen = [policy.choose(pool.everyone, key) for policy, pool in zip(policies, pools, strict=True)]
+        assert chosen[0] is not None and chosen[1] is not None
+        assert chosen[0].engine_id == chosen[1].engine_id
+        for record, pool in zip(chosen, pools, strict=True):
+            pool.assign(record, f"r{seed}")
+            if seed % 5 == 0:  # some finish at once: loads differ
+                assert pool.release(record.engine_id, f"r{seed}")
+        if seed % 4 == 3:
+            for policy in policies:
+                policy.turn_ended()
