@@ -73,11 +73,18 @@ class CacheAware:
         self.groups = Homes(settings.session_table_size, settings.session_ttl_s)
 
     def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
-        hashes = hashes_of(submit)
+        """None (routed on load alone, as ``least_loaded``) for a submission with no session and
+        no group while no engine publishes KV events, its hashes uncomputed: they would steer
+        nothing (a request still waiting when an engine starts publishing goes by load), or
+        when its prompt has no whole block."""
         session_id, group_id = submit.session_id, submit.group_id
-        if not hashes and session_id is None and group_id is None:
-            return None
-        return RouteKey(hashes, session_id, group_id)
+        if session_id is None and group_id is None:
+            index = self.index
+            if not index.engines and not index.learning:
+                return None
+            hashes = hashes_of(submit)
+            return RouteKey(hashes) if hashes else None
+        return RouteKey(hashes_of(submit), session_id, group_id)
 
     def load(self, record: EngineRecord) -> float:
         return len(record.requests) + record.queued_tokens / self._per_request

@@ -218,6 +218,21 @@ def test_the_key_comes_from_the_envelope_or_the_plain_body() -> None:
     assert policy.key_of(envelope) == RouteKey([5, 6], None, "g")
     assert policy.key_of(SubmitEnvelope(1, b"{}", session_id="s")) == RouteKey((), "s")
     assert policy.key_of(SubmitEnvelope(1, b"{}")) is None  # routed as least_loaded
+    assert policy.key_of(SubmitRequest(tokens)) == RouteKey(prefix_hashes(tokens))
+    assert policy.key_of(SubmitRequest(tokens[: TOKENS_PER_BLOCK - 1])) is None  # no whole block
+    assert policy.key_of(SubmitRequest("é" * (TOKENS_PER_BLOCK - 1))) is None
+    assert policy.key_of(SubmitRequest("é" * 32)) == RouteKey(prefix_hashes("é" * 32))  # 64 bytes
+
+
+def test_without_kv_events_only_sessions_and_groups_make_a_key() -> None:
+    """No engine publishes KV events: a prompt's hashes would steer nothing, so none are
+    computed, unless the replica is still learning what the engines hold."""
+    policy = Fleet(2, tracked=0).policy
+    tokens = list(range(3 * TOKENS_PER_BLOCK))
+    assert policy.key_of(SubmitRequest(tokens)) is None
+    assert policy.key_of(SubmitRequest(tokens, group_id="g")) == RouteKey(prefix_hashes(tokens), None, "g")
+    policy.index.learning = True
+    assert policy.key_of(SubmitRequest(tokens)) == RouteKey(prefix_hashes(tokens))
 
 
 def test_homes_are_bounded_in_count_and_age(clock: Clock) -> None:
