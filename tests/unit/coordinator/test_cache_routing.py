@@ -258,9 +258,9 @@ def test_the_default_routes_a_fleet_without_kv_events_as_least_loaded() -> None:
     for seed in range(24):
         key = RouteKey(prefix_hashes(prompt(8, 1, seed % 3)))
         chosen = [policy.choose(pool.everyone, key) for policy, pool in zip(policies, pools, strict=True)]
-        assert chosen[0] is not None and chosen[1] is not None
-        assert chosen[0].engine_id == chosen[1].engine_id
-        for record, pool in zip(chosen, pools, strict=True):
+        records = [record for record in chosen if record is not None]
+        assert len(records) == 2 and records[0].engine_id == records[1].engine_id
+        for record, pool in zip(records, pools, strict=True):
             pool.assign(record, f"r{seed}")
             if seed % 5 == 0:  # some finish at once: loads differ
                 assert pool.release(record.engine_id, f"r{seed}")
