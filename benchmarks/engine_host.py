@@ -1,7 +1,7 @@
 """Host time per decode step of the torch engine, with the model replaced by a same-shaped no-op:
 what Python adds to every step, which on a GPU decides whether the device waits.
 
-    python -m benchmarks.engine_host [--baseline 363a512] [--batches 1 16 64 256] [--rounds 3]
+    python -m benchmarks.engine_host [--baseline 363a512] [--batches 1 16 64 256] [--rounds 3] [--logprobs 5]
 
 Each figure comes from a fresh process running the backend of one tree (this checkout, and
 with ``--baseline REV`` that revision extracted with ``git archive`` into a temporary
@@ -32,6 +32,11 @@ Figures per step, on the thread that launches the steps, then in all:
 
 Wall times count waiting for a core on a shared machine; CPU times do not (nor waiting for
 the GIL), so they are the steadier figures here.
+
+``--logprobs K`` adds a column: this checkout with every request asking for its tokens'
+log-probabilities and K alternatives (computed from the no-op model's logits, copied to the host,
+put on each output and into each partial), and the ratio of its figures to this checkout's
+without.
 
 After each step the replies are built as the engine runtime builds them: each output recorded
 in its ``ActiveRequest`` (``engines/replies.py``), a partial per token and a final per finished
@@ -66,12 +71,13 @@ PROMPT_TOKENS = 32
 WARMUP_STEPS = 8
 
 
-def drive(batch: int, steps: int, emit: str) -> dict[str, float]:
-    """In the driver process: the figures of one tree (the one on ``PYTHONPATH``)."""
+def drive(batch: int, steps: int, emit: str, logprobs: int | None = None) -> dict[str, float]:
+    """In the driver process: the figures of one tree (the one on ``PYTHONPATH``), its requests
+    asking for ``logprobs`` alternatives (None: no logprobs)."""
     max_tokens = WARMUP_STEPS + steps + 4
     backend = decoding_backend(batch, max_tokens)
     replies = Replies(backend)
-    replies.add_greedy(batch, max_tokens)
+    replies.add_greedy(batch, max_tokens, logprobs)
     work: queue.Queue[list[Any] | None] = queue.Queue()
 
     def emitter() -> None:
@@ -139,9 +145,10 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
     class NoOpModel(torch.nn.Module):
         """Test double: the model's interface and output shape, no computation."""
 
-        def __init__(self, vocab: int, rows: int) -> None:
+        def __init__(self, config: Any, rows: int) -> None:
             super().__init__()
-            self.logits = torch.zeros(rows, vocab)
+            self.config = config  # the real model's (the decode graphs read it)
+            self.logits = torch.zeros(rows, config.vocab_size)
             self.logits[:, ord("a")] = 1.0  # greedy picks "a": text to detokenise, never EOS
             self.kernels = Kernels(EAGER.rms_norm, EAGER.rotate_, EAGER.silu_mul, lambda q, *_: q)
 
@@ -170,7 +177,7 @@ def decoding_backend(batch: int, max_tokens: int) -> Any:
             overlap_steps=True,
         )
     )
-    model: Any = NoOpModel(backend.config.vocab_size, batch)  # the test double, typed as the model it stands for
+    model: Any = NoOpModel(backend.config, batch)  # the test double, typed as the model it stands for
     pages = -(-backend.max_context // backend.options.kv_block_size)
     runner = getattr(backend, "runner", None)
     if runner is not None:  # the model runner owns the model, the cache and the graphs
@@ -229,13 +236,14 @@ class Replies:
         publisher = EncodeOnly("bench", DirectClient(), Subjects("bench"), Counter())
         self._table = RequestTable("bench", backend, publisher, Counter(), stream_interval=1)
 
-    def add_greedy(self, batch: int, max_tokens: int) -> None:
+    def add_greedy(self, batch: int, max_tokens: int, logprobs: int | None = None) -> None:
         """``batch`` greedy requests of :data:`PROMPT_TOKENS` tokens, in the backend (and the table)."""
         from engines.backend import GenerationRequest
 
+        asked: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
         for index in range(batch):
             prompt = [(31 * index + k) % 200 + 32 for k in range(PROMPT_TOKENS)]
-            request = GenerationRequest(f"r{index}", prompt, max_tokens=max_tokens, temperature=0.0)
+            request = GenerationRequest(f"r{index}", prompt, max_tokens=max_tokens, temperature=0.0, **asked)
             if self._table is None:
                 self._backend.add(request)
             else:
@@ -264,10 +272,12 @@ class Replies:
             self._batch(finals)
 
 
-def measure(tree: Path, batch: int, steps: int, emit: str) -> dict[str, float]:
+def measure(tree: Path, batch: int, steps: int, emit: str, logprobs: int | None = None) -> dict[str, float]:
     env = dict(os.environ) | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     # -P: the script's directory stays off the path; the tree's packages come from PYTHONPATH alone.
     command = [sys.executable, "-P", str(Path(__file__).resolve()), "--driver", str(batch), str(steps), emit]
+    if logprobs is not None:
+        command.append(str(logprobs))
     done = subprocess.run(command, env=env, cwd=tree, check=True, capture_output=True, text=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -275,12 +285,15 @@ def measure(tree: Path, batch: int, steps: int, emit: str) -> dict[str, float]:
 def main(args: argparse.Namespace) -> None:
     current = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="dpcoord-engine-host-") as temp:
-        trees = {"current": (current, args.emit)}
+        trees: dict[str, tuple[Path, str, int | None]] = {"current": (current, args.emit, None)}
         if args.baseline:
             # Here, not at the top: the driver processes import only the tree they measure.
             from benchmarks.common import extract
 
-            trees[args.baseline] = (extract(args.baseline, Path(temp) / "baseline"), "inline")
+            trees[args.baseline] = (extract(args.baseline, Path(temp) / "baseline"), "inline", None)
+        with_logprobs = f"logprobs {args.logprobs}"
+        if args.logprobs is not None:
+            trees[with_logprobs] = (current, args.emit, args.logprobs)
         print(
             f"host time per decode step, no-op model, CPU, 1 torch thread; best of {args.rounds} rounds; "
             "µs wall / CPU (exposed: collect + launch; loop: the launching thread's whole step; CPU: all threads)"
@@ -288,13 +301,15 @@ def main(args: argparse.Namespace) -> None:
         header = f"{'batch':>6}" + "".join(f" {f'{name} exposed':>20} {'loop':>15} {'CPU':>7}" for name in trees)
         if args.baseline:
             header += f" {'exposed CPU ratio':>18} {'loop CPU ratio':>15}"
+        if args.logprobs is not None:
+            header += f" {'logprobs/none loop CPU':>23} {'CPU':>6}"
         print(header, flush=True)
         for batch in args.batches:
             steps = max(40, min(1800, args.steps // batch))  # within the default model's 2,048 positions
             best: dict[str, dict[str, float]] = {}
             for _ in range(args.rounds):
-                for name, (tree, emit) in trees.items():
-                    figures = measure(tree, batch, steps, emit)
+                for name, (tree, emit, logprobs) in trees.items():
+                    figures = measure(tree, batch, steps, emit, logprobs)
                     kept = best.setdefault(name, figures)
                     best[name] = {key: min(kept[key], value) for key, value in figures.items()}
             line = f"{batch:6d}"
@@ -310,6 +325,11 @@ def main(args: argparse.Namespace) -> None:
                     f" {now['exposed_cpu_us'] / base['exposed_cpu_us']:17.2f}x"
                     f" {now['loop_cpu_us'] / base['loop_cpu_us']:14.2f}x"
                 )
+            if args.logprobs is not None:
+                plain, asked = best["current"], best[with_logprobs]
+                line += (
+                    f" {asked['loop_cpu_us'] / plain['loop_cpu_us']:22.2f}x {asked['cpu_us'] / plain['cpu_us']:5.2f}x"
+                )
             print(line, flush=True)
 
 
@@ -324,11 +344,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--emit", choices=["inline", "thread"], default="inline", help="where this checkout's replies are encoded"
     )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also measure this checkout with every request asking for logprobs with K alternatives",
+    )
     return parser
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--driver":
-        print(json.dumps(drive(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "--driver":
+        asked = int(sys.argv[5]) if len(sys.argv) == 6 else None
+        print(json.dumps(drive(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], asked)))
     else:
         main(build_parser().parse_args())

@@ -29,6 +29,10 @@ copy rate, and over the vendor's figure where the GPU is known); transformers ``
 one static batch of that size; and the shared-prefix workload (``--prefix-requests`` requests
 sharing a ``--prefix-tokens`` system prompt, each with ``--own-tokens`` of its own) with prefix
 caching on and off: time to first token and tokens/s.
+
+``--logprobs K`` adds, for each concurrency, the same requests asking for each token's
+log-probability and its K most likely alternatives, run beside them in every round: tokens/s,
+the decode step's median and the engine's CPU per step, against the requests without.
 """
 
 from __future__ import annotations
@@ -181,6 +185,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefix-requests", type=int, default=256)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--own-tokens", type=int, default=32)
+    parser.add_argument(
+        "--logprobs", type=int, default=None, metavar="K", help="also the requests asking for logprobs, K alternatives"
+    )
     return parser.parse_args()
 
 
@@ -220,6 +227,7 @@ async def throughput_table(
     baseline = Rate()
     engine = {concurrency: Rate() for concurrency in args.concurrency}
     runs: dict[int, EngineRun] = {}
+    with_logprobs: dict[int, EngineRun] = {}
     for _ in range(args.repeats):
         baseline.keep_best(
             *generate_one_at_a_time(
@@ -233,6 +241,13 @@ async def throughput_table(
             rate.keep_best(run.generated, run.wall, run.cpu)
             if concurrency not in runs or run.rate > runs[concurrency].rate:
                 runs[concurrency] = run
+            if args.logprobs is not None:
+                prompts = text_prompts(concurrency, args.prompt_len)
+                asked = await run_engine(
+                    backend, greedy_requests(f"l{concurrency}", prompts, args.max_tokens, args.logprobs)
+                )
+                if concurrency not in with_logprobs or asked.rate > with_logprobs[concurrency].rate:
+                    with_logprobs[concurrency] = asked
 
     path = path_label(backend)
     print(f"{'':44} {'tokens/s':>10} {'ratio':>7}   {'tokens/CPU-s':>12} {'ratio':>7}   path")
@@ -242,6 +257,18 @@ async def throughput_table(
             f"{f'engine, {concurrency} concurrent requests':44} {rate.wall:10.0f} {rate.wall / baseline.wall:6.1f}x"
             f"   {rate.cpu:12.0f} {rate.cpu / baseline.cpu:6.1f}x   {path}"
         )
+    if with_logprobs:
+        print(
+            f"{f'with logprobs {args.logprobs} (best round)':44} {'tokens/s':>10} {'step p50 ms':>12} {'CPU ms/step':>12}"
+        )
+        for concurrency, asked in with_logprobs.items():
+            plain = runs[concurrency]
+            print(
+                f"{f'  {concurrency}: without / with / ratio':44} {plain.rate:10.0f} {plain.decode_step_ms:12.3f} "
+                f"{plain.cpu_ms_per_step:12.3f}\n{'':44} {asked.rate:10.0f} {asked.decode_step_ms:12.3f} "
+                f"{asked.cpu_ms_per_step:12.3f}\n{'':44} {asked.rate / plain.rate:9.2f}x "
+                f"{asked.decode_step_ms / plain.decode_step_ms:11.2f}x {asked.cpu_ms_per_step / plain.cpu_ms_per_step:11.2f}x   {path}"
+            )
     if not args.full:
         await backend.close()
         return

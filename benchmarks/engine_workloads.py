@@ -80,9 +80,12 @@ def text_prompts(count: int, length: int) -> list[str]:
     return [(f"request {i}: " + base * (1 + length // len(base)))[:length] for i in range(count)]
 
 
-def greedy_requests(tag: str, prompts: Sequence[str | list[int]], max_tokens: int) -> list[GenerationRequest]:
+def greedy_requests(
+    tag: str, prompts: Sequence[str | list[int]], max_tokens: int, logprobs: int | None = None
+) -> list[GenerationRequest]:
+    """``logprobs``: each request asks for its tokens' log-probabilities with that many alternatives."""
     return [
-        GenerationRequest(f"{tag}-{i}", prompt, max_tokens=max_tokens, temperature=0.0)
+        GenerationRequest(f"{tag}-{i}", prompt, max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
         for i, prompt in enumerate(prompts)
     ]
 

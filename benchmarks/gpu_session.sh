@@ -4,7 +4,8 @@
 #   1. preflight: the engine built once, per-phase load times and the path; the session stops
 #      here (after the GPU tests, which say why) unless the fast path is on;
 #   2. replay GPU time per bucket (CUDA events) beside the step's wall time at batch 1 and 256;
-#   3. 256 concurrent requests (with transformers as the baseline), then the shared-prefix rows;
+#   3. 256 concurrent requests (with transformers as the baseline; the same asking for logprobs 5
+#      beside them: tokens/s, step and CPU per step with and without), then the shared-prefix rows;
 #      then the same 256 requests on a Qwen3-1.7B-shaped model (head norms on q and k) and on
 #      Qwen3-30B-A3B's shape cut to 2 of its 48 layers (128 experts, 8 per token, grouped);
 #   4. end to end through nats-server, a coordinator and one engine process;
@@ -65,9 +66,10 @@ if ! step preflight 120 python3 benchmarks/gpu_preflight.py --shape llama-1b --m
 fi
 
 # 3. 256 concurrent requests against transformers at batch 1 and as a static batch of 256, the
-# bandwidth floor; then the shared 1,024-token prefix with caching on and off.
-step bench-256 90 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --full --require-fast-path \
-  --concurrency 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1 --no-shared-prefix
+# bandwidth floor, and the logprobs row (the 256 requests asking for logprobs 5: the engine's
+# step and CPU per step against without); then the shared 1,024-token prefix with caching on and off.
+step bench-256 100 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --full --require-fast-path \
+  --concurrency 256 --prompt-len 128 --max-tokens 128 --baseline-requests 1 --repeats 1 --no-shared-prefix --logprobs 5
 step shared-prefix 70 python3 benchmarks/engine_throughput.py --device cuda --shape llama-1b --require-fast-path \
   --shared-prefix-only --max-tokens 128 --prefix-requests 256 --prefix-tokens 1024 --own-tokens 32
 

@@ -35,6 +35,7 @@ class StackConfig:
     event_loop: str
     tokens: int
     prefix: str = field(default_factory=lambda: f"bench{uuid.uuid4().hex[:8]}")
+    replicas: int = 1  # coordinator processes: "coordinator", then "coordinator1", "coordinator2", ...
 
 
 class BenchStack:
@@ -97,9 +98,10 @@ class BenchStack:
         return env
 
     async def start_dpcoord(self, probe: bytes, timeout_s: float = 30.0) -> None:
-        """A coordinator and the engines, ready once every engine has answered a request."""
+        """The coordinator replicas and the engines, ready once every engine has answered a request."""
         env = self._dpcoord_env()
-        await self._spawn("coordinator", "-m", "service", "coordinator", env=env)
+        for name in self.coordinator_names:
+            await self._spawn(name, "-m", "service", "coordinator", env=env | {"DPCOORD_COORDINATOR_ID": name})
         for index in range(self.config.engines):
             await self._spawn(f"engine{index}", "-m", "service", "engine", env=env)
         seen: set[str] = set()
@@ -116,6 +118,10 @@ class BenchStack:
             else:
                 raise RuntimeError(f"dpcoord answered the probe with {reply!r}")
         raise RuntimeError(f"dpcoord did not come up with {self.config.engines} engines in {timeout_s:g} s")
+
+    @property
+    def coordinator_names(self) -> list[str]:
+        return ["coordinator", *(f"coordinator{index}" for index in range(1, self.config.replicas))]
 
     async def start_gateway(self, port: int, name: str = "gateway", tree: Path | None = None) -> None:
         """The HTTP gateway on 127.0.0.1:``port``, ready once its /readyz answers 200; with ``tree``,

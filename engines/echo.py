@@ -53,6 +53,7 @@ from service.protocol.messages import FinishReason, TopLogprob
 ECHO_CONTEXT = 1 << 20
 # Prompts whose prefixes the simulated prefix cache holds.
 ECHO_CACHED_PROMPTS = 256
+_BYTES = [bytes((byte,)) for byte in range(256)]
 
 
 def echo_logprob(token: int, position: int) -> float:
@@ -120,7 +121,7 @@ class EchoBackend(Backend):
         return self._running.pop(request_id, None) is not None or self._held.pop(request_id, None) is not None
 
     def token_bytes(self, token_ids: Iterable[int]) -> dict[int, bytes]:
-        return {token: bytes((token,)) if token < 256 else b"" for token in token_ids}
+        return {token: _BYTES[token] if token < 256 else b"" for token in token_ids}
 
     def has_work(self) -> bool:
         return bool(self._running)

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engines.backend import PromptLogprobs, TokenOutput
-from service.protocol.messages import TopLogprob
+from service.protocol.errors import ErrorCode, WireError
+from service.protocol.messages import StreamedLogprobs, TopLogprob
 
 TokenBytes = Callable[[Iterable[int]], dict[int, bytes]]
 
@@ -43,12 +44,25 @@ class LogprobRecord:
     unsent: int = 0  # the first token whose logprob no partial carried yet
     prompt: PromptLogprobs | None = None
 
-    def resume(self, logprobs: list[float], top_logprobs: list[list[TopLogprob]] | None) -> None:
-        """Start after the logprobs an earlier run delivered (a migration), as its own."""
-        self.logprobs.extend(logprobs)
-        if self.top and top_logprobs is not None:
-            self.top_logprobs.extend(top_logprobs)
+    def resume(self, tokens: int, delivered: StreamedLogprobs | None) -> None:
+        """Start after the logprobs an earlier run delivered for its ``tokens`` tokens (a
+        migration), as its own; raises WireError 400 when they do not cover those tokens."""
+        if not self.generated:
+            return
+        if (
+            delivered is None
+            or len(delivered.token_logprobs) != tokens
+            or (self.top and (delivered.top_logprobs is None or len(delivered.top_logprobs) != tokens))
+        ):
+            raise WireError(ErrorCode.MALFORMED, "resume_tokens come without their logprobs (resume_logprobs)")
+        self.logprobs.extend(delivered.token_logprobs)
+        if self.top and delivered.top_logprobs is not None:
+            self.top_logprobs.extend(delivered.top_logprobs)
         self.unsent = len(self.logprobs)
+
+    def streamed(self) -> StreamedLogprobs:
+        """The logprobs of every token so far, as a coordinator keeps them for a migration."""
+        return StreamedLogprobs(list(self.logprobs), list(self.top_logprobs) if self.top else None)
 
     def record(self, output: TokenOutput) -> None:
         """Raises ValueError for a backend output whose logprobs do not match its tokens."""
@@ -84,7 +98,7 @@ class LogprobRecord:
 
 
 def _named(tokens: list[int], top: list[list[TopLogprob]] | None) -> set[int]:
-    named = set(tokens)
-    for alternatives in top or ():
-        named.update(token for token, _ in alternatives)
-    return named
+    """The token ids ``tokens`` and their alternatives name."""
+    if not top:
+        return set(tokens)
+    return {token for alternatives in top for token, _ in alternatives}.union(tokens)

@@ -58,6 +58,7 @@ from service.protocol.messages import (
     PartialWithoutLogprobs,
     ReturnPath,
     RoutedReply,
+    StreamedLogprobs,
     Timings,
     WeightVersion,
     WeightVersionSpan,
@@ -138,7 +139,10 @@ class ActiveRequest:
     def hand_over(self, adopter: str) -> AdoptedRequest:
         """Name ``adopter`` in this request's replies from now on, and describe it for it."""
         self.return_path = msgspec.structs.replace(self.return_path, coordinator_id=adopter)
-        return AdoptedRequest(self.return_path, self.body, self.partials_sent, list(self.tokens), self.attempt)
+        logprobs = None if self.logprobs is None else self.logprobs.streamed()
+        return AdoptedRequest(
+            self.return_path, self.body, self.partials_sent, list(self.tokens), self.attempt, logprobs
+        )
 
     def record(self, output: TokenOutput, epoch: int | None, weight_version: WeightVersion | None = None) -> None:
         if output.new_tokens:
@@ -163,32 +167,34 @@ class ActiveRequest:
     def partial(self) -> RoutedReply:
         return_path = self.return_path
         tokens = self.unsent_tokens
+        text = "".join(self.unsent_text)
+        offset = len(self.tokens) - len(tokens)
         logprobs = self.logprobs
         message: Partial | PartialWithoutLogprobs
+        streamed = None
         if logprobs is None or not logprobs.generated:
             message = PartialWithoutLogprobs(
-                return_path.request_id,
-                return_path.client_request_id,
-                tokens,
-                "".join(self.unsent_text),
-                len(self.tokens) - len(tokens),
-                self.attempt,
+                return_path.request_id, return_path.client_request_id, tokens, text, offset, self.attempt
             )
         else:
             fields = logprobs.partial(tokens)
+            assert fields.token_logprobs is not None, "a request that asked has its tokens' logprobs"
             message = Partial(
                 return_path.request_id,
                 return_path.client_request_id,
                 tokens,
-                "".join(self.unsent_text),
-                len(self.tokens) - len(tokens),
+                text,
+                offset,
                 self.attempt,
                 fields.token_logprobs,
                 fields.top_logprobs,
                 fields.token_bytes,
             )
+            streamed = StreamedLogprobs(fields.token_logprobs, fields.top_logprobs)
         self.unsent_tokens, self.unsent_text = [], []
-        reply = RoutedReply(return_path, encode(message, self.encoding), self.partials_sent, tokens, self.attempt)
+        reply = RoutedReply(
+            return_path, encode(message, self.encoding), self.partials_sent, tokens, self.attempt, streamed
+        )
         self.partials_sent += 1
         return reply
 
@@ -225,7 +231,7 @@ class ActiveRequest:
 
 def reply_size(reply: RoutedReply) -> int:
     """Bytes a reply takes in a batch."""
-    return item_size(reply.body, reply.return_path, reply.tokens)
+    return item_size(reply.body, reply.return_path, reply.tokens, reply.logprobs)
 
 
 class ReplyPublisher:

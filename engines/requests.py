@@ -151,6 +151,8 @@ class RequestTable:
         if request.resume_tokens:
             try:
                 active.resume(list(request.resume_tokens), self._backend.resumed_text(request_id), epoch)
+                if active.logprobs is not None:
+                    active.logprobs.resume(len(request.resume_tokens), routed.resume_logprobs)
             except BaseException:
                 self._backend.abort(request_id)
                 raise

@@ -26,7 +26,7 @@ from engines.runtime_core import EngineCore
 from engines.weight_updates import EngineWeights
 from service.ops.loops import keep_running
 from service.protocol.codec import encode_msgpack, msgpack_decoder
-from service.protocol.membership import EngineRegister, Heartbeat, RegisterAck
+from service.protocol.membership import LOGPROBS, EngineRegister, Heartbeat, RegisterAck
 from service.protocol.messages import ErrorReply
 from service.protocol.subjects import Header
 
@@ -54,6 +54,7 @@ class Membership:
         self._control = control
         self._weights = weights
         self._served_model_name = served_model_name
+        self._features = [LOGPROBS] if core.backend.computes_logprobs else None
         self._steps = steps
         self._kv_sequence = kv_sequence  # read as each message is built, after the events sent before it
         self.registered = asyncio.Event()  # set once a coordinator added this engine
@@ -75,6 +76,7 @@ class Membership:
                     self._served_model_name,
                     self._weights.version,
                     self._kv_sequence(),
+                    features=self._features,
                 )
             )
             try:
@@ -136,6 +138,7 @@ class Membership:
                 self._weights.version,
                 kv_sequence=self._kv_sequence(),
                 held=self._requests.held_back() or None,
+                features=self._features,
             )
             await core.nc.publish(core.subjects.sent_by(Header.HEARTBEAT, self._engine_id), encode_msgpack(beat))
         await asyncio.sleep(self._settings.heartbeat_interval_s)

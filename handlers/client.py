@@ -37,16 +37,20 @@ async def handle_connect(coordinator: ClientContext, incoming: Incoming, payload
     await coordinator.reply(incoming, ConnectAck(client_id, coordinator.id, PROTOCOL_VERSION))
 
 
-@message_handler(Header.SUBMIT_REQUEST, direct=True)
+@message_handler(Header.SUBMIT_REQUEST, direct=True, per_replica=True)
 async def handle_submit_request(
     coordinator: ClientContext, incoming: Incoming, payload: SubmitRequest | SubmitEnvelope
 ) -> None:
     """Sent by a client: a prompt and sampling parameters (``SubmitRequest``, JSON or msgpack),
     or the client library's ``SubmitEnvelope`` (routing fields plus the body, undecoded).
 
-    Routed to an engine, or queued while paused or while every engine is full; the engine's
+    Also served on ``submit_request.<coordinator_id>``, where the client library sends a
+    named submission to the replica arbitrating its id (service/protocol/arbiter.py); a
+    replica that does not arbitrate it hands it to the one that does. Routed to an engine, or
+    queued while paused or while every engine is full; the engine's
     partials (when ``stream``) and exactly one final or error reach ``reply_to`` (else the NATS
-    reply subject). Refusals answer an error: 400 malformed, 409 duplicate id, 413 too large,
+    reply subject). Refusals answer an error: 400 malformed, 409 duplicate id (or one in
+    progress for another reply subject), 413 too large,
     429 queue full, 503 no engine. The envelope's body is validated by the engine, so the
     coordinator never decodes a prompt."""
     await coordinator.admit(incoming, payload)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from msgspec import Struct
 
 from service.bus.registry import Incoming
-from service.protocol.handover import ForwardedAbort, ForwardedHold, ForwardedSubmission
+from service.protocol.handover import ArbiterClaims, ForwardedAbort, ForwardedHold, ForwardedSubmission
 from service.protocol.kv_events import KvEvents
 from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
@@ -112,11 +112,13 @@ class EngineContext(Replier, Protocol):
         model: str | None,
         weight_version: WeightVersion | None,
         kv_sequence: int | None,
+        logprobs: bool,
     ) -> None:
         """Add an engine with zero load, serving ``model`` (an engine registering again had
-        restarted), and answer with the control state and epoch it must start in. One that
-        serves other weights than the fleet's is not added: the answer names the fleet's. One
-        that publishes KV events (``kv_sequence``) is asked for a snapshot of its prefix cache."""
+        restarted; ``logprobs``: it computes log-probabilities), and answer with the control
+        state and epoch it must start in. One that serves other weights than the fleet's is not
+        added: the answer names the fleet's. One that publishes KV events (``kv_sequence``) is
+        asked for a snapshot of its prefix cache."""
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
         """Refresh an engine's liveness; adopt an unknown one (``own_subjects``: it sends on its
@@ -136,9 +138,10 @@ class EngineContext(Replier, Protocol):
     async def remove_engine(self, engine_id: str, reason: str) -> None:
         """Drop an engine that left: what it had not streamed is routed again, the rest fails."""
 
-    def peer_seen(self, coordinator_id: str, leaving: bool = False) -> None:
-        """Note a live coordinator replica, or (``leaving``) one that stops: its requests are
-        adopted now. Raises WireError 400 for an invalid id."""
+    def peer_seen(self, coordinator_id: str, leaving: bool = False, arbitrates: bool = False) -> None:
+        """Note a live coordinator replica (``arbitrates``: one that arbitrates request ids), or
+        (``leaving``) one that stops: its requests are adopted now. Raises WireError 400 for an
+        invalid id."""
 
 
 class ReplicaContext(Replier, Protocol):
@@ -149,6 +152,14 @@ class ReplicaContext(Replier, Protocol):
     async def take_resubmission(self, forwarded: ForwardedSubmission) -> bool:
         """Answer a resubmission another replica forwarded, if this one holds it (in flight or
         cached); False when it does not. Raises WireError 403 or 409 as admission does."""
+
+    async def admit_handed(self, reply: str, body: bytes) -> None:
+        """Admit a submission whose id this replica arbitrates, handed over by the replica its
+        client reached: answered as a ``submit_request`` with NATS reply subject ``reply``
+        ("" for none) and ``body``. Raises WireError only when no submission is served."""
+
+    async def take_claims(self, claims: ArbiterClaims) -> None:
+        """Take (a part of) the ids another replica holds that this one arbitrates."""
 
     async def abort_held(self, forwarded: ForwardedAbort) -> str:
         """Abort a request held here for another replica's client; its request id. Raises

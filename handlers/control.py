@@ -21,14 +21,16 @@ async def handle_control_signal(coordinator: ControlContext, incoming: Incoming,
     Checked against the transition table on the control state every replica shares (409 when
     it forbids the signal; a repeat that changes nothing is acknowledged at once), written
     there, broadcast to every engine, and answered with an ``Ack`` carrying the new state and
-    its revision once every engine confirmed, or an error naming the engines that did not."""
+    its revision once every engine confirmed, or an error naming the engines that did not. A
+    ``retry`` that finds the state its signal wrote is broadcast again and answered the same
+    way, once every engine confirmed."""
     signal = Header(incoming.header)
     if signal is Header.SET_GENERATION_EPOCH and payload.epoch is None:
         raise WireError(ErrorCode.MALFORMED, "set_generation_epoch needs an integer epoch")
     if payload.mode is not None and signal is not Header.PAUSE:
         raise WireError(ErrorCode.MALFORMED, f"mode applies to pause only, not to {signal}")
     written = await coordinator.apply_control(signal, payload)
-    if not written.changed:
+    if not written.changed and not payload.retry:
         await coordinator.reply(incoming, Ack(signal, state=written.record.state, revision=written.revision))
         return
     coordinator.spawn(coordinator.control_engines(incoming, signal, payload, written))

@@ -18,16 +18,24 @@ from handlers.context import EngineContext
 from handlers.registry import message_handler
 from service.bus.registry import Incoming
 from service.protocol.kv_events import KvEvents
-from service.protocol.membership import CoordinatorHeartbeat, EngineDisconnect, EngineRegister, Heartbeat
+from service.protocol.membership import (
+    CoordinatorHeartbeat,
+    EngineDisconnect,
+    EngineRegister,
+    Heartbeat,
+    computes_logprobs,
+)
 from service.protocol.messages import EngineReplyBatch
 from service.protocol.subjects import Header
 
 
 @message_handler(Header.REGISTER, fanout=True, direct=True, per_sender=True)
 async def handle_register(coordinator: EngineContext, incoming: Incoming, payload: EngineRegister) -> None:
-    """Sent by an engine when it starts: its ``engine_id``, ``capacity`` and ``served_model_name`` (msgpack).
+    """Sent by an engine when it starts: its ``engine_id``, ``capacity``, ``served_model_name`` and
+    ``features`` (msgpack).
 
-    The engine joins with zero load, serving that model; one registering again had restarted,
+    The engine joins with zero load, serving that model (requests asking for log-probabilities
+    only when it announces them); one registering again had restarted,
     so its old work is lost. Answers a ``RegisterAck`` with the control state and epoch to start
     in, and the fleet's weights: an engine that serves other ``weight_version`` is not added,
     it loads those and registers again; 400 for an id that cannot be a subject token, 403 for another engine's id (see above),
@@ -35,7 +43,13 @@ async def handle_register(coordinator: EngineContext, incoming: Incoming, payloa
     it is asked for a snapshot of its prefix cache (``cache_aware`` routing)."""
     engine_id = coordinator.engine_sender(incoming, payload.engine_id)
     await coordinator.register_engine(
-        incoming, engine_id, payload.capacity, payload.served_model_name, payload.weight_version, payload.kv_sequence
+        incoming,
+        engine_id,
+        payload.capacity,
+        payload.served_model_name,
+        payload.weight_version,
+        payload.kv_sequence,
+        computes_logprobs(payload.features),
     )
 
 
@@ -100,11 +114,11 @@ async def handle_coordinator_heartbeat(
     """Sent by every coordinator replica each ``heartbeat_interval_s``: its id.
 
     Tracks live replicas, so that replies of a dead one are delivered by exactly one
-    survivor. No answer. With a reply subject it is a replica without JetStream asking, before
+    survivor, and those that arbitrate request ids (``arbitrates``). No answer. With a reply subject it is a replica without JetStream asking, before
     it subscribes, whether another one serves the prefix: answered with this replica's
     heartbeat, and not counted as a heartbeat of the asker. A ``leaving`` beat is the last of a
     replica that stops: its requests are adopted at once."""
     if incoming.reply:
         await coordinator.reply(incoming, CoordinatorHeartbeat(coordinator.id))
         return
-    coordinator.peer_seen(payload.coordinator_id, payload.leaving)
+    coordinator.peer_seen(payload.coordinator_id, payload.leaving, payload.arbitrates)

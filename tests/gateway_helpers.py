@@ -1,5 +1,6 @@
-"""The gateway served in the test's event loop by uvicorn, on a port bound here, and a raw
-HTTP/1.1 client for what the OpenAI SDK hides (the ``[DONE]`` line, a client that hangs up)."""
+"""The gateway served in the test's event loop by uvicorn, on a port bound here, a raw HTTP/1.1
+client for what the OpenAI SDK hides (the ``[DONE]`` line, a client that hangs up), and a
+completion choice's logprob fields as the SDK reads them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import uvicorn
+from openai.types import CompletionChoice
 
 from service.gateway.app import Gateway
 from service.gateway.auth import ApiKeys
@@ -157,3 +159,21 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
         if loop.time() > deadline:
             raise TimeoutError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+class Legacy(NamedTuple):
+    """A completion choice's legacy logprob fields, each present."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+def legacy_logprobs(choice: CompletionChoice) -> Legacy:
+    logprobs = choice.logprobs
+    assert logprobs is not None, "the choice carries no logprobs"
+    fields = (logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, logprobs.text_offset)
+    tokens, token_logprobs, top_logprobs, text_offset = fields
+    assert tokens is not None and token_logprobs is not None and top_logprobs is not None and text_offset is not None
+    return Legacy(tokens, list(token_logprobs), list(top_logprobs), text_offset)

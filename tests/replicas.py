@@ -156,3 +156,39 @@ class ReplicaSet:
         kv = await self.nc.jetstream().key_value(bucket_name(self.settings.subject_prefix))
         entries = await kv.history(self.settings.subject_prefix)
         return [(entry.revision or 0, msgspec.json.decode(entry.value or b"", type=ControlRecord)) for entry in entries]
+
+
+class EngineSet:
+    """Echo engines as ``dpcoord engine --backend echo`` processes, by id, so a test can SIGKILL
+    one (a lost engine: no disconnect); ``close`` stops those still running."""
+
+    def __init__(self, settings: Settings, token_delay_ms: float) -> None:
+        self.settings = settings
+        self.token_delay_ms = token_delay_ms
+        self.processes: dict[str, asyncio.subprocess.Process] = {}
+
+    async def spawn(self, *engine_ids: str) -> None:
+        for engine_id in engine_ids:
+            env = child_env(
+                self.settings,
+                DPCOORD_ENGINE_ID=engine_id,
+                DPCOORD_BACKEND="echo",
+                DPCOORD_TOKEN_DELAY_MS=str(self.token_delay_ms),
+            )
+            self.processes[engine_id] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "service", "engine", env=env, cwd=REPO_ROOT
+            )
+
+    def kill(self, engine_id: str) -> None:
+        self.processes[engine_id].send_signal(signal.SIGKILL)
+
+    async def close(self) -> None:
+        for process in self.processes.values():
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                await asyncio.wait_for(process.wait(), 15)
+            except TimeoutError:
+                process.kill()
+                await process.wait()

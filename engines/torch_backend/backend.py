@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 class TorchBackend(Backend):
     name = "torch"
+    computes_logprobs = True
     max_context: int  # set from the model and the KV cache; the runtime holds max_tokens to it
 
     def __init__(self, options: TorchOptions, model_path: str | None = None) -> None:
@@ -100,6 +101,7 @@ class TorchBackend(Backend):
             launches_ahead=options.overlap_steps if options.overlap_steps is not None else self.device.type == "cuda",
         )
         self._step_lock = asyncio.Lock()  # step, suspend, resume, weight swaps and close never overlap
+        self._token_bytes: dict[int, bytes] = {}  # each token id's bytes, once asked (the vocabulary bounds it)
         self.profiler = StepProfiler(self.device, Path(options.profile_dir or tempfile.gettempdir()))
         log.info(
             "torch backend: %s, %.1f M parameters, %s on %s (%d CPU threads), context %d, KV cache %s; %s; "
@@ -184,12 +186,20 @@ class TorchBackend(Backend):
             key,
             IncrementalDetokenizer(self.tokenizer, prompt),
         )
+        state.sequence.prompt_logits = request.prompt_logprobs is not None
         state.resume(resume)
         self.requests.add(state)
         return len(prompt)
 
     def resumed_text(self, request_id: str) -> str:
         return self.requests.resumed_text(request_id)
+
+    def token_bytes(self, token_ids: collections.abc.Iterable[int]) -> dict[int, bytes]:
+        known, tokenizer = self._token_bytes, self.tokenizer
+        return {
+            token: known[token] if token in known else known.setdefault(token, tokenizer.token_bytes(token))
+            for token in token_ids
+        }
 
     def abort(self, request_id: str) -> bool:
         return self.requests.abort(request_id)

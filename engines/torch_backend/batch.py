@@ -6,7 +6,10 @@ masks are built on the device: a query sees the cached slots at or before its po
 with a ``sliding_window`` W, only the last W of those (its own included), as transformers'
 sliding-window mask. Decode groups for the paged kernel carry lengths instead of a mask (the
 kernel applies the window itself). With a step in flight (``previous``), the decode rows'
-input ids are its sampled ids, copied on the device (:mod:`engines.torch_backend.placeholders`).
+input ids are its sampled ids, copied on the device (:mod:`engines.torch_backend.placeholders`). A prefill whose
+prompt logprobs are due (``Sequence.prompt_rows_due``) also has the rows of its positions
+0 .. P-2 in ``last_token_index``, after every sequence's sampling row, in the order of the
+sequences: the model returns their logits too.
 """
 
 from __future__ import annotations
@@ -52,12 +55,16 @@ def build_batch(
     positions: list[int] = []
     slots: list[int] = []
     last: list[int] = []
+    prompt_rows: list[int] = []
     for sequence in scheduled.sequences:
+        first = len(input_ids)
         for position in range(sequence.num_cached, len(sequence.token_ids)):
             input_ids.append(sequence.token_ids[position])
             positions.append(position)
             slots.append(sequence.slot(position, block_size))
         last.append(len(input_ids) - 1)
+        if sequence.prompt_rows_due:
+            prompt_rows.extend(range(first, first + sequence.num_prompt_tokens - 1))
     ids = _long(input_ids, device)
     if previous is not None and scheduled.decode:  # decode rows first, one input id each
         resolve_on_device(ids[: len(scheduled.decode)], previous, decode_sources(scheduled.decode))
@@ -65,7 +72,7 @@ def build_batch(
         input_ids=ids,
         positions=_long(positions, device),
         slot_mapping=_long(slots, device),
-        last_token_index=_long(last, device),
+        last_token_index=_long(last + prompt_rows if prompt_rows else last, device),
         decode=None
         if not scheduled.decode
         else (

@@ -17,7 +17,9 @@ token prefixes, not merely equal pages. A sequence being admitted takes a refere
 registered page that matches its leading full pages and feeds only the tokens after them. Its
 last token is always fed (its logits give the next token), so at most
 ``(len(tokens) - 1) // block_size`` pages are reused; and since only full pages are shared,
-nothing ever writes to a shared page.
+nothing ever writes to a shared page. A sequence whose prompt logprobs are asked for reuses
+nothing (``Sequence.prompt_logits``): its whole prompt is recomputed, since cached pages keep
+keys and values but no logits; the pages it fills are registered for the others as usual.
 
 A :class:`PageWatcher` (the backend's map of prompt prefixes, for KV events) is told each hash
 as it enters the prefix cache (a page registered) and leaves it (a cached page evicted, or the
@@ -88,7 +90,7 @@ class BlockManager:
 
     def match(self, sequence: Sequence) -> list[int]:
         """Registered pages holding the sequence's leading full pages, in order (no side effect)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or sequence.prompt_logits:
             return []
         reusable = (len(sequence.token_ids) - 1) // self.block_size
         self.hash_pages(sequence, reusable)

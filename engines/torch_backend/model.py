@@ -56,7 +56,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] cache slot each token's key and value go to
-    last_token_index: torch.Tensor  # [B] the row whose logits sample each sequence's next token
+    last_token_index: torch.Tensor  # [B (+ prompt rows)] the row whose logits sample each sequence's next token
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
 
@@ -181,7 +181,8 @@ class DecoderModel(nn.Module):
         self.kernels = EAGER
 
     def forward(self, batch: ForwardBatch, rotary_table: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, vocab]`` (float32) for the next token of each scheduled sequence.
+        """Logits ``[B, vocab]`` (float32) for the next token of each scheduled sequence, then
+        those of the prompt rows ``batch.last_token_index`` adds (engines/torch_backend/batch.py).
 
         ``kv_cache`` is ``[layers, blocks, block_size, 2, kv_heads, head_dim]``."""
         assert kv_cache.shape[0] == len(self.layers), "one cache page table per layer"

@@ -21,6 +21,7 @@ import threading
 
 from engines.backend import CacheChanges
 from engines.torch_backend.held_prefixes import HeldPrefixes
+from engines.torch_backend.logprobs import RowsAsking
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.scheduler import Scheduler
 from engines.torch_backend.sequence import Sequence, SequenceStatus
@@ -92,6 +93,11 @@ class RequestTable:
         """Under the lock: the requests of a step's rows, and whether every one samples greedily."""
         rows = self._rows
         return rows.states(sequences, self._requests), rows.greedy
+
+    @property
+    def asking(self) -> RowsAsking | None:
+        """Under the lock: the rows of the last :meth:`states` that asked for logprobs."""
+        return self._rows.asking
 
     def finish(self, state: RequestState) -> None:
         """Under the lock: the request leaves the scheduler (its pages are free) and the table;

@@ -76,11 +76,30 @@ class SamplingParams:
         )
 
 
+@dataclass(slots=True)
+class Draw:
+    """What :func:`draw` sampled, and from what: the distribution each row's token was drawn
+    from (after temperature, top-k and top-p; a greedy row's is not this one but the one-hot
+    at its token), in descending order, unnormalised, with its token ids and the sampled
+    token's rank in it. ``sorted_probs``, ``order`` and ``rank`` are None when every row is
+    greedy."""
+
+    tokens: torch.Tensor  # [B]
+    sorted_probs: torch.Tensor | None  # [B, vocab] float32
+    order: torch.Tensor | None  # [B, vocab] int64: the token id at each rank
+    rank: torch.Tensor | None  # [B] int64
+
+
 def sample(logits: torch.Tensor, params: SamplingParams | None) -> torch.Tensor:
     """Next token ids ``[B]`` from float32 logits ``[B, vocab]``; ``params`` None: all greedy."""
+    return draw(logits, params).tokens
+
+
+def draw(logits: torch.Tensor, params: SamplingParams | None) -> Draw:
+    """:func:`sample`, keeping the distribution sampled from (for processed log-probabilities)."""
     greedy_tokens = logits.argmax(dim=-1)
     if params is None:
-        return greedy_tokens
+        return Draw(greedy_tokens, None, None, None)
     vocab = logits.shape[-1]
     greedy = params.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
@@ -97,4 +116,4 @@ def sample(logits: torch.Tensor, params: SamplingParams | None) -> torch.Tensor:
     threshold = uniforms(params.keys, params.counters) * cdf[:, -1]
     choice = (cdf <= threshold[:, None]).sum(dim=-1).clamp_(max=vocab - 1)
     sampled = order.gather(1, choice[:, None]).squeeze(1)
-    return torch.where(greedy, greedy_tokens, sampled)
+    return Draw(torch.where(greedy, greedy_tokens, sampled), probs, order, choice)

@@ -38,7 +38,9 @@ class Sequence:
     context), so a step whose token reaches it is the last one scheduled. ``pending_row``: the
     row of the step in flight whose sampled token the trailing placeholder is. ``preempted``:
     the scheduler's preemption count when this sequence last lost its pages; a step launched
-    before that drops its token.
+    before that drops its token. ``prompt_logits``: the request asked for prompt logprobs and
+    has not got them yet, so its prefill reuses no cached prefix and returns the logits of every
+    prompt position (:attr:`prompt_rows_due`).
     """
 
     request_id: str
@@ -52,6 +54,7 @@ class Sequence:
     limit: int = 1 << 62
     pending_row: int = -1
     preempted: int = 0
+    prompt_logits: bool = False
 
     @classmethod
     def from_prompt(
@@ -69,6 +72,12 @@ class Sequence:
     def num_new(self) -> int:
         """Tokens the next step feeds."""
         return len(self.token_ids) - self.num_cached
+
+    @property
+    def prompt_rows_due(self) -> bool:
+        """The step being prepared feeds its whole prompt and returns the logits of positions
+        0 .. P-2 as well (its prompt logprobs): read before :func:`feed` caches its tokens."""
+        return self.prompt_logits and self.num_cached == 0
 
     def drop_placeholder(self) -> None:
         """The step in flight will not give this sequence its token (it was preempted)."""

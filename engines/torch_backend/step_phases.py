@@ -13,6 +13,12 @@ the step in flight. Each phase asks those two for what it needs:
   placeholder and ends the requests the token alone ends (EOS, ``max_tokens``, the context).
 - **emit** detokenises and checks stop strings.
 
+Log-probabilities come from the same pass (:mod:`engines.torch_backend.logprobs`): launch
+computes those of the rows that asked, and of the prompt positions of a prefill that asked for
+prompt logprobs, on the device and starts their copy with the ids'; collect reads them with the
+ids; emit puts each on its token's output, and a prompt's on the request's next output. A step
+whose rows ask for none runs exactly as before.
+
 With overlapped steps (on by default on CUDA), step n + 1 is scheduled and launched *before*
 step n is collected: its decode rows' input ids are step n's sampled ids, copied on the device
 (:mod:`engines.torch_backend.placeholders`), so the host prepares step n + 1 while the device
@@ -29,11 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from engines.backend import TokenOutput
+from engines.backend import PromptLogprobs, TokenOutput
+from engines.torch_backend.logprobs import RowLogprobs, launch_logprobs, read_prompts, read_rows, to_host
 from engines.torch_backend.model_runner import ModelRunner
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.request_table import RequestTable
-from engines.torch_backend.sampling import sample
+from engines.torch_backend.sampling import draw, sample
 from engines.torch_backend.sequence import SequenceStatus, feed
 from engines.torch_backend.step_records import Launched, Sampled, sampling_params
 
@@ -55,6 +62,8 @@ class StepPhases:
         self._eos_token_ids, self._max_context = eos_token_ids, max_context
         self.launches_ahead = launches_ahead
         self._launched: Launched | None = None
+        # Prompt logprobs read back and not yet on an output (their row's token was dropped).
+        self._prompts: dict[RequestState, PromptLogprobs] = {}
 
     @property
     def in_flight(self) -> Launched | None:
@@ -97,28 +106,49 @@ class StepPhases:
                     return None
                 sequences = scheduled.sequences
                 states, greedy = requests.states(sequences)
+                asking = requests.asking
+                prompts: list[RequestState] = []
                 if scheduled.prefill:
-                    first_cached(states[len(scheduled.decode) :])
+                    prefilled = states[len(scheduled.decode) :]
+                    first_cached(prefilled)
+                    prompts = [state for state in prefilled if state.sequence.prompt_rows_due]
                 params = None if greedy else sampling_params(states, runner.device)
                 inputs = runner.prepare(scheduled, scheduler.grown, earlier)
                 positions = feed(sequences)
                 mark = scheduler.num_preempted
-            tokens = sample(runner.forward(inputs, earlier), params)
+            logits = runner.forward(inputs, earlier)
+            logprobs = None
+            if asking is None and not prompts:
+                tokens = sample(logits, params)
+            else:
+                drawn = draw(logits[: len(states)], params)
+                tokens = drawn.tokens
+                logprobs = launch_logprobs(logits, drawn, len(states), asking, prompts)
         if runner.device.type != "cuda":
-            return Launched(states, positions, tokens, tokens, None, mark)
+            return Launched(states, positions, tokens, tokens, None, mark, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            to_host(logprobs)
         ready = torch.cuda.Event(blocking=True)  # synchronize() then sleeps instead of spinning a core
         ready.record()
-        return Launched(states, positions, host, tokens, ready, mark)
+        return Launched(states, positions, host, tokens, ready, mark, logprobs)
 
-    def _collect(self, launched: Launched) -> list[Sampled]:
+    def _collect(self, launched: Launched) -> tuple[list[Sampled], dict[RequestState, RowLogprobs]]:
         """Read the step's ids back, write each over its placeholder (the pages it fills join
         the prefix cache: every cached token is known by then, as the newest a launched step
-        feeds is this one) and end the requests a token ends."""
+        feeds is this one) and end the requests a token ends; with them, the logprobs of the
+        rows that asked (and the prompts', kept until their request's next output)."""
         if launched.ready is not None:
             launched.ready.synchronize()
         tokens = launched.tokens.tolist()  # the step's one host sync
+        asked: dict[RequestState, RowLogprobs] = {}
+        if launched.logprobs is not None:
+            asked = {launched.states[row]: values for row, values in read_rows(launched.logprobs, tokens).items()}
+            for state, prompt in read_prompts(launched.logprobs):
+                if state.sequence.prompt_logits:
+                    state.sequence.prompt_logits = False  # a later prefill (a preemption) computes them no more
+                    self._prompts[state] = prompt
         sampled: list[Sampled] = []
         keep = sampled.append
         eos, max_context, mark = self._eos_token_ids, self._max_context, launched.mark
@@ -141,9 +171,10 @@ class StepPhases:
                     continue
                 requests.finish(state)
                 keep((state, token, finish, position + 1 - sequence.num_prompt_tokens))
-        return sampled
+        return sampled, asked
 
-    def _emit(self, sampled: list[Sampled]) -> list[TokenOutput]:
+    def _emit(self, collected: tuple[list[Sampled], dict[RequestState, RowLogprobs]]) -> list[TokenOutput]:
+        sampled, asked = collected
         outputs = []
         requests = self._requests
         for state, token, finish, generated in sampled:
@@ -158,8 +189,22 @@ class StepPhases:
             output = TokenOutput(
                 state.request.request_id, [token], text, finish, cached_tokens=state.cached_prompt_tokens
             )
+            if asked and (row := asked.get(state)) is not None:
+                output.logprobs = [row[0]]
+                output.top_logprobs = [row[1]] if state.request.logprobs else None
             outputs.append(output)
+        if self._prompts:
+            self._attach_prompts(sampled, outputs)
         return outputs
+
+    def _attach_prompts(self, sampled: list[Sampled], outputs: list[TokenOutput]) -> None:
+        """Each prompt's logprobs on its request's output of this step; those of requests that
+        left meanwhile are dropped, the others wait for their next output."""
+        prompts = self._prompts
+        for (state, *_), output in zip(sampled, outputs, strict=True):
+            output.prompt = prompts.pop(state, None)
+        for state in [state for state in prompts if state.sequence.status is SequenceStatus.FINISHED]:
+            del prompts[state]
 
 
 def first_cached(prefilled: list[RequestState]) -> None:

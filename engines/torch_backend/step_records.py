@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.torch_backend.logprobs import LaunchedLogprobs, RowsAsking
 from engines.torch_backend.request_state import RequestState
 from engines.torch_backend.sampling import SamplingParams
 from engines.torch_backend.sequence import Sequence
@@ -25,6 +26,7 @@ class Launched:
     device_tokens: torch.Tensor
     ready: torch.cuda.Event | None
     mark: int  # the scheduler's preemption count at launch: a row preempted since drops its token
+    logprobs: LaunchedLogprobs | None = None  # rows that asked for them, on their way to the host too
 
 
 # A row's token once read back: its request, the token, why it ends the request (None: it does
@@ -35,19 +37,21 @@ Sampled = tuple[RequestState, int, FinishReason | None, int]
 
 class StepRows:
     """The rows of the last step launched: a step with the same sequences in the same order
-    (most decode steps) reuses their request states and whether all of them are greedy,
-    instead of looking each up again."""
+    (most decode steps) reuses their request states, whether all of them are greedy and which
+    asked for logprobs, instead of looking each up again."""
 
     def __init__(self) -> None:
         self._sequences: list[Sequence] = []
         self._states: list[RequestState] = []
         self.greedy = True  # every row of the last step samples greedily
+        self.asking: RowsAsking | None = None  # the rows of the last step that asked for logprobs
 
     def states(self, sequences: list[Sequence], requests: dict[str, RequestState]) -> list[RequestState]:
         if sequences != self._sequences:  # identity, row by row, in C: Sequence compares by identity
             self._sequences = sequences
             self._states = [requests[sequence.request_id] for sequence in sequences]
             self.greedy = all(state.request.temperature == 0 for state in self._states)
+            self.asking = RowsAsking.of(self._states)
         return self._states
 
 

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from engines.torch_backend.token_bytes import TokenBytes
+
 if TYPE_CHECKING:
     from tokenizers.decoders import DecodeStream
 
@@ -45,6 +47,10 @@ class Tokenizer(Protocol):
         """Text of the tokens, special tokens left out, invalid UTF-8 as U+FFFD."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (:mod:`engines.torch_backend.token_bytes`)."""
+        ...
+
 
 class ByteTokenizer:
     name = "bytes"
@@ -55,6 +61,9 @@ class ByteTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(token for token in token_ids if token < 256).decode("utf-8", "replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return _BYTES[token_id] if token_id < 256 else b""
 
 
 class HFTokenizer:
@@ -67,12 +76,16 @@ class HFTokenizer:
 
         self.name = str(path)
         self._tokenizer = RustTokenizer.from_file(str(path))
+        self._token_bytes = TokenBytes(self._tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._token_bytes(token_id)
 
     def stream(self, context: list[int]) -> DecodeStream:
         """An incremental decoder that continues after ``context`` (whose text it does not emit)."""

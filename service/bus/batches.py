@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from service.protocol.messages import ReturnPath
+from service.protocol.messages import ReturnPath, StreamedLogprobs
 from service.protocol.subjects import utf8_length
 
 Item = TypeVar("Item")
@@ -23,6 +23,20 @@ BATCH_OVERHEAD = 256
 ITEM_OVERHEAD = 64
 # Bytes msgpack takes for one token id at most (ids fit 31 bits: a uint32, tag included).
 TOKEN_BYTES = 5
+# Bytes msgpack takes for one logprob (a float64, tag included) and for one alternative (an
+# array of two: a token id and a logprob).
+LOGPROB_BYTES = 9
+ALTERNATIVE_BYTES = 1 + TOKEN_BYTES + LOGPROB_BYTES
+
+
+def logprob_size(logprobs: StreamedLogprobs | None) -> int:
+    """Bytes ``logprobs`` take beside a routed request's or reply's tokens, at most."""
+    if logprobs is None:
+        return 0
+    size = LOGPROB_BYTES * len(logprobs.token_logprobs)
+    for alternatives in logprobs.top_logprobs or ():
+        size += 5 + ALTERNATIVE_BYTES * len(alternatives)
+    return size
 
 
 def batch_limit(max_payload: int) -> int:
@@ -34,12 +48,14 @@ def fits_alone(size: int, max_payload: int) -> bool:
     return size <= batch_limit(max_payload)
 
 
-def item_size(body: bytes, return_path: ReturnPath, tokens: list[int] | None = None) -> int:
+def item_size(
+    body: bytes, return_path: ReturnPath, tokens: list[int] | None = None, logprobs: StreamedLogprobs | None = None
+) -> int:
     """Bytes one routed request or reply takes in a batch: its body, every string of its return
     path in UTF-8 as msgpack carries them (the coordinator's ids and the encoding name are
     ASCII; an integer ``client_request_id`` fits :data:`ITEM_OVERHEAD`), the token ids it
-    carries beside the body (a routed request's resume tokens, a partial's tokens), and the
-    framing around them."""
+    carries beside the body (a routed request's resume tokens, a partial's tokens) and their
+    logprobs, and the framing around them."""
     text = return_path.reply_to + (return_path.client_id or "")
     client_request_id = return_path.client_request_id
     if isinstance(client_request_id, str):
@@ -54,6 +70,8 @@ def item_size(body: bytes, return_path: ReturnPath, tokens: list[int] | None = N
     )
     if tokens:
         size += TOKEN_BYTES * len(tokens)
+    if logprobs is not None:
+        size += logprob_size(logprobs)
     return size
 
 

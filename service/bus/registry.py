@@ -16,6 +16,8 @@ header is declared on the same decorator, so a new header touches one file:
   let each sender publish only as itself. The handler reads it from :attr:`Incoming.sender`.
 - ``addressed=True``: served on ``<header>.<own id>`` alone (no queue group), for messages one
   coordinator replica sends another.
+- ``per_replica=True``: served in the queue group and also on ``<header>.<own id>`` (no queue
+  group), for clients that address one replica (the arbiter of a submission's id).
 
 Registering a header twice is an error at import time.
 """
@@ -62,6 +64,7 @@ class HandlerSpec(Generic[Context]):
     direct: bool
     per_sender: bool = False
     addressed: bool = False
+    per_replica: bool = False
 
 
 class HandlerRegistry(Mapping[str, HandlerSpec[Context]], Generic[Context]):
@@ -79,6 +82,7 @@ class HandlerRegistry(Mapping[str, HandlerSpec[Context]], Generic[Context]):
         direct: bool = False,
         per_sender: bool = False,
         addressed: bool = False,
+        per_replica: bool = False,
     ) -> Callable[
         [Callable[[Context, Incoming, Any], Awaitable[None]]], Callable[[Context, Incoming, Any], Awaitable[None]]
     ]:
@@ -101,7 +105,7 @@ class HandlerRegistry(Mapping[str, HandlerSpec[Context]], Generic[Context]):
                     raise ValueError(
                         f"duplicate handler for header {key!r}: {getattr(self._specs[key].fn, '__qualname__', key)}"
                     )
-                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct, per_sender, addressed)
+                self._specs[key] = HandlerSpec(key, fn, decoder, fanout, direct, per_sender, addressed, per_replica)
             return fn
 
         return register

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -22,10 +23,11 @@ import msgspec
 from nats.errors import Error as NatsError
 
 from service.cli import terminal
+from service.cli.logprobs import logprob_lines
 from service.client import DpcoordClient
 from service.ops.services_api import CoordinatorStatus
 from service.ops.settings import Settings
-from service.protocol.messages import Ack, Held, Partial
+from service.protocol.messages import Ack, Final, Held, Partial
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,14 @@ def _print_json(message: msgspec.Struct, shown: Callable[[str], str] = str) -> N
     print(shown(msgspec.json.encode(message).decode()))
 
 
+def _print_final(final: Final, shown: Callable[[str], str]) -> None:
+    """The final's JSON (its logprob fields included); on a terminal, a line per token's logprobs after it."""
+    _print_json(final, shown)
+    if sys.stdout.isatty():
+        for line in logprob_lines(final, shown):
+            print(line)
+
+
 class _Deadline:
     """What is left of one timeout shared by the steps of a command."""
 
@@ -88,6 +98,9 @@ async def submit(settings: Settings, args: argparse.Namespace) -> int:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop,
+        "logprobs": args.logprobs,
+        "prompt_logprobs": args.prompt_logprobs,
+        "logprobs_mode": args.logprobs_mode,
     }
     shown = terminal.shown_on(sys.stdout, raw=args.raw)
     deadline = _Deadline(args.timeout)
@@ -101,14 +114,14 @@ async def submit(settings: Settings, args: argparse.Namespace) -> int:
                         on_held=lambda held: spinner.say(held_line(held)),
                         **sampling,
                     )
-                _print_json(final, shown)
+                _print_final(final, shown)
                 return 0
             async for reply in client.stream(args.prompt, timeout=deadline.left(), on_held=_say_held, **sampling):
                 if isinstance(reply, Partial):
                     print(shown(reply.text), end="", flush=True)
                 else:
                     print()
-                    _print_json(reply, shown)
+                    _print_final(reply, shown)
     except TimeoutError:
         raise CommandFailed(f"no reply within {args.timeout:g} s (--timeout)") from None
     return 0
@@ -150,7 +163,9 @@ async def control(settings: Settings, args: argparse.Namespace) -> int:
     waiting = f"dpcoord control {what}: waiting for the engines to confirm (up to {wait_s:.0f} s)"
     async with await DpcoordClient.connect(settings, timeout=deadline.left()) as client:
         try:
-            async with terminal.Waiting(sys.stderr, waiting):
+            # A wait no longer than the line's delay ends in an answer or a timeout's line instead.
+            waits_long = wait_s > terminal.WAITING_LINE_AFTER_S
+            async with terminal.Waiting(sys.stderr, waiting) if waits_long else contextlib.nullcontext():
                 ack = await _send(client, header, epoch, args, deadline.left())
         except TimeoutError:
             state = await _recorded_state(client)

@@ -131,6 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--seed", type=int, default=None)
     submit.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     submit.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="each generated token's log-probability and its K most likely alternatives (0 to 20)",
+    )
+    submit.add_argument("--prompt-logprobs", type=int, default=None, metavar="K", help="the same for the prompt")
+    submit.add_argument(
+        "--logprobs-mode",
+        choices=["raw", "processed"],
+        default=None,
+        help="of the model (raw, the default) "
+        "or of the distribution sampled from (processed: after temperature, top-k and top-p)",
+    )
+    submit.add_argument(
         "--timeout",
         type=float,
         default=60.0,

@@ -102,12 +102,16 @@ class Spinner:
             await asyncio.sleep(self._interval_s)
 
 
+WAITING_LINE_AFTER_S = 1.0
+"""How long a wait runs, off a terminal, before its label is written."""
+
+
 class Waiting:
     """The spinner on a terminal; elsewhere (a pipe, a log file) ``label`` on a line of its own,
     written once the block has run ``line_after_s``, so that answers that come at once print
     nothing more."""
 
-    def __init__(self, stream: TextIO, label: str, line_after_s: float = 1.0) -> None:
+    def __init__(self, stream: TextIO, label: str, line_after_s: float = WAITING_LINE_AFTER_S) -> None:
         self._stream = stream
         self._label = label
         self._line_after_s = line_after_s

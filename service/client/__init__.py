@@ -15,8 +15,8 @@ subscribed yet), with backoff until the deadline, and after every reconnect, whe
 have been lost. It also resubmits when the replica that holds a request (the one its id names,
 learnt from the first reply; any, before one came) stops heartbeating, since the requests a
 dead replica had not yet sent to an engine are known to their clients alone. Every publish
-after the first is marked as a resubmission, so a replica that does not hold the request asks
-its peers before running it (docs/reliability.md, ownership).
+after the first is marked as a resubmission (docs/reliability.md). Each goes to the replica
+arbitrating its id (:mod:`service.protocol.arbiter`, :mod:`.publishing`).
 
 A publish that NATS refuses (permissions violation) raises ClientError 403 at once, on
 connections the library opened itself; NATS reports the refusal only to the connection's error
@@ -29,14 +29,13 @@ Traced (:mod:`service.ops.tracing`), a submission is a ``dpcoord.submit`` span, 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import ExitStack, aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError
 
 from service.bus.connection import close_nats, connect_nats
 from service.bus.direct import DirectClient, DirectSubscription
@@ -46,6 +45,9 @@ from service.client.envelope import envelope
 from service.client.exchanges import CoordinatorWatch, Exchanges
 from service.client.flow import DEFAULT_FLOW, FlowControl, FlowLimits, StreamStalled
 from service.client.holds import HoldChannel
+from service.client.logprobs import with_logprobs
+from service.client.publishing import SubmitPublisher
+from service.client.signals import signal_answered
 from service.client.submission import OnHeld, Submission
 from service.client.tracing import ClientTracing, traced
 from service.ops.settings import Settings
@@ -103,6 +105,7 @@ class DpcoordClient:
         # submission in progress (as a watch per submission would, for less per submission).
         self._watches = ExitStack()
         self._watches.enter_context(refusals.watch(self._submit_subject, exchanges.refused))
+        self._publish = SubmitPublisher(nc, self._submit_subject, refusals, self._watches, watch)
 
     @classmethod
     async def connect(
@@ -118,11 +121,9 @@ class DpcoordClient:
         cannot be reached raises :class:`~service.bus.connection.NatsUnreachable` (a
         ``ConnectionError``) after ``settings.nats_connect_timeout_s`` per server in its URL.
         ``tracer`` (the caller's to close): where spans go; by default from settings."""
-        exchanges = Exchanges()
-        refusals = PublishRefusals()
-        watch = CoordinatorWatch(
-            exchanges, settings.heartbeat_interval_s, settings.heartbeat_timeout_s + settings.heartbeat_interval_s
-        )
+        exchanges, refusals, subjects = Exchanges(), PublishRefusals(), Subjects(settings.subject_prefix)
+        beat_s = settings.heartbeat_interval_s
+        watch = CoordinatorWatch(exchanges, beat_s, settings.heartbeat_timeout_s + beat_s, subjects)
         owns = nc is None
 
         def reconnected() -> None:
@@ -132,7 +133,6 @@ class DpcoordClient:
         connection = nc or await connect_nats(
             settings, name="dpcoord-client", on_reconnect=reconnected, on_error=refusals.on_error, give_up=True
         )
-        subjects = Subjects(settings.subject_prefix)
         exchanges.inbox = connection.new_inbox()
         replies: Subscription | DirectSubscription
         if isinstance(connection, DirectClient):
@@ -211,8 +211,9 @@ class DpcoordClient:
             session_id, group_id, on_held is not None,
         )  # fmt: skip
         span, headers = self._tracing.start(self._submit_subject, request_id, model, False)
+        address = self._watch.address_of(self.client_id, request_id)
         submission = Submission(
-            self._publish, self._exchanges, self._watch, body, timeout, headers=headers, on_held=on_held
+            self._publish, self._exchanges, self._watch, body, timeout, None, headers, on_held, address
         )
         try:
             with traced(span):
@@ -221,7 +222,7 @@ class DpcoordClient:
                     if isinstance(final := replies[-1], Final):
                         if span is not None:
                             span.finished(final)
-                        return final
+                        return with_logprobs(final, sampling)
         finally:
             submission.close()
         raise ClientError(ErrorCode.INTERNAL, "submission ended without a final reply")
@@ -289,7 +290,10 @@ class DpcoordClient:
         check = StreamCheck()
         span, headers = self._tracing.start(self._submit_subject, request_id, model, True)
         control = FlowControl(flow, self._holds)
-        submission = Submission(self._publish, self._exchanges, self._watch, body, timeout, control, headers, on_held)
+        address = self._watch.address_of(self.client_id, request_id)
+        submission = Submission(
+            self._publish, self._exchanges, self._watch, body, timeout, control, headers, on_held, address
+        )
         try:
             with traced(span):
                 await submission.start()
@@ -300,7 +304,7 @@ class DpcoordClient:
                         for reply in replies:
                             if isinstance(reply, Final):
                                 check.finish(reply)
-                                passed.append(reply)
+                                passed.append(with_logprobs(reply, sampling))
                                 if span is not None:
                                     span.finished(reply)
                             elif check.accept(reply):
@@ -316,14 +320,9 @@ class DpcoordClient:
         finally:
             submission.close()
 
-    async def _publish(self, body: bytes, inbox: str, headers: Mapping[str, str] | None) -> None:
-        try:
-            await self.nc.publish(self._submit_subject, body, reply=inbox, headers=headers)  # type: ignore[arg-type]
-        except MaxPayloadError:
-            raise ClientError(
-                ErrorCode.TOO_LARGE,
-                f"submission of {len(body)} bytes exceeds the NATS server's max_payload {self.nc.max_payload}",
-            ) from None
+    def arbiter_of(self, client_request_id: ClientRequestId) -> str | None:
+        """The replica this client sends ``client_request_id`` to (its arbiter); None: any."""
+        return self._watch.arbiter_of(self.client_id, client_request_id)
 
     async def abort(
         self, client_request_id: ClientRequestId | None = None, *, request_id: str | None = None, timeout: float = 10.0
@@ -341,8 +340,10 @@ class DpcoordClient:
     async def control(
         self, signal: Header, epoch: int | None = None, timeout: float = 30.0, mode: PauseMode | None = None
     ) -> Ack:
-        """Send a control or profiler signal; returns once every engine confirmed it."""
-        return await self._ack(signal, ControlSignal(epoch, mode), timeout)
+        """Send a control or profiler signal; returns once every engine confirmed it, even if the
+        replica taking it dies (:mod:`.signals`; ``timeout`` must cover a drain)."""
+        subject, message = self.subjects.coordinator(signal), ControlSignal(epoch, mode)
+        return await signal_answered(self.nc, self._refusals, self._exchanges, self._watch, subject, message, timeout)
 
     async def pause(self, timeout: float = 30.0, mode: PauseMode | None = None) -> Ack:
         """Returns once no engine runs a step: ``keep`` (the default) freezes the requests in

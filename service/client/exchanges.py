@@ -4,7 +4,8 @@ Replies to every submission arrive on one wildcard subscription per client, ``<i
 submission on its own token of it (:class:`Exchanges`). Each submission's queue also hears of
 reconnects (:data:`RECONNECTED`) and of coordinator replicas that stopped heartbeating
 (:class:`CoordinatorLost`, from :class:`CoordinatorWatch`), after which it resubmits, and of
-publishes NATS refused (:class:`Refused`).
+publishes NATS refused (:class:`Refused`, or :data:`ADDRESS_REFUSED` for a replica's own
+submission subject, after which it sends to the subject all replicas share).
 
 A reply is queued as its body (``bytes``; empty for the end-of-stream marker), NATS's
 no-responders status as :data:`NO_RESPONDERS`. The client reads reply batches
@@ -29,14 +30,18 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import msgspec
 from nats.aio.msg import Msg
 
 from service.client.mailbox import Mailbox
 from service.ops.log_limit import RateLimitedLog
+from service.protocol.arbiter import ArbiterTable
 from service.protocol.membership import CoordinatorHeartbeat
+from service.protocol.messages import ClientRequestId
 from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
+from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
 BATCH = BATCH_TOKEN.encode()  # the last token of the inbox's batch subject
@@ -44,6 +49,7 @@ BATCH = BATCH_TOKEN.encode()  # the last token of the inbox's batch subject
 RECONNECTED = object()
 EXPIRED = object()  # queued by a mailbox's deadline timer
 NO_RESPONDERS = object()  # NATS's status reply: no coordinator subscribed to the submission subject
+ADDRESS_REFUSED = object()  # NATS refused a publish to a replica's own submission subject
 DEADLINE_RESOLUTION_S = 0.05
 heartbeat_decoder = msgspec.msgpack.Decoder(CoordinatorHeartbeat)
 
@@ -153,6 +159,12 @@ class Exchanges:
         for queue in self.queues.values():
             queue.put_nowait(lost)
 
+    def address_refused(self) -> None:
+        """NATS refused a publish to a replica's own submission subject: every submission is
+        told, as each may have sent one."""
+        for queue in self.queues.values():
+            queue.put_nowait(ADDRESS_REFUSED)
+
     def refused(self, message: str) -> None:
         """NATS refused a publish to the submission subject: every submission is told, as each
         may be the one refused."""
@@ -164,22 +176,68 @@ class Exchanges:
 class CoordinatorWatch:
     """Coordinator replicas by their heartbeats; one silent for ``timeout_s`` (the replicas'
     heartbeat timeout plus an interval, so that they found it dead and adopted its requests
-    first) is reported lost once."""
+    first) is reported lost once. The replicas that arbitrate request ids give the arbiter of
+    each (:mod:`service.protocol.arbiter`), whose own submission subject ``address`` names."""
 
-    def __init__(self, exchanges: Exchanges, interval_s: float, timeout_s: float) -> None:
+    def __init__(
+        self, exchanges: Exchanges, interval_s: float, timeout_s: float, subjects: Subjects | None = None
+    ) -> None:
         self._exchanges = exchanges
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        self._subjects = subjects  # None: the watch names no arbiter
         self._last_seen: dict[str, float] = {}
+        self._arbitrating: set[str] = set()
+        self._table: ArbiterTable | None = None
+        self._own_subjects: dict[str, str] = {}  # replica -> its own submission subject
+        self.addressing = subjects is not None  # False once NATS refused a replica's own subject
         self._task: asyncio.Task[None] | None = None
+        self._started_at = time.monotonic()
 
     async def on_heartbeat(self, msg: Msg) -> None:
         if msg.reply:
             return  # a replica asking whether another serves the prefix, not a heartbeat
         try:
-            self._last_seen[heartbeat_decoder.decode(msg.data).coordinator_id] = time.monotonic()
+            beat = heartbeat_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
+        coordinator_id = beat.coordinator_id
+        self._last_seen[coordinator_id] = time.monotonic()
+        if (beat.arbitrates and not beat.leaving) != (coordinator_id in self._arbitrating):
+            if beat.arbitrates and not beat.leaving:
+                self._arbitrating.add(coordinator_id)
+            else:
+                self._arbitrating.discard(coordinator_id)
+            self._arbiters_changed()
+
+    def address_refused(self, message: str) -> None:
+        """NATS refused a replica's own submission subject: every submission goes to the shared one."""
+        self.addressing = False
+        self._exchanges.address_refused()
+
+    def arbiter_subject(self, client_id: str | None, client_request_id: ClientRequestId) -> str | None:
+        """The submission subject of the replica arbitrating this id; None while none is known
+        (or NATS refused such a subject): then the subject all replicas share."""
+        table = self._table
+        if table is None or not self.addressing:
+            return None
+        return self._own_subjects[table.of(client_id, client_request_id)]
+
+    def address_of(self, client_id: str | None, client_request_id: ClientRequestId) -> Callable[[], str | None]:
+        """Where a submission of this id goes, asked at each publish: :meth:`arbiter_subject`."""
+        return lambda: self.arbiter_subject(client_id, client_request_id)
+
+    def arbiter_of(self, client_id: str | None, client_request_id: ClientRequestId) -> str | None:
+        """The replica arbitrating this id, as the client knows the replicas; None: none known."""
+        return None if self._table is None else self._table.of(client_id, client_request_id)
+
+    def _arbiters_changed(self) -> None:
+        replicas, subjects = self._arbitrating, self._subjects
+        if not replicas or subjects is None:
+            self._table = None
+            return
+        self._table = ArbiterTable(replicas)
+        self._own_subjects = {replica: subjects.addressed_to(Header.SUBMIT_REQUEST, replica) for replica in replicas}
 
     def heard_of(self, coordinator_id: str) -> None:
         """A reply named a coordinator: it is watched from now on, whether or not its heartbeats
@@ -188,7 +246,13 @@ class CoordinatorWatch:
             self._last_seen[coordinator_id] = time.monotonic()
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._task = asyncio.ensure_future(self._watch())
+
+    async def heard_all(self) -> None:
+        """Until every live replica has surely been heard (each beats every interval): only a
+        replica heard can be reported lost."""
+        await asyncio.sleep(max(0.0, self._started_at + 1.5 * self._interval_s - time.monotonic()))
 
     def stop(self) -> None:
         if self._task is not None:
@@ -207,3 +271,6 @@ class CoordinatorWatch:
             for coordinator_id in lost:
                 del self._last_seen[coordinator_id]
                 self._exchanges.coordinator_lost(coordinator_id)
+            if self._arbitrating.intersection(lost):
+                self._arbitrating.difference_update(lost)
+                self._arbiters_changed()

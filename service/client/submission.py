@@ -6,7 +6,10 @@ pays its own per-reply costs once per batch), in arrival order, ending with the 
 the way it resubmits when a reply may have been lost (the rules are the client library's,
 service/client/__init__.py): after NATS's no-responders status, with backoff until the deadline;
 after a reconnect; when the replica holding the request stops heartbeating. Every publish after
-the first is marked as a resubmission.
+the first is marked as a resubmission (but for a repeat after no-responders, which reached no
+one). Each publish goes to the replica arbitrating the id, when the client knows one (else, or
+once that replica answers no-responders or NATS refuses its subject, to the subject all
+replicas share, whose replica hands it to the arbiter).
 
 An error (an error reply's ClientError, the deadline's TimeoutError, a refused publish's 403) is
 raised after the replies that came before it were handed over: a reader never loses a reply.
@@ -28,6 +31,7 @@ import msgspec
 
 from service.client.calls import ClientError, check, reply_decoder
 from service.client.exchanges import (
+    ADDRESS_REFUSED,
     EXPIRED,
     NO_RESPONDERS,
     RECONNECTED,
@@ -45,8 +49,12 @@ MAX_RESUBMIT_BACKOFF_S = 1.0
 # The coordinator enforces the same deadline; waiting a little longer lets its 504 arrive
 # instead of a bare timeout.
 DEADLINE_MARGIN_S = 2.0
-Publish = Callable[[bytes, str, Mapping[str, str] | None], Awaitable[None]]
-"""``publish(body, reply_subject, headers)``: the submission subject's publish."""
+Publish = Callable[[bytes, str, str | None, Mapping[str, str] | None], Awaitable[None]]
+"""``publish(body, reply_subject, subject, headers)``: a publish to ``subject``, a replica's
+own submission subject, or (None) the one all replicas share."""
+Address = Callable[[], "str | None"]
+"""The own submission subject of the replica arbitrating the submission's id, as the client
+knows the replicas now; None for the subject all replicas share."""
 OnHeld = Callable[[Held], None]
 
 _envelope_decoder = msgspec.msgpack.Decoder(SubmitEnvelope)
@@ -57,8 +65,8 @@ class Submission:
     ``finally``) forgets its reply subject. With ``flow``, its replies not read are bounded."""
 
     __slots__ = (
-        "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow", "_headers",
-        "_inbox", "_mailbox", "_on_held", "_publish", "_request_id", "_timeout", "_watch",
+        "_address", "_again", "_backoff", "_body", "_deadline", "_ended", "_exchanges", "_failure", "_flow",
+        "_headers", "_inbox", "_mailbox", "_on_held", "_publish", "_request_id", "_sent_to", "_timeout", "_watch",
     )  # fmt: skip
 
     def __init__(
@@ -71,6 +79,7 @@ class Submission:
         flow: FlowControl | None = None,
         headers: Mapping[str, str] | None = None,
         on_held: OnHeld | None = None,
+        address: Address | None = None,
     ) -> None:
         wait_s = timeout + DEADLINE_MARGIN_S
         self._deadline = time.monotonic() + wait_s
@@ -88,13 +97,20 @@ class Submission:
         self._failure: ClientError | TimeoutError | None = None  # raised at the next call
         self._headers = headers
         self._on_held = on_held
+        self._address = address
+        self._sent_to: str | None = None  # the subject of the last publish (None: the shared one)
         self._flow: StreamFlow | None = None
         if flow is not None:
             inbox = self._inbox
             self._flow = StreamFlow(self._mailbox, flow, lambda: self._request_id, lambda: exchanges.close(inbox))
 
     async def start(self) -> None:
-        await self._publish(self._body, self._inbox, self._headers)
+        await self._send(self._body)
+
+    async def _send(self, body: bytes) -> None:
+        """To the arbiter of the id when the client knows it, else to every replica's subject."""
+        self._sent_to = self._address() if self._address is not None else None
+        await self._publish(body, self._inbox, self._sent_to, self._headers)
 
     def close(self) -> None:
         self._exchanges.close(self._inbox)
@@ -139,17 +155,25 @@ class Submission:
 
     async def _control(self, item: object) -> None:
         """What the mailbox hears besides replies: resubmit, or fail."""
-        if item is NO_RESPONDERS:
+        if item is NO_RESPONDERS and self._sent_to is not None:
+            # The arbiter the client knew is gone: any replica hands the copy to the new one.
+            self._address = None
+            await self._send(self._body)
+        elif item is NO_RESPONDERS:
             await asyncio.sleep(min(self._backoff, max(0.0, self._deadline - time.monotonic())))
             self._backoff = min(self._backoff * 2, MAX_RESUBMIT_BACKOFF_S)
-            await self._publish(self._body, self._inbox, self._headers)
+            await self._send(self._body)
+        elif item is ADDRESS_REFUSED:
+            if self._sent_to is not None:
+                self._address = None
+                await self._send(self._again or self._body)
         elif item is EXPIRED:
             raise TimeoutError(f"no reply within {self._timeout} s")
         elif isinstance(item, CoordinatorLost) and self._request_id and self._holder() != item.coordinator_id:
             return
         elif item is RECONNECTED or isinstance(item, CoordinatorLost):
             self._again = self._again or _as_resubmission(self._body)
-            await self._publish(self._again, self._inbox, self._headers)
+            await self._send(self._again)
             if self._flow is not None:
                 self._flow.again()
         elif isinstance(item, Refused):

@@ -3,16 +3,20 @@
 Contract:
 - A submission is refused before it is accepted (400 bad reply subject, id too long, deadline
   beyond ``max_request_timeout_s``; 403 a resubmission from another owner; 404 a model no engine
-  serves; 409 an anonymous client's id already in flight, or a resubmission with another body;
+  serves; 409 an anonymous client's id already in flight, a resubmission with another body, or
+  one in flight for another reply subject;
   429 queue full, by count or bytes; 503 no engine), or accepted: then it holds a deadline (504
   when it passes) and ends with exactly one terminal reply (see the relay).
 - Replies go only to inboxes: ``reply_to`` must be under an inbox prefix, and under the same one
   as the message's NATS reply subject when it has one. That prefix owns the request.
 - A named client's repeated ``(client_id, client_request_id)`` is answered, never run twice,
-  when it comes from the same owner with the same body: a request in flight answers the new
-  reply subject, a cached result is sent again.
+  when it comes from the same owner with the same body: a request in flight goes on answering
+  its reply subject (a repeat on another reply subject gets 409 ``in progress``, so no inbox
+  is left silent), a cached result is sent again. Across replicas, the arbiter of the id
+  alone admits it (:mod:`.arbitration`).
 - A submission naming a ``model`` goes only to engines serving it (the pool's group for it);
-  one that names a model no engine serves is refused with 404.
+  one that names a model no engine serves is refused with 404. One asking for
+  log-probabilities goes only to engines that announce them; 503 when none of its group does.
 - Accepted requests enter the ledger (:mod:`.ledger`), routed at once while the coordinator
   runs, an engine (serving their model) has room and none of their model waits; otherwise they
   wait in the queue of their model (owners in turn, :mod:`.fair_queue`) until the ledger
@@ -39,7 +43,7 @@ import time
 from service.bus.registry import Incoming
 from service.coordinator.answers import Answers
 from service.coordinator.core import Core
-from service.coordinator.ledger import RequestLedger, unknown_model
+from service.coordinator.ledger import RequestLedger, no_logprobs_engine, unknown_model
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.pool import EngineGroup, EnginePool
 from service.coordinator.request_ids import request_ids
@@ -110,8 +114,10 @@ class Admission:
             return None
         if isinstance(submit, SubmitEnvelope):
             body, encoding, timeout_s = submit.body, detect_encoding(submit.body), submit.timeout_s
+            logprobs = submit.logprobs
         else:
             body, encoding, timeout_s = incoming.body, incoming.encoding, submit.sampling_params.timeout_s
+            logprobs = submit.sampling_params.asks_logprobs
         client_request_id, client_id = submit.client_request_id, submit.client_id
         short = self._short_id  # ids at most this many characters fit max_id_bytes whatever they hold: no check
         if (isinstance(client_request_id, str) and len(client_request_id) > short) or (
@@ -133,7 +139,9 @@ class Admission:
         model = submit.model
         group = self._pool.everyone if model is None else self._engines_serving(model)
         key = ledger.routing_key(submit)
-        engine = ledger.engine_for(group, model, key)
+        if logprobs and group is not None and not group.computing_logprobs and self._peers.warmed_up:
+            raise no_logprobs_engine(model)
+        engine = ledger.engine_for(group, model, key, logprobs)
         if engine is None:
             settings = self._settings
             if ledger.queued >= settings.max_queued_requests:
@@ -155,7 +163,9 @@ class Admission:
             submit.client_id,
             batched,
         )
-        entry = InflightRequest(return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key)
+        entry = InflightRequest(
+            return_path, encoding, body, client_key, model=model, owner=owner, routing_key=key, logprobs=logprobs
+        )
         ledger.admit(entry, timeout_s, engine)
         if engine is None and not ledger.running and type(submit) is SubmitEnvelope and submit.held_notices:
             held = Held(request_id, submit.client_request_id, ledger.state)
@@ -169,10 +179,17 @@ class Admission:
     def forwardable(self, incoming: Incoming, submit: SubmitEnvelope) -> ForwardedSubmission | None:
         """A resubmission of a named client that this replica does not hold, as its peers are
         asked about it; None for anything admit should handle at once (refusals included)."""
-        client_id, client_request_id = submit.client_id, submit.client_request_id
-        if not submit.resubmission or client_id is None or client_request_id is None:
+        if not submit.resubmission or submit.client_id is None or submit.client_request_id is None:
             return None
-        if self.holds((client_id, client_request_id)):
+        if self.holds((submit.client_id, submit.client_request_id)):
+            return None
+        return self.as_forwarded(incoming, submit)
+
+    def as_forwarded(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> ForwardedSubmission | None:
+        """A named submission as its holder is asked about it (``forward_submission``); None when
+        it names no client or no usable reply subject (admit refuses it)."""
+        client_id, client_request_id = submit.client_id, submit.client_request_id
+        if client_request_id is None:
             return None
         try:
             reply_to, owner = (
@@ -184,7 +201,8 @@ class Admission:
             return None
         if reply_to is None or owner is None:
             return None
-        return ForwardedSubmission(owner, reply_to, submit.stream, client_id, client_request_id, submit.body)
+        body = submit.body if isinstance(submit, SubmitEnvelope) else incoming.body
+        return ForwardedSubmission(owner, reply_to, submit.stream, client_id, client_request_id, body)
 
     def _batches(self, reply_to: str, owner: str) -> bool:
         """Whether replies to ``reply_to`` may go in reply batches: its batch subject is one replies
@@ -237,6 +255,14 @@ class Admission:
             return False
         if existing is not None:
             _same_submission(client_key, existing.owner, owner, existing.body == body)
+            if reply_to != existing.return_path.reply_to:
+                # Another inbox would leave the first one silent: the copy is told, and its
+                # result is there for it once the request ends (a resubmission then replays it).
+                raise WireError(
+                    ErrorCode.CONFLICT,
+                    f"client_request_id {client_key[1]!r} of client_id {client_key[0]!r} is in progress for another "
+                    "reply subject; submit it again once it ends to get its result",
+                )
             self._ledger.repoint(existing, reply_to, stream)
             self._counters["resubmitted"] += 1
             return True

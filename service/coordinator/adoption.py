@@ -15,6 +15,7 @@ Contract:
   delivered in arrival order: through the relay for a request it now holds (from the partials
   the dead replica may not have delivered: clients drop duplicates by their offsets), to its
   inbox for one no engine holds any more (its final came after its owner died).
+- Once it ends, ``adopted`` is called: the arbitration sends its claims, adopted ids included.
 - Requests the dead replica held that no engine had received (queued, or on their way) are
   known to their clients alone: the client library resubmits them when their coordinator
   stops heartbeating (:mod:`service.client`).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 from service.coordinator.answers import Answers
 from service.coordinator.broadcast import broadcast
@@ -56,7 +58,9 @@ class Adoption:
         kept: PeerReplies,
         relay: ReplyRelay,
         replies: ReplySubjects,
+        adopted: Callable[[], None] = lambda: None,
     ) -> None:
+        self._adopted_hook = adopted
         self._core = core
         self._ledger = ledger
         self._answers = answers
@@ -67,6 +71,11 @@ class Adoption:
         self._replies = replies
         self._adopted: OrderedDict[str, None] = OrderedDict()
         self._in_progress = 0
+
+    @property
+    def adopting(self) -> bool:
+        """Adopting a dead peer's requests now."""
+        return self._in_progress > 0
 
     @property
     def settling(self) -> bool:
@@ -113,6 +122,7 @@ class Adoption:
             self._kept.release(dead)
             self._kept.release(core.id)
             self._in_progress -= 1
+            self._adopted_hook()
         core.counters["peers_adopted"] += 1
         core.counters["requests_adopted"] += len(adopted)
         log.warning(
@@ -150,6 +160,8 @@ class Adoption:
             streamed=item.partials_sent > 0,
             partials_delivered=item.partials_sent,
             streamed_tokens=list(item.tokens) if item.tokens else None,
+            logprobs=item.logprobs is not None,
+            streamed_logprobs=item.logprobs if item.logprobs is not None and item.logprobs.token_logprobs else None,
         )
         self._ledger.hold_adopted(entry, engine_id, item.attempt)
 

@@ -40,7 +40,7 @@ from service.coordinator.shared_state import SharedControlState
 from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
-from service.protocol.state import ControlRecord, CoordinatorState, Written
+from service.protocol.state import STOP_DONE, ControlRecord, CoordinatorState, Written
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Control:
 
     async def apply(self, signal: Header, payload: ControlSignal) -> Written:
         """Write ``signal``'s transition to the shared record; 409 when the table forbids it."""
-        written = await self.shared.apply_signal(signal, payload.epoch)
+        written = await self.shared.apply_signal(signal, payload.epoch, payload.retry)
         if written.changed:
             log.info("control %s: state %s, revision %d", signal, written.record.state, written.revision)
         return written
@@ -124,6 +124,10 @@ class Control:
             return
         revision = written.revision if self.shared.shared else None
         mode = payload.mode if signal is Header.PAUSE else None
+        if signal is Header.STOP and written.record.state is not CoordinatorState.STOPPING:
+            # A retry after the stop ended: its engines are gone, those that joined since stay.
+            await self._reply(incoming, Ack(signal, state=written.record.state, revision=written.revision))
+            return
         result = await self.broadcast(signal, EngineSignal(written.record.epoch, revision, mode))
         if signal is Header.STOP:
             try:
@@ -158,11 +162,11 @@ class Control:
             if current.state is not CoordinatorState.STOPPING:
                 return None
             return msgspec.structs.replace(
-                current, state=CoordinatorState.RUNNING, signal="stop_done", coordinator_id=self._id
+                current, state=CoordinatorState.RUNNING, signal=STOP_DONE, coordinator_id=self._id
             )
 
-        await self.shared.change(stopped)
-        await self._forget_engines("stopped")
+        if (await self.shared.change(stopped)).changed:  # else finished already: engines that joined since stay
+            await self._forget_engines("stopped")
 
     async def shut_down_all(self) -> tuple[Written, int]:
         """Raise the shutdown count, which stops every replica of the prefix (this one too);

@@ -32,6 +32,8 @@ from service.bus.registry import HandlerRegistry, Incoming
 from service.coordinator.admission import Admission
 from service.coordinator.adoption import Adoption
 from service.coordinator.answers import Answers
+from service.coordinator.arbiters import Arbiters
+from service.coordinator.arbitration import Arbitration, quiet_s
 from service.coordinator.block_index import BlockIndex
 from service.coordinator.control import Control
 from service.coordinator.control_state import ControlState
@@ -55,6 +57,7 @@ from service.coordinator.replica_watch import ReplicaWatch
 from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.coordinator.shared_state import SharedControlState
+from service.coordinator.stalls import Stalls
 from service.coordinator.weights import WeightUpdates
 from service.ops.latency import RequestLatency
 from service.ops.log_limit import RateLimitedLog
@@ -67,8 +70,6 @@ from service.protocol.membership import Heartbeat
 from service.protocol.messages import (
     Ack,
     RoutedReply,
-    SubmitEnvelope,
-    SubmitRequest,
     WeightVersion,
 )
 from service.protocol.state import CoordinatorState
@@ -130,25 +131,29 @@ class Coordinator:
         self._relay = ReplyRelay(core, ledger, answers, self.peers, self._kept, self.replies)
         self._outbox = Outbox(core, ledger)
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
-        self._admit = self._admission.admit if self.tracer is None else self._admission.admit_traced
-        self._fleet = Fleet(core, ledger, self.engines, self.control_state)
+        self._stalls = Stalls(settings.heartbeat_timeout_s / 2, self.counters)
+        self._fleet = Fleet(core, ledger, self.engines, self.control_state, self._stalls)
         self._kv_feed = KvFeed(core, self.blocks, self.engines, release=ledger.release)
         self._control = Control(
-            core,
-            ledger,
-            self.control_state,
-            self.engines,
-            self.peers,
-            forget_engines=self._fleet.remove_all,
-            request_stop=self.request_stop,
-        )
+            core, ledger, self.control_state, self.engines, self.peers,
+            forget_engines=self._fleet.remove_all, request_stop=self.request_stop,
+        )  # fmt: skip
         # The jobs across replicas and engines' weights, composed of those above.
-        self._adoption = Adoption(
-            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies
-        )
-        self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption)
+        self._adoption = Adoption(  # once it adopted, the arbitration's claims include what it did
+            core, ledger, answers, self.engines, self.peers, self._kept, self._relay, self.replies,
+            lambda: self._arbitration.adopted(),
+        )  # fmt: skip
         self._forwarding = Forwarding(core, self.peers, lambda: self._adoption.settling)
         self._ownership = Ownership(core, ledger, self.peers, self._admission, self._forwarding, self.replies)
+        self.arbiters = Arbiters(self.id, quiet_s(settings.heartbeat_interval_s), 2 * settings.result_cache_size)
+        self._arbitration = Arbitration(
+            core, ledger, self.results, self.peers, self.arbiters, self._admission, self._ownership,
+            lambda: self._adoption.adopting, lambda incoming, err: self._dispatch.refuse(incoming, err),
+            self._admission.admit if self.tracer is None else self._admission.admit_traced,
+        )  # fmt: skip
+        self._replica_watch = ReplicaWatch(core, self.peers, self._kept, self._adoption, self._arbitration)
+        # A stall: the silence this replica saw of its peers and engines was its own.
+        self._stalls.listen(self.peers.restart_clocks, self._fleet.forgive_silence, self._arbitration.stalled)
         self._weights = WeightUpdates(core, self._control.shared, self.engines, self._drop_engine, self.reply)
         self._enrolment = Enrolment(core, ledger, self.control_state, self._control.shared, self._fleet, self._weights)
         self._tasks: set[asyncio.Task[object]] = set()
@@ -166,6 +171,8 @@ class Coordinator:
         self.control_engines = self._control.control_engines
         self.update_weights = self._weights.update
         self.remove_engine = self._fleet.remove
+        self.take_claims = self._arbitration.take_claims
+        self.admit = self._arbitration.admit
         self.kv_events = self._kv_feed.received
         self._dispatch = Dispatch(core, self, self.replies)
         self._failure_log = RateLimitedLog(log)
@@ -233,6 +240,7 @@ class Coordinator:
         self.spawn(keep_running("heartbeat", self._heartbeat_once, self.counters, self.settings.heartbeat_interval_s))
         self.spawn(keep_running("routing", self._outbox.route_once, self.counters))
         asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
+        self._arbitration.start()
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -251,6 +259,7 @@ class Coordinator:
         self._stop_requested.set()
         hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
         if hand_over:  # no engine holds a queued request, so no peer could adopt it: route them
+            await self._replica_watch.stop_arbitrating()
             await self._dispatch.stop_admitting()
             await self.requests.drained(self.settings.control_timeout_s)
             await self._outbox.sent(self.settings.control_timeout_s)
@@ -298,11 +307,9 @@ class Coordinator:
         if incoming.reply:
             await self.nc.publish(incoming.reply, encode(message, incoming.encoding))
 
-    async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope) -> None:
-        if type(submit) is SubmitEnvelope and submit.resubmission:
-            await self._ownership.admit(incoming, submit)
-        else:
-            await self._admit(incoming, submit)
+    async def admit_handed(self, reply: str, body: bytes) -> None:
+        """A copy handed over is dispatched as its client's submission was, then arbitrated as handed."""
+        await self._dispatch.dispatch_as(Header.SUBMIT_REQUEST, self._arbitration.admit_handed, reply, body)
 
     @property
     def settling(self) -> bool:
@@ -332,8 +339,9 @@ class Coordinator:
         model: str | None,
         weight_version: WeightVersion | None,
         kv_sequence: int | None,
+        logprobs: bool,
     ) -> None:
-        await self._enrolment.register(incoming, engine_id, capacity, model, weight_version)
+        await self._enrolment.register(incoming, engine_id, capacity, model, weight_version, logprobs)
         self._kv_feed.registered(engine_id, kv_sequence)
 
     async def engine_heartbeat(self, heartbeat: Heartbeat, own_subjects: bool) -> None:
@@ -353,26 +361,26 @@ class Coordinator:
         self._fleet.heard_from(engine_id)
         await self._relay.relay_partials(engine_id, replies)
 
-    def peer_seen(self, coordinator_id: str, leaving: bool = False) -> None:
+    def peer_seen(self, coordinator_id: str, leaving: bool = False, arbitrates: bool = False) -> None:
         if id_problem(coordinator_id, self.settings.max_id_bytes) is not None:
             raise WireError(ErrorCode.MALFORMED, f"coordinator_id {coordinator_id[:64]!r} is not a valid id")
         if leaving:
             self._replica_watch.left(coordinator_id)
         elif not self.peers.saw(coordinator_id):
             self.counters["peers_ignored"] += 1
+        elif coordinator_id != self.id:
+            self._arbitration.heard(coordinator_id, arbitrates)
 
     # ------------------------------------------------------------ background
 
     async def _heartbeat_once(self) -> None:
-        """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten, engines gone from the pool from the block index, and
-        whether a replica that just started has learnt what the engines hold."""
+        """One beat to the other replicas, and housekeeping: expired results swept by time, idle
+        owners forgotten, the block index's (:meth:`KvFeed.tick`). A beat far too late tells of a stall."""
         self.results.sweep()
         self.requests.forget_idle_owners()
-        self._kv_feed.sweep()
         self._kv_feed.tick()
         await self._replica_watch.beat()
-        await asyncio.sleep(self.settings.heartbeat_interval_s)
+        await self._stalls.sleep(self.settings.heartbeat_interval_s)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""
@@ -382,6 +390,7 @@ class Coordinator:
 
     def _on_bus_back(self) -> None:
         self._replica_watch.reconnected()
+        self._arbitration.reconnected()
         self._control.reconnected()
         self._fleet.forgive_silence()
         asyncio.get_running_loop().call_later(self.settings.reconnect_grace_s, self._open_deliveries)

@@ -12,8 +12,11 @@ names no sender), else to the NATS reply subject, and is counted as ``error_<cod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -43,29 +46,53 @@ class Dispatch:
         self._refusal_log = RateLimitedLog(log)
         self._failure_log = RateLimitedLog(log)
         self._subscriptions: dict[str, list[Subscription | DirectSubscription]] = {}
+        self._handlers: HandlerRegistry[CoordinatorContext] | None = None
+        self._handed: dict[str, HandlerSpec[CoordinatorContext]] = {}
 
     async def subscribe(self, handlers: HandlerRegistry[CoordinatorContext]) -> None:
         """Subscribe every header of ``handlers`` in its delivery mode; once connected, since the
         server's ``max_payload`` caps the bodies accepted."""
         core = self._core
         nc, subjects = core.nc, core.subjects
+        self._handlers = handlers
         self._max_body = min(self._max_body, nc.max_payload)
         for header, spec in handlers.items():
             queue = "" if spec.fanout or spec.addressed else core.settings.queue_group
-            served = [subjects.addressed_to(header, core.id) if spec.addressed else subjects.coordinator(header)]
+            own = subjects.addressed_to(header, core.id)
+            served = [(own, "") if spec.addressed else (subjects.coordinator(header), queue)]
             if spec.per_sender:  # engines send as themselves; those of earlier releases on the plain subject
-                served.append(subjects.sent_by_any(header))
-            for subject in served:
+                served.append((subjects.sent_by_any(header), queue))
+            if spec.per_replica:  # clients that address this replica alone
+                served.append((own, ""))
+            for subject, group in served:
                 subscription: Subscription | DirectSubscription
                 if spec.direct:
                     subscription = await nc.subscribe_direct(
-                        subject, functools.partial(self.dispatch, spec), queue=queue
+                        subject, functools.partial(self.dispatch, spec), queue=group
                     )
                 else:
                     subscription = await nc.subscribe(
-                        subject, queue=queue, cb=functools.partial(self._on_message, spec)
+                        subject, queue=group, cb=functools.partial(self._on_message, spec)
                     )
                 self._subscriptions.setdefault(header, []).append(subscription)
+
+    async def dispatch_as(
+        self,
+        header: str,
+        serve: Callable[[CoordinatorContext, Incoming, Any], Awaitable[None]],
+        reply: str,
+        body: bytes,
+    ) -> None:
+        """A message another replica handed over as its sender sent it (reply subject and body):
+        guarded as ``header``'s own (its payload type, every failure answered to the sender), but
+        served by ``serve``, the one server of handed copies of ``header``."""
+        spec = self._handed.get(header)
+        if spec is None:
+            served = self._handlers.get(header) if self._handlers is not None else None
+            if served is None:
+                raise WireError(ErrorCode.NOT_FOUND, f"this coordinator serves no {header}")
+            spec = self._handed[header] = dataclasses.replace(served, fn=serve)
+        await self.dispatch(spec, self._core.subjects.coordinator(header), reply, body)
 
     async def stop_admitting(self) -> None:
         """No more submissions reach this replica: the queue group hands them to its peers. Those

@@ -46,13 +46,21 @@ class Enrolment:
         self._refusal_log = RateLimitedLog(log)
 
     async def register(
-        self, incoming: Incoming, engine_id: str, capacity: int, model: str | None, weight_version: WeightVersion | None
+        self,
+        incoming: Incoming,
+        engine_id: str,
+        capacity: int,
+        model: str | None,
+        weight_version: WeightVersion | None,
+        logprobs: bool = False,
     ) -> None:
         other_weights = self._on_other_weights(engine_id, weight_version)
         if other_weights:
             await self._fleet.remove(engine_id, "serves other weights than the fleet's")
         else:
-            await self._fleet.register(engine_id, capacity, model, own_subjects=incoming.sender is not None)
+            await self._fleet.register(
+                engine_id, capacity, model, own_subjects=incoming.sender is not None, logprobs=logprobs
+            )
         if incoming.reply:
             state = self._control_state
             ack = RegisterAck(

@@ -5,9 +5,10 @@ Contract:
   heartbeat introduces it to a replica that did not know it (say, one that restarted). A heartbeat sent just before an
   engine left on purpose never brings it back; only registering again does.
 - An engine silent for ``heartbeat_timeout_s`` is removed, except while this replica's own
-  NATS connection is down: then the silence is ours.
+  NATS connection is down, or just after its own loop stalled (:mod:`.stalls`): then the
+  silence is ours. Engines found silent together leave the pool together.
 - A removed engine's requests that had not streamed are queued again (``max_retries``
-  times). Those that had migrate: routed again as a new run (``attempt``) that resumes after
+  times), once every engine removed with it has left the pool. Those that had migrate: routed again as a new run (``attempt``) that resumes after
   the tokens already streamed (``resume_tokens``), at most ``max_migrations`` times; beyond
   that, or when the stream cannot resume (a partial lost, or one from an engine of an earlier
   release), they fail with 503.
@@ -44,10 +45,11 @@ from service.coordinator.fleet_log import FleetLog
 from service.coordinator.ledger import RequestLedger
 from service.coordinator.pool import EnginePool, EngineRecord
 from service.coordinator.requests import InflightRequest
+from service.coordinator.stalls import Stalls
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.membership import Heartbeat, ResendAnswer, ResendReplies
+from service.protocol.membership import Heartbeat, ResendAnswer, ResendReplies, computes_logprobs
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import RESEND_REPLIES, id_problem
 
@@ -62,7 +64,9 @@ class Fleet:
         ledger: RequestLedger,
         pool: EnginePool,
         control: ControlState,
+        stalls: Stalls | None = None,
     ) -> None:
+        self._stalls = stalls
         self._settings = core.settings
         self._nc = core.nc
         self._subjects = core.subjects
@@ -76,8 +80,10 @@ class Fleet:
         self._refusals = RateLimitedLog(log)
         self._log = FleetLog(log)
 
-    def add(self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True) -> EngineRecord:
-        record = self.pool.add(engine_id, capacity, model, own_subjects)
+    def add(
+        self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True, logprobs: bool = False
+    ) -> EngineRecord:
+        record = self.pool.add(engine_id, capacity, model, own_subjects, logprobs)
         self.changed.set()
         self._log.joined(engine_id, model, record.capacity, len(self.pool))
         return record
@@ -102,7 +108,9 @@ class Fleet:
             )
         raise WireError(ErrorCode.FORBIDDEN, f"engine {sender[:64]!r} sent a message for engine {claimed[:64]!r}")
 
-    async def register(self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True) -> None:
+    async def register(
+        self, engine_id: str, capacity: int, model: str | None, own_subjects: bool = True, logprobs: bool = False
+    ) -> None:
         """An engine that registers again had restarted: its old work is lost. Raises WireError
         400 for an id that cannot be a subject token, 429 when the pool is full."""
         if (problem := id_problem(engine_id, self._settings.max_id_bytes)) is not None:
@@ -112,27 +120,34 @@ class Fleet:
         elif len(self.pool) >= self._settings.max_engines:
             raise WireError(ErrorCode.OVERLOADED, f"engine pool full ({self._settings.max_engines} engines)")
         self._suspects.pop(engine_id, None)
-        self.add(engine_id, capacity, model, own_subjects)
+        self.add(engine_id, capacity, model, own_subjects, logprobs)
 
     async def remove(self, engine_id: str, reason: str, departed: bool = True) -> None:
         """Drop an engine; requests it had not streamed are queued again, the rest fail."""
-        record = self.pool.remove(engine_id, departed)
-        if record is None:
+        await self.remove_many([engine_id], reason, departed)
+
+    async def remove_many(self, engine_ids: list[str], reason: str, departed: bool = True) -> None:
+        """Drop engines together: all leave the pool before any of their requests is routed
+        again, so none goes to an engine that is leaving with the others (and spends a retry)."""
+        records = [record for engine_id in engine_ids if (record := self.pool.remove(engine_id, departed)) is not None]
+        if not records:
             return
         self.changed.set()
-        self._log.removed(engine_id, reason, record.load, len(self.pool))
         ledger = self._ledger
-        for request_id in list(record.requests):
-            entry = ledger.get(request_id)
-            if entry is None:
-                continue
-            if entry.streamed:
-                await self._migrate(entry, f"engine {engine_id} lost ({reason})")
-            elif entry.attempts <= self._settings.max_retries:
-                ledger.requeue(entry)
-                self._counters["retried"] += 1
-            else:
-                await ledger.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})"))
+        for record in records:
+            engine_id = record.engine_id
+            self._log.removed(engine_id, reason, record.load, len(self.pool))
+            for request_id in list(record.requests):
+                entry = ledger.get(request_id)
+                if entry is None:
+                    continue
+                if entry.streamed:
+                    await self._migrate(entry, f"engine {engine_id} lost ({reason})")
+                elif entry.attempts <= self._settings.max_retries:
+                    ledger.requeue(entry)
+                    self._counters["retried"] += 1
+                else:
+                    await ledger.fail(request_id, WireError(ErrorCode.NO_ENGINE, f"engine {engine_id} lost ({reason})"))
         ledger.release()
 
     async def _migrate(self, entry: InflightRequest, lost: str) -> None:
@@ -175,7 +190,8 @@ class Fleet:
             if engine_id in self._suspects:
                 self._suspects[engine_id] = now
             elif not self.pool.recently_departed(engine_id) and self._adoptable(engine_id):
-                self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name, own_subjects)
+                logprobs = computes_logprobs(heartbeat.features)
+                self.add(engine_id, heartbeat.capacity, heartbeat.served_model_name, own_subjects, logprobs)
                 self._ledger.release()
             return
         self.pool.heard(record)
@@ -210,18 +226,20 @@ class Fleet:
 
     async def watch_once(self) -> None:
         """One round of the watchdog (run by :func:`~service.ops.loops.keep_running`): engines
-        silent for ``heartbeat_timeout_s`` are removed, engines without progress suspected.
-        Each engine is handled on its own, so one that fails to go does not keep the others."""
+        silent for ``heartbeat_timeout_s`` are removed (together), engines without progress
+        suspected (each on its own, so one that fails to go does not keep the others). A round
+        after this replica's own stall is skipped: the silence was its own (:mod:`.stalls`)."""
         timeout = self._settings.heartbeat_timeout_s
+        since = time.monotonic()
         await asyncio.sleep(timeout / 4)
-        if not self._nc.is_connected:
+        if not self._nc.is_connected or (self._stalls is not None and self._stalls.slept(since, timeout / 4)):
             return
         now = time.monotonic()
-        for record in self.pool.silent_since(now - timeout):
-            self._counters["engines_silent"] += 1
-            await self._guarded(
-                self.remove(record.engine_id, f"no heartbeat for {timeout:g} s", departed=False), record.engine_id
-            )
+        silent = [record.engine_id for record in self.pool.silent_since(now - timeout)]
+        if silent:
+            self._counters["engines_silent"] += len(silent)
+            reason = f"no heartbeat for {timeout:g} s"
+            await self._guarded(self.remove_many(silent, reason, departed=False), ", ".join(silent))
         for record in self._stalled(now):
             await self._guarded(self.suspect(record), record.engine_id)
         self._suspects = {engine_id: heard for engine_id, heard in self._suspects.items() if now - heard < timeout}
@@ -312,8 +330,7 @@ class Fleet:
         ledger.release()
 
     async def remove_all(self, reason: str) -> None:
-        for record in list(self.pool):
-            await self.remove(record.engine_id, reason)
+        await self.remove_many([record.engine_id for record in self.pool], reason)
 
     async def wait_for_engines(self, count: int, timeout_s: float = 10.0) -> None:
         async def reached() -> None:

@@ -50,15 +50,19 @@ class Forwarding:
         self._patience_s = settings.heartbeat_timeout_s + settings.control_timeout_s
         self._timeout_s = min(FORWARD_TIMEOUT_S, settings.heartbeat_interval_s)
 
-    async def held_elsewhere(self, message: ForwardedSubmission) -> bool:
-        """Whether a live peer holds this resubmission (it answers the client from now on).
-        Raises the holder's WireError (403 another owner, 409 another body)."""
+    async def held_elsewhere(self, message: ForwardedSubmission, holder: str | None = None) -> bool:
+        """Whether a live peer holds this submission (it answers the client from now on): the
+        one ``holder`` when given (the replica claiming its id), else every live peer. Raises
+        the holder's WireError (403 another owner, 409 another body or in progress)."""
         body = encode_msgpack(message)
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self._patience_s
         while True:
             unsettled = self._settling()
-            for answer in await self._ask(Header.FORWARD_SUBMISSION, self._peers.live(), body):
+            peers = self._peers.live()
+            if holder is not None:
+                peers = [holder] if holder in peers else []
+            for answer in await self._ask(Header.FORWARD_SUBMISSION, peers, body):
                 if isinstance(answer, ErrorReply):
                     raise WireError(answer.error.code, answer.error.message)
                 if isinstance(answer, Holding):

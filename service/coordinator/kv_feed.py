@@ -78,8 +78,10 @@ class KvFeed:
         index.learning = self.enabled
 
     def tick(self) -> None:
-        """Every heartbeat interval: while learning, whether every live engine has been heard
-        (each beats once an interval: two since the start, and one without a new engine)."""
+        """Every heartbeat interval: engines gone from the pool forgotten (:meth:`sweep`), and
+        while learning, whether every live engine has been heard (each beats once an interval:
+        two since the start, and one without a new engine)."""
+        self.sweep()
         if not self._index.learning or self._heard_all:
             return
         now, interval = self._clock(), self._core.settings.heartbeat_interval_s

@@ -15,7 +15,8 @@ read requests through it and change where a request is only through its transiti
 - :meth:`release`: while the coordinator runs, queued requests are routed as engines serving
   their model have room, owners in turn, passing over one that holds ``max_client_share`` of
   the fleet's slots while others wait; once this replica heard the fleet, one that no engine
-  can serve fails with 503 (or 404 for a model no engine serves).
+  can serve fails with 503 (or 404 for a model no engine serves). A request asking for
+  log-probabilities goes only to engines that announce them (503 when none does).
 - :meth:`requeue`: its engine lost a request: a new run of it (a migration, counted, when it
   streamed) goes first in its owner's line, its slot freed.
 - :meth:`hold_adopted`: a dead replica's request, handed over by the engine running it.
@@ -61,6 +62,15 @@ def unknown_model(pool: EnginePool, model: str) -> WireError:
     return WireError(ErrorCode.NOT_FOUND, f"model {model!r} is not served by any engine (served: {served})")
 
 
+def no_logprobs_engine(model: str | None) -> WireError:
+    serving = "" if model is None else f" serving model {model!r}"
+    return WireError(
+        ErrorCode.NO_ENGINE,
+        f"no engine{serving} computes log-probabilities (sampling_params.logprobs, prompt_logprobs): "
+        "its engines are of an earlier release",
+    )
+
+
 class RequestLedger:
     def __init__(
         self,
@@ -94,6 +104,10 @@ class RequestLedger:
 
     def find_client(self, key: ClientKey) -> InflightRequest | None:
         return self._table.find_client(key)
+
+    def client_keys(self) -> list[ClientKey]:
+        """The ids held that name a ``client_request_id`` (what this replica claims)."""
+        return self._table.client_keys()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._table
@@ -130,12 +144,18 @@ class RequestLedger:
     def routing_key(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
         return self._policy.key_of(submit)
 
-    def engine_for(self, group: EngineGroup | None, model: str | None, key: RouteKey | None) -> EngineRecord | None:
+    def engine_for(
+        self, group: EngineGroup | None, model: str | None, key: RouteKey | None, logprobs: bool = False
+    ) -> EngineRecord | None:
         """The engine a new request of ``model`` goes to at once; None while the coordinator is
-        not running, no engine serves the model yet, or requests of the model wait (they go first)."""
+        not running, no engine serves the model yet, or requests of the model wait (they go
+        first). A request asking for ``logprobs`` goes only to an engine that computes them."""
         if self._control.state is not RUNNING or group is None or model in self._queue.by_model:
             return None
-        return self._policy.choose(group, key)
+        engine = self._policy.choose(group, key)
+        if logprobs and engine is not None and not engine.logprobs:
+            return group.least_loaded_computing_logprobs()
+        return engine
 
     # ------------------------------------------------------------ entering
 
@@ -231,7 +251,17 @@ class RequestLedger:
                     if failed is not None:
                         self._spawn(self._answers.error(failed, err))
                     continue
+                if entry.logprobs and not group.computing_logprobs:
+                    if not self._peers.warmed_up:
+                        break
+                    queue.pop(entry)
+                    failed = self._pop(entry.return_path.request_id)
+                    if failed is not None:
+                        self._spawn(self._answers.error(failed, no_logprobs_engine(model)))
+                    continue
                 engine = self._policy.choose(group, entry.routing_key)
+                if entry.logprobs and engine is not None and not engine.logprobs:
+                    engine = group.least_loaded_computing_logprobs()
                 if engine is None:
                     break
                 queue.pop(entry)

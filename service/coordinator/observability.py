@@ -44,6 +44,8 @@ def coordinator_status(coordinator: Coordinator) -> CoordinatorStatus:
         peers=sorted(coordinator.peers.live()),
         revision=coordinator.shared.revision,
         weight_version=coordinator.control_state.weight_version,
+        arbiters=sorted(coordinator.arbiters.view),
+        settled=coordinator.arbiters.settled,
     )
 
 

@@ -80,7 +80,7 @@ class Outbox:
         for entry in entries:
             if not still_routed(entry, engine_id):
                 continue  # answered or routed elsewhere while it waited for this turn
-            size = item_size(entry.body, entry.return_path, entry.streamed_tokens)
+            size = item_size(entry.body, entry.return_path, entry.streamed_tokens, entry.streamed_logprobs)
             if not fits_alone(size, max_payload):
                 resumed = f" with {len(entry.streamed_tokens)} streamed tokens" if entry.streamed_tokens else ""
                 await self._ledger.fail(
@@ -120,7 +120,9 @@ class Outbox:
             [
                 FirstRun(entry.return_path, entry.body)
                 if entry.attempts == 1
-                else RoutedRequest(entry.return_path, entry.body, entry.attempt, entry.streamed_tokens)
+                else RoutedRequest(
+                    entry.return_path, entry.body, entry.attempt, entry.streamed_tokens, entry.streamed_logprobs
+                )
                 for entry in batch
             ]
         )

@@ -23,7 +23,7 @@ from service.coordinator.requests import ClientKey, InflightRequest
 from service.protocol.codec import detect_encoding, encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedAbort, ForwardedSubmission
-from service.protocol.messages import SubmitEnvelope, error_reply
+from service.protocol.messages import SubmitEnvelope, SubmitRequest, error_reply
 from service.protocol.subjects import ReplySubjects
 
 
@@ -52,16 +52,32 @@ class Ownership:
             return
         self._core.spawn(self._admit_unless_held_elsewhere(incoming, submit, forwarded))
 
+    def admit_unless_held(
+        self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope, holder: str | None = None
+    ) -> bool:
+        """Ask ``holder`` (else every live peer) whether it holds this named submission, on a
+        task of its own, and admit it here when none does; False when it cannot be asked
+        (admit it, or refuse it, at once)."""
+        forwarded = self._admission.as_forwarded(incoming, submit)
+        if forwarded is None or not self._peers.live():
+            return False
+        self._core.spawn(self._admit_unless_held_elsewhere(incoming, submit, forwarded, holder))
+        return True
+
     async def _admit_unless_held_elsewhere(
-        self, incoming: Incoming, submit: SubmitEnvelope, forwarded: ForwardedSubmission
+        self,
+        incoming: Incoming,
+        submit: SubmitRequest | SubmitEnvelope,
+        forwarded: ForwardedSubmission,
+        holder: str | None = None,
     ) -> None:
         try:
-            if not await self._forwarding.held_elsewhere(forwarded):
+            if not await self._forwarding.held_elsewhere(forwarded, holder):
                 await self._admission.admit(incoming, submit)
         except WireError as err:
             self._core.counters[f"error_{err.code}"] += 1
             reply = error_reply(err, forwarded.client_request_id)
-            await self._core.nc.publish(forwarded.reply_to, encode(reply, detect_encoding(submit.body)))
+            await self._core.nc.publish(forwarded.reply_to, encode(reply, detect_encoding(forwarded.body)))
             if forwarded.stream:
                 await self._core.nc.publish(forwarded.reply_to, b"")
 

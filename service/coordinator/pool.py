@@ -48,6 +48,7 @@ class EngineRecord:
     # Prompt tokens waiting for their prefill, as its last KV event said plus those routed since
     # (cache_aware routing); 0 for an engine that publishes no KV events.
     queued_tokens: int = 0
+    logprobs: bool = False  # it computes log-probabilities (announced; engines of earlier releases do not)
 
     @property
     def load(self) -> int:
@@ -64,6 +65,7 @@ class EngineGroup:
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # the model its members serve; None: the whole fleet (every engine in the pool)
         self._members: list[EngineRecord] = []
+        self.computing_logprobs = 0  # members that compute log-probabilities
         self._position: dict[EngineRecord, int] = {}
         self._by_load: list[OrderedDict[EngineRecord, None]] = [OrderedDict()]  # engines with room, by load
         self.lowest_load = 0  # no engine with room has less load; exact after least_loaded() found one
@@ -74,12 +76,14 @@ class EngineGroup:
         """A member with zero load."""
         self._position[record] = len(self._members)
         self._members.append(record)
+        self.computing_logprobs += record.logprobs
         self._by_load[0][record] = None
         self.lowest_load = 0
         self._in_turn[record] = None
 
     def remove(self, record: EngineRecord) -> None:
         self.requests -= len(record.requests)
+        self.computing_logprobs -= record.logprobs
         index = self._position.pop(record)
         last = self._members.pop()
         if last is not record:
@@ -134,6 +138,15 @@ class EngineGroup:
         self.lowest_load = lowest
         return None
 
+    def least_loaded_computing_logprobs(self) -> EngineRecord | None:
+        """The least loaded member with room that computes log-probabilities: a scan, for a fleet
+        where some engines predate them (an upgrade under way), rare and short-lived."""
+        return min(
+            (record for record in self._members if record.logprobs and record.has_room),
+            key=lambda record: record.load,
+            default=None,
+        )
+
     def next_in_turn(self) -> EngineRecord | None:
         """The member with room that has waited longest for its turn; None when all are full."""
         in_turn = self._in_turn
@@ -182,10 +195,18 @@ class EnginePool:
 
     # ------------------------------------------------------------ membership
 
-    def add(self, engine_id: str, capacity: int, model: str | None = None, own_subjects: bool = True) -> EngineRecord:
+    def add(
+        self,
+        engine_id: str,
+        capacity: int,
+        model: str | None = None,
+        own_subjects: bool = True,
+        logprobs: bool = False,
+    ) -> EngineRecord:
         """Adds a fresh record with zero load; an existing one must be removed first."""
         record = EngineRecord(engine_id, min(capacity, self._max_inflight), model, in_pool=True)
         record.own_subjects = own_subjects
+        record.logprobs = logprobs
         self._engines[engine_id] = record
         self._by_silence[engine_id] = record
         self._departed.pop(engine_id, None)

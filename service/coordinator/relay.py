@@ -14,8 +14,12 @@ Contract:
   another (``stale_engine_replies`` counts the rest).
 - Replies of an older run (``attempt``) than the request's current one are dropped
   (``stale_attempt_replies``). A stream's delivered tokens are kept, from each partial's
-  ``tokens``, for a migration to resume after (:mod:`service.coordinator.fleet`); a partial
-  without them, or after a lost one, makes the stream not resumable.
+  ``tokens``, for a migration to resume after (:mod:`service.coordinator.fleet`), with their
+  logprobs (``logprobs``) when the request asked for them; a partial without them, or after a
+  lost one, makes the stream not resumable.
+- A reply naming a live peer for a request this replica holds means that peer adopted it
+  while this replica was taken for dead (its loop stalled): it leaves the ledger unanswered
+  here (``requests_adopted_away``).
 - A reply for a request this replica does not hold is an orphan: another live replica's (kept
   for a while, :mod:`service.coordinator.peer_replies`, in case that replica dies before it
   delivers it), this replica's own late reply (counted), or one whose coordinator is gone,
@@ -32,7 +36,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from service.bus.batches import TOKEN_BYTES
+from service.bus.batches import TOKEN_BYTES, logprob_size
 from service.coordinator.answers import Answers
 from service.coordinator.core import Core
 from service.coordinator.ledger import RequestLedger
@@ -96,6 +100,8 @@ class ReplyRelay:
         if entry is None:
             await self._on_orphan(engine_id, reply, terminal=True)
             return
+        if reply.return_path.coordinator_id != self._id and self._adopted_away(entry, reply):
+            return
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
@@ -116,6 +122,8 @@ class ReplyRelay:
         if entry is None:
             await self._on_orphan(engine_id, reply, terminal=False)
             return
+        if reply.return_path.coordinator_id != self._id and self._adopted_away(entry, reply):
+            return
         if entry.engine_id != engine_id:
             self._counters["stale_engine_replies"] += 1
             return
@@ -134,9 +142,21 @@ class ReplyRelay:
             self._ledger.finish(reply.return_path.request_id)
             await self._answers.final(entry, early.body)
 
+    def _adopted_away(self, entry: InflightRequest, reply: RoutedReply) -> bool:
+        """A reply naming a live peer for a request held here: that peer adopted it while this
+        replica was taken for dead (its loop stalled), and answers it; it leaves this ledger
+        without a reply."""
+        holder = reply.return_path.coordinator_id
+        if not self._peers.is_live(holder):
+            return False  # a dead replica's request this one adopted: its earlier replies name it
+        if self._ledger.finish(entry.return_path.request_id) is not None:
+            self._counters["requests_adopted_away"] += 1
+            log.warning("request_id=%s: adopted by coordinator %s; it answers", entry.return_path.request_id, holder)
+        return True
+
     def _keep_tokens(self, entry: InflightRequest, reply: RoutedReply) -> None:
-        """Keep a partial's tokens for a migration, while they are known to follow on from the
-        ones kept (no partial lost in between) and would fit one routed message."""
+        """Keep a partial's tokens (and logprobs) for a migration, while they are known to follow
+        on from the ones kept (no partial lost in between) and would fit one routed message."""
         tokens = reply.tokens
         kept = entry.streamed_tokens
         if tokens is None or reply.seq != entry.partials_delivered:
@@ -145,9 +165,15 @@ class ReplyRelay:
             kept = entry.streamed_tokens = tokens
         else:
             kept.extend(tokens)
-        if kept is None or len(kept) * TOKEN_BYTES > self._nc.max_payload:
+        size = 0
+        if kept is not None and (reply.logprobs is not None or entry.streamed_logprobs is not None):
+            size = _keep_logprobs(entry, kept, reply)
+            if entry.streamed_logprobs is None:
+                kept = None
+        if kept is None or len(kept) * TOKEN_BYTES + size > self._nc.max_payload:
             entry.resumable = False
             entry.streamed_tokens = None
+            entry.streamed_logprobs = None
             self._counters["streams_not_resumable"] += 1
 
     def _send_early_final(self, request_id: str) -> None:
@@ -194,3 +220,23 @@ class ReplyRelay:
         self._counters["orphans_delivered"] += 1
         cache_owner = owner if self._peers.known(return_path.coordinator_id) else None
         await self._answers.send(return_path, reply.body, terminal, cache_owner)
+
+
+def _keep_logprobs(entry: InflightRequest, kept: list[int], reply: RoutedReply) -> int:
+    """Keep a partial's logprobs beside its tokens (``kept``, the stream's tokens with this
+    partial's); their bytes, or 0 with ``streamed_logprobs`` dropped when they no longer cover
+    every token kept (a partial without them: the stream cannot resume with them)."""
+    held, new = entry.streamed_logprobs, reply.logprobs
+    if new is None:
+        entry.streamed_logprobs = None
+        return 0
+    if held is None:
+        held = entry.streamed_logprobs = new  # the decoded reply's: kept as its tokens are
+    else:
+        held.token_logprobs.extend(new.token_logprobs)
+        if held.top_logprobs is not None and new.top_logprobs is not None:
+            held.top_logprobs.extend(new.top_logprobs)
+    if len(held.token_logprobs) != len(kept) or (held.top_logprobs is not None) != (new.top_logprobs is not None):
+        entry.streamed_logprobs = None
+        return 0
+    return logprob_size(held)

@@ -1,6 +1,7 @@
 """This replica among its peers: its heartbeat, and what follows from theirs.
 
-Contract: each beat publishes this replica's heartbeat (while connected), forgets the kept
+Contract: each beat publishes this replica's heartbeat (while connected; it says whether the
+replica arbitrates request ids, :mod:`.arbitration`, whose beat follows), forgets the kept
 replies live peers have surely dealt with, and hands every peer found dead to adoption
 (:mod:`.adoption`), once this replica has been up a heartbeat timeout (before that, silence
 proves nothing). At that moment, the peers whose replies were kept but that were never heard
@@ -13,6 +14,7 @@ them adopts its requests at once.
 from __future__ import annotations
 
 from service.coordinator.adoption import Adoption
+from service.coordinator.arbitration import Arbitration
 from service.coordinator.core import Core
 from service.coordinator.peer_replies import PeerReplies
 from service.coordinator.peers import CoordinatorPeers
@@ -22,22 +24,31 @@ from service.protocol.subjects import Header
 
 
 class ReplicaWatch:
-    def __init__(self, core: Core, peers: CoordinatorPeers, kept: PeerReplies, adoption: Adoption) -> None:
+    def __init__(
+        self, core: Core, peers: CoordinatorPeers, kept: PeerReplies, adoption: Adoption, arbitration: Arbitration
+    ) -> None:
         self._core = core
         self._peers = peers
         self._kept = kept
         self._adoption = adoption
+        self._arbitration = arbitration
         self._subject = core.subjects.coordinator(Header.COORDINATOR_HEARTBEAT)
-        self._body = encode_msgpack(CoordinatorHeartbeat(core.id))
 
     async def beat(self) -> None:
         self._kept.trim()
         if self._peers.warmed_up:
             for dead in self._peers.take_departed():
                 self._adoption.departed(dead)
+                self._arbitration.departed(dead)
         nc = self._core.nc
         if nc.is_connected:
-            await nc.publish(self._subject, self._body)
+            await self.publish()
+        await self._arbitration.beat()
+
+    async def publish(self) -> None:
+        """This replica's heartbeat, saying whether it arbitrates request ids."""
+        beat = CoordinatorHeartbeat(self._core.id, arbitrates=self._arbitration.arbitrating)
+        await self._core.nc.publish(self._subject, encode_msgpack(beat))
 
     def warmed_up(self) -> None:
         for peer in self._kept.peers():
@@ -49,9 +60,18 @@ class ReplicaWatch:
 
     def left(self, peer: str) -> None:
         """A peer's last beat: it stops, so its requests are adopted now, not a timeout later."""
-        if peer != self._core.id and self._peers.left(peer) and self._peers.warmed_up:
-            self._adoption.departed(peer)
+        if peer != self._core.id and self._peers.left(peer):
+            self._arbitration.departed(peer)
+            if self._peers.warmed_up:
+                self._adoption.departed(peer)
+            self._core.spawn(self._arbitration.beat())
 
     async def leave(self) -> None:
         """This replica's last beat, as it stops while peers live: they adopt its requests."""
         await self._core.nc.publish(self._subject, encode_msgpack(CoordinatorHeartbeat(self._core.id, leaving=True)))
+
+    async def stop_arbitrating(self) -> None:
+        """As it stops while peers live: its claims go to its peers, then a heartbeat saying it
+        arbitrates no longer, so they hand it nothing more."""
+        await self._arbitration.stop_arbitrating()
+        await self.publish()

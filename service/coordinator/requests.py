@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from service.coordinator.route_key import RouteKey
 from service.coordinator.timers import CoarseTimer
 from service.protocol.codec import Encoding
-from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply
+from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply, StreamedLogprobs
 
 if TYPE_CHECKING:
     from service.ops.tracing.otel import CoordinatorTrace
@@ -51,6 +51,10 @@ class InflightRequest:
     # resumes after them. None until the first; dropped when the stream cannot resume.
     streamed_tokens: list[int] | None = None
     resumable: bool = True  # False once a partial came without tokens or after a lost one
+    logprobs: bool = False  # it asks for log-probabilities: routed only to engines that compute them
+    # Their log-probabilities, aligned with streamed_tokens, for a request that asked for its
+    # generated tokens' (a migration hands them to the next run).
+    streamed_logprobs: StreamedLogprobs | None = None
     migrations: int = 0
     earlier_engines: list[str] | None = None  # engines that ran an earlier attempt of it
     trace: CoordinatorTrace | None = None  # its spans, when it is traced (service/ops/tracing)
@@ -96,6 +100,10 @@ class RequestTable:
     def find_client(self, key: ClientKey) -> InflightRequest | None:
         request_id = self._by_client.get(key)
         return None if request_id is None else self._by_id.get(request_id)
+
+    def client_keys(self) -> list[ClientKey]:
+        """The ids of the requests held that name a ``client_request_id``."""
+        return list(self._by_client)
 
     def pop(self, request_id: str) -> InflightRequest | None:
         entry = self._by_id.pop(request_id, None)

@@ -101,6 +101,10 @@ class ResultCache:
             del results[key]
             self.bytes -= self._size(oldest)
 
+    def keys(self) -> list[ClientKey]:
+        """The ids of the results held, expired ones not yet swept included."""
+        return list(self._results)
+
     def __len__(self) -> int:
         """Entries held, including expired ones not yet swept (``get`` never returns those)."""
         return len(self._results)

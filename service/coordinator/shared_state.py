@@ -20,7 +20,8 @@ Contract:
   the result with compare-and-set on the revision it read. On a conflict it reads again and
   calls ``edit`` again on the newer record, so two concurrent changes can never both start
   from the same record. ``apply_signal`` is the edit of a control signal: the transition
-  table of :mod:`service.protocol.state` decides.
+  table of :mod:`service.protocol.state` decides (a retry that finds its signal done changes
+  nothing).
 - ``on_change(previous, current)`` runs for every record this replica learns after
   ``open``, its own writes and other replicas' alike, in revision order and at most once per
   revision. Revisions written while this replica was cut off from NATS are skipped: it learns
@@ -58,7 +59,7 @@ from nats.js.kv import KeyValue
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import CoordinatorHeartbeat
-from service.protocol.state import ControlRecord, Written, decide
+from service.protocol.state import ControlRecord, Written, signal_edit
 from service.protocol.subjects import Header, Subjects
 
 log = logging.getLogger(__name__)
@@ -226,24 +227,10 @@ class SharedControlState:
 
     # ------------------------------------------------------------ reading and writing
 
-    async def apply_signal(self, signal: Header, epoch: int | None) -> Written:
-        """Change the record as control ``signal`` says; 409 when the table forbids it in the
-        current state, as read from the bucket."""
-
-        def edit(current: ControlRecord) -> ControlRecord | None:
-            decision = decide(current.state, signal)
-            if not decision.changes:
-                return None
-            new_epoch = epoch if signal is Header.SET_GENERATION_EPOCH else current.epoch
-            return msgspec.structs.replace(
-                current,
-                state=decision.new_state,
-                epoch=new_epoch,
-                signal=signal.value,
-                coordinator_id=self._coordinator_id,
-            )
-
-        return await self.change(edit)
+    async def apply_signal(self, signal: Header, epoch: int | None, retry: bool = False) -> Written:
+        """Change the record as control ``signal`` says (:func:`~service.protocol.state.signal_edit`);
+        409 when the table forbids it in the current state, as read from the bucket."""
+        return await self.change(signal_edit(signal, epoch, self._coordinator_id, retry))
 
     async def change(self, edit: Callable[[ControlRecord], ControlRecord | None]) -> Written:
         kv = self._kv

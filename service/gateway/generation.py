@@ -32,27 +32,13 @@ from starlette.types import Receive, Scope, Send
 
 from service.client import ClientError, DpcoordClient, FlowLimits
 from service.gateway.asgi import check_json, header, read_body, respond, respond_error
+from service.gateway.disconnects import DisconnectWatch, watch_disconnect
 from service.gateway.errors import GatewayError, from_validation, from_wire
 from service.gateway.metrics import GatewayMetrics
+from service.gateway.responses import answered_usage, chat_response, completion_response, usage_of
 from service.gateway.schemas import Usage, chat_decoder, completion_decoder, json_encoder
-from service.gateway.streaming import (
-    ChunkWriter,
-    DisconnectWatch,
-    Replies,
-    send_stream,
-    sse_events,
-    watch_disconnect,
-)
-from service.gateway.translate import (
-    Job,
-    Plan,
-    answered_usage,
-    chat_plan,
-    chat_response,
-    completion_plan,
-    completion_response,
-    usage_of,
-)
+from service.gateway.streaming import ChunkWriter, Replies, send_stream, sse_events
+from service.gateway.translate import Job, Plan, chat_plan, completion_plan
 from service.ops.settings import Settings
 from service.protocol.errors import ErrorCode
 from service.protocol.messages import Final

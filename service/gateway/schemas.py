@@ -65,6 +65,9 @@ class _Common(Struct, forbid_unknown_fields=True, kw_only=True):
     # vLLM's extensions that load generators (guidellm, aiperf) send, honoured by the engines.
     ignore_eos: bool = False
     min_tokens: Count = 0
+    # An extension: whose log-probabilities ``logprobs`` reports (the wire's
+    # ``sampling_params.logprobs_mode``): the model's (``raw``) or the sampled distribution's.
+    logprobs_mode: Literal["raw", "processed"] | None = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -105,11 +108,22 @@ class Usage(Struct, omit_defaults=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(Struct):
+    """The legacy completions format: per token its text, its log-probability (None for the
+    first prompt token of an ``echo``), the most likely tokens with the sampled one (a dict text
+    -> log-probability), and where its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):
@@ -121,6 +135,28 @@ class Completion(Struct):
     object: Literal["text_completion"] = "text_completion"
 
 
+class TopLogprob(Struct):
+    """One of the most likely tokens at a position: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(Struct):
+    """A chosen token, as :class:`TopLogprob`, with the most likely tokens at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class ChatMessageOut(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
@@ -130,7 +166,7 @@ class ChatChoice(Struct):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -146,7 +182,7 @@ class ChatDeltaChoice(Struct):
     index: int
     delta: ChatMessageOut
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):

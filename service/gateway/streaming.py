@@ -13,36 +13,40 @@ Stop strings are left out of the text as OpenAI does: with stop strings, the las
 that could begin one are held back until the next partial or the final tells (at most the
 longest stop string less one character). The events one reply produces go out as one write.
 
-:class:`DisconnectWatch` listens for ``http.disconnect`` while a request is served and calls its
-``on_disconnect`` (the gateway aborts the request's submissions, so the engine frees them).
-:func:`watch_disconnect` gives a request not streamed a :class:`DepartureWatch` instead when the
-server is the gateway's edge: the same, on the connection's departure callbacks, without a task
-per request.
+With log-probabilities asked, each text chunk carries those of its own tokens
+(service/gateway/logprobs.py): without stop strings a partial's tokens go with its chunk; with
+them a token goes once its whole text was sent, so the tokens of a stop string cut from the text
+never go. An echoed completion choice is held whole until its final, which alone carries the
+prompt's logprobs. Disconnects are watched in service/gateway/disconnects.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import Send
 
 from service.client import ClientError
-from service.gateway.edge import Departure, departure_of
+from service.gateway.disconnects import DisconnectWatch
 from service.gateway.errors import GatewayError, from_wire
+from service.gateway.logprobs import ChoiceScores, Scores, TokenNames, chat_logprobs, completion_logprobs
+from service.gateway.responses import rest_of, usage_of
 from service.gateway.schemas import (
     ChatCompletionChunk,
     ChatDeltaChoice,
+    ChatLogprobs,
     ChatMessageOut,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     Usage,
     json_encoder,
 )
-from service.gateway.translate import Job, Plan, usage_of, visible_text
+from service.gateway.translate import Job, Plan
 from service.protocol.messages import Final, Partial
 
 log = logging.getLogger(__name__)
@@ -61,72 +65,6 @@ def event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-class DisconnectWatch:
-    """Waits for the HTTP client to leave, until ``stop()``; then calls ``on_disconnect``, which
-    answers whether it found every submission to abort.
-
-    A client that leaves within moments of its request can beat its submission to the
-    coordinator, which then knows no such request; a stream then calls ``on_disconnect`` once
-    more at the next reply (:meth:`replied`), when the submission has surely arrived."""
-
-    def __init__(self, receive: Receive, on_disconnect: Callable[[], Awaitable[bool]]) -> None:
-        self.disconnected = False
-        self._receive = receive
-        self._on_disconnect = on_disconnect
-        self._stopped = False
-        self._missed = False
-        self._task = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass
-        if not self._stopped:
-            self.disconnected = True
-            self._missed = not await self._on_disconnect()
-
-    async def replied(self) -> None:
-        if self._missed:
-            self._missed = False
-            await self._on_disconnect()
-
-    def stop(self) -> None:
-        """The response is complete: a disconnect from now on is the connection closing normally."""
-        self._stopped = True
-        self._task.cancel()
-
-
-class DepartureWatch:
-    """:class:`DisconnectWatch` on the edge's :class:`~service.gateway.edge.Departure`: no task
-    waits on ``receive()``; the connection's loss calls ``on_disconnect``."""
-
-    def __init__(self, departure: Departure, on_disconnect: Callable[[], Awaitable[bool]]) -> None:
-        self.disconnected = False
-        self._departure = departure
-        self._on_disconnect = on_disconnect
-        self._aborting: asyncio.Future[bool] | None = None
-        departure.add(self._left)
-
-    def _left(self) -> None:
-        self.disconnected = True
-        self._aborting = asyncio.ensure_future(self._on_disconnect())
-
-    async def replied(self) -> None:
-        """Nothing to do: a request not streamed has no later reply to retry the abort at."""
-
-    def stop(self) -> None:
-        self._departure.discard(self._left)
-
-
-def watch_disconnect(
-    scope: Scope, receive: Receive, on_disconnect: Callable[[], Awaitable[bool]]
-) -> DisconnectWatch | DepartureWatch:
-    """For a request not streamed: a DepartureWatch under the gateway's edge, else a DisconnectWatch."""
-    departure = departure_of(scope)
-    if departure is None:
-        return DisconnectWatch(receive, on_disconnect)
-    return DepartureWatch(departure, on_disconnect)
-
-
 @dataclass(slots=True)
 class _Choice:
     """One choice's text so far: what was sent, in pieces, and what is held back (so that
@@ -138,6 +76,7 @@ class _Choice:
     tokens: int = 0  # tokens of the partials so far
     started: bool = False  # a chat choice's role chunk is out
     final: Final | None = None
+    scores: ChoiceScores | None = None  # with logprobs asked: its tokens' (none for an echo: all wait for the final)
 
 
 @dataclass(slots=True)
@@ -157,16 +96,22 @@ class ChunkWriter:
         return b"".join([chunk for job, reply in batch for chunk in self.chunks(job, reply)])
 
     def chunks(self, job: Job, reply: Partial | Final) -> list[bytes]:
+        plan = self.plan
         choice = self.choices.get(job.index)
         if choice is None:
             choice = self.choices[job.index] = _Choice()
+            if plan.logprobs is not None and not plan.echo:
+                choice.scores = ChoiceScores()
             if isinstance(job.prompt, list):
-                self.prompt_tokens[job.index // self.plan.n] = len(job.prompt)
+                self.prompt_tokens[job.index // plan.n] = len(job.prompt)
         out: list[bytes] = []
         if self.chat and not choice.started:
             choice.started = True
             out.append(self._chat(job.index, ChatMessageOut("assistant", ""), None))
         if isinstance(reply, Partial):
+            if choice.scores is not None or plan.echo:
+                self._scored(job, choice, reply, out)
+                return out
             choice.held += reply.text
             choice.tokens += len(reply.new_tokens)
             text = self._releasable(choice)
@@ -175,14 +120,37 @@ class ChunkWriter:
                 out.append(self._piece(job.index, text, None))
             return out
         choice.final = reply
-        choice.tokens = len(reply.generated_tokens)
+        choice.tokens = 0 if plan.echo_only else len(reply.generated_tokens)
         if reply.prompt_tokens is not None:
-            self.prompt_tokens[job.index // self.plan.n] = reply.prompt_tokens
-        text = visible_text(self.plan, reply)
-        sent = "".join(choice.sent)
-        rest = text[len(sent) :] if text.startswith(sent) else ""
-        out.append(self._piece(job.index, rest, reply.finish_reason))
+            self.prompt_tokens[job.index // plan.n] = reply.prompt_tokens
+        rest = rest_of(plan, job, reply, "".join(choice.sent), choice.scores)
+        if rest.tokens is None:
+            out.append(self._piece(job.index, rest.text, rest.finish_reason))
+        else:
+            logprobs = rest.chat_logprobs(plan) if self.chat else rest.completion_logprobs(plan)
+            out.append(self._piece(job.index, rest.text, rest.finish_reason, logprobs))
         return out
+
+    def _scored(self, job: Job, choice: _Choice, reply: Partial, out: list[bytes]) -> None:
+        """A partial of a choice with logprobs asked: its text and the tokens that go with it;
+        an echoed choice's only counts its tokens (it waits for its final)."""
+        plan = self.plan
+        if not plan.echo_only:
+            choice.tokens += len(reply.new_tokens)
+        scores = choice.scores
+        if scores is None:  # echo
+            return
+        choice.held += reply.text
+        text = self._releasable(choice)
+        scores.partial(reply.new_tokens, reply.token_logprobs, reply.top_logprobs, reply.token_bytes)
+        tokens = scores.release(len(text) if plan.stops else None)
+        if text or tokens:
+            choice.sent.append(text)
+            out.append(self._encoded(job.index, text, None, self._logprobs(tokens, scores.names)))
+
+    def _logprobs(self, tokens: Scores, names: TokenNames) -> ChatLogprobs | CompletionLogprobs:
+        top = self.plan.logprobs or 0
+        return chat_logprobs(tokens, names, top) if self.chat else completion_logprobs(tokens, names, top)
 
     def _releasable(self, choice: _Choice) -> str:
         """The held text that can be sent now (it leaves ``held``): all of it without stop
@@ -223,13 +191,21 @@ class ChunkWriter:
             )
         return event(json_encoder.encode(Completion(self.plan.id, self.plan.created, self.plan.model, [], usage)))
 
-    def _piece(self, index: int, text: str, finish_reason: str | None) -> bytes:
-        if finish_reason is None and not self.plan.continuous_usage:  # a partial's text: the hot case
+    def _piece(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: ChatLogprobs | CompletionLogprobs | None = None,
+    ) -> bytes:
+        if (
+            finish_reason is None and logprobs is None and not self.plan.continuous_usage
+        ):  # a partial's text: the hot case
             template = self.templates.get(index)
             if template is None:
                 template = self.templates[index] = self._template(index)
             return template[0] + json_encoder.encode(text) + template[1]
-        return self._encoded(index, text, finish_reason)
+        return self._encoded(index, text, finish_reason, logprobs)
 
     def _template(self, index: int) -> tuple[bytes, bytes]:
         """Choice ``index``'s text event split around its text, so that ``head + JSON string +
@@ -242,17 +218,26 @@ class ChunkWriter:
             raise AssertionError(f"no {key!r} in a text chunk")
         return head + key, tail
 
-    def _encoded(self, index: int, text: str, finish_reason: str | None) -> bytes:
+    def _encoded(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: ChatLogprobs | CompletionLogprobs | None = None,
+    ) -> bytes:
         if self.chat:
             delta = ChatMessageOut(content=text) if text or finish_reason is None else ChatMessageOut()
-            return self._chat(index, delta, finish_reason)
+            return self._chat(index, delta, finish_reason, logprobs if isinstance(logprobs, ChatLogprobs) else None)
         plan = self.plan
-        choices = [CompletionChoice(index, text, finish_reason)]
+        scored = logprobs if isinstance(logprobs, CompletionLogprobs) else None
+        choices = [CompletionChoice(index, text, finish_reason, scored)]
         return event(json_encoder.encode(Completion(plan.id, plan.created, plan.model, choices, self._usage_so_far())))
 
-    def _chat(self, index: int, delta: ChatMessageOut, finish_reason: str | None) -> bytes:
+    def _chat(
+        self, index: int, delta: ChatMessageOut, finish_reason: str | None, logprobs: ChatLogprobs | None = None
+    ) -> bytes:
         plan = self.plan
-        choices = [ChatDeltaChoice(index, delta, finish_reason)]
+        choices = [ChatDeltaChoice(index, delta, finish_reason, logprobs)]
         chunk = ChatCompletionChunk(plan.id, plan.created, plan.model, choices, self._usage_so_far())
         return event(json_encoder.encode(chunk))
 
@@ -350,6 +335,9 @@ async def sse_events(writer: ChunkWriter, first: list[Reply], rest: Replies) -> 
             batch = await rest.batch()
     except ClientError as exc:
         yield event(from_wire(exc.code, exc.message).body())
+    except GatewayError as exc:  # a reply the gateway cannot translate (an engine's bug)
+        log.warning("stream %s failed: %s", writer.plan.id, exc.message)
+        yield event(exc.body())
     except TimeoutError as exc:
         yield event(GatewayError(504, str(exc)).body())
     except Exception as exc:  # a bug or an unforeseen failure still ends the stream in words

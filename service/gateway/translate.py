@@ -1,38 +1,33 @@
-"""OpenAI requests into dpcoord submissions, and dpcoord replies into OpenAI responses.
+"""OpenAI requests into dpcoord submissions.
 
 One HTTP request becomes one submission per choice: a completion's prompts (a string, a list of
 strings, token ids, or a list of token-id lists) times ``n``, choice ``i * n + j`` being sample
 ``j`` of prompt ``i``; a chat request's ``messages`` times ``n``. The engine renders ``messages``
 with its chat template. What the engines cannot honour is a 400 naming the parameter.
 
-As OpenAI does, a stop string that ended a choice is left out of its text (:func:`visible_text`;
-the engines' wire ``generated_text`` keeps it), and ``usage.prompt_tokens`` counts each prompt
-once, however many samples ``n`` draws from it.
+The responses are built in service/gateway/responses.py.
+
+Log-probabilities (service/gateway/logprobs.py): a completion's ``logprobs: k`` and a chat's
+``logprobs: true`` with ``top_logprobs: k`` ask the engines for ``sampling_params.logprobs: k``.
+A completion's ``echo`` asks for the prompt's too (``prompt_logprobs``; without ``logprobs``
+only where a prompt is token ids, whose text the gateway has only from their bytes) and puts the
+prompt's text and tokens before the generated ones. ``max_tokens: 0`` with ``echo`` (scoring a
+text, as lm-eval-harness does) is submitted as ``max_tokens: 1`` and the generated token is left
+out: text, logprobs and ``usage.completion_tokens``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import msgspec
 
 from service.gateway.errors import GatewayError
-from service.gateway.schemas import (
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionRequest,
-    ChatMessageIn,
-    ChatMessageOut,
-    Completion,
-    CompletionChoice,
-    CompletionRequest,
-    PromptTokensDetails,
-    Usage,
-)
-from service.protocol.messages import ChatMessage, Final
+from service.gateway.logprobs import MAX_TOP
+from service.gateway.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest
+from service.protocol.messages import ChatMessage
 
 MAX_CHOICES = 128  # submissions one HTTP request may fan out into
 MAX_TOKEN_ID = 2**31 - 1  # every tokenizer's ids fit 31 bits (service.protocol.messages.TokenId)
@@ -61,32 +56,43 @@ class Plan(msgspec.Struct, frozen=True, gc=False):
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     stops: tuple[str, ...] = ()
     min_tokens: int = 0
+    logprobs: int | None = None  # alternatives per token; None: no logprobs asked
+    echo: bool = False  # a completion's prompt comes first in its text (and logprobs)
+    echo_only: bool = False  # max_tokens 0 with echo: the generated token is left out
 
 
 def completion_plan(request: CompletionRequest) -> Plan:
-    if request.logprobs is not None:
-        raise unsupported("logprobs")
-    if request.echo:
-        raise unsupported("echo")
     if request.best_of is not None and request.best_of != request.n:
         raise unsupported("best_of")
     if request.suffix:
         raise unsupported("suffix")
+    logprobs, echo, max_tokens = request.logprobs, request.echo, request.max_tokens
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP:
+        raise invalid("logprobs", f"must be between 0 and {MAX_TOP}")
+    echo_only = echo and max_tokens == 0
+    if echo_only:
+        if request.min_tokens:
+            raise invalid("min_tokens", "must be at most max_tokens")
+        max_tokens = 1  # a prompt-only request: the one token generated is left out
     prompt = request.prompt
     n = request.n
-    if isinstance(prompt, str) and n == 1:  # the common case, without the general case's loops
-        return _plan("cmpl", request, [Job(0, prompt=prompt)], request.max_tokens, "max_tokens", 1)
+    if isinstance(prompt, str) and n == 1 and not echo:  # the common case, without the general case's loops
+        return _plan("cmpl", request, [Job(0, prompt=prompt)], max_tokens, "max_tokens", 1, logprobs)
     prompts = _prompts(prompt)
     _check_choices(n, len(prompts))
     jobs = [Job(i * n + j, prompt=prompt) for i, prompt in enumerate(prompts) for j in range(n)]
-    return _plan("cmpl", request, jobs, request.max_tokens, "max_tokens", n)
+    prompt_logprobs = (
+        (logprobs or 0) if echo and (logprobs is not None or any(isinstance(p, list) for p in prompts)) else None
+    )
+    return _plan("cmpl", request, jobs, max_tokens, "max_tokens", n, logprobs, prompt_logprobs, echo_only)
 
 
 def chat_plan(request: ChatCompletionRequest) -> Plan:
-    if request.logprobs:
-        raise unsupported("logprobs")
-    if request.top_logprobs:
-        raise unsupported("top_logprobs")
+    top = request.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP:
+        raise invalid("top_logprobs", f"must be between 0 and {MAX_TOP}")
+    if top is not None and not request.logprobs:
+        raise invalid("top_logprobs", "needs logprobs set to true")
     if request.tools:
         raise unsupported("tools")
     if request.tool_choice not in (None, "none"):
@@ -107,7 +113,8 @@ def chat_plan(request: ChatCompletionRequest) -> Plan:
         if request.max_completion_tokens is not None
         else (request.max_tokens, "max_tokens")
     )
-    return _plan("chatcmpl", request, [Job(j, messages=messages) for j in range(n)], max_tokens, name, n)
+    logprobs = (top or 0) if request.logprobs else None
+    return _plan("chatcmpl", request, [Job(j, messages=messages) for j in range(n)], max_tokens, name, n, logprobs)
 
 
 def _plan(
@@ -117,6 +124,9 @@ def _plan(
     max_tokens: int | None,
     max_tokens_name: str,
     n: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    echo_only: bool = False,
 ) -> Plan:
     if request.presence_penalty:
         raise unsupported("presence_penalty")
@@ -153,6 +163,12 @@ def _plan(
         "ignore_eos": request.ignore_eos or None,
         "min_tokens": min_tokens or None,
     }
+    if logprobs is not None:  # only when asked: engines of earlier releases know no such field
+        sampling["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = prompt_logprobs
+    if request.logprobs_mode is not None:
+        sampling["logprobs_mode"] = request.logprobs_mode
     return Plan(
         f"{kind}-{os.urandom(16).hex()}",  # as random as uuid4().hex, at less cost
         int(time.time()),
@@ -165,6 +181,9 @@ def _plan(
         continuous_usage=options is not None and options.continuous_usage_stats,
         stops=tuple(stop) if stop else (),
         min_tokens=min_tokens,
+        logprobs=logprobs,
+        echo=isinstance(request, CompletionRequest) and request.echo,
+        echo_only=echo_only,
     )
 
 
@@ -213,75 +232,3 @@ def _message(message: ChatMessageIn) -> ChatMessage:
             raise GatewayError(400, "only text content parts are supported", "messages")
         content = "".join(part.text or "" for part in content)
     return ChatMessage(message.role, content or "", message.name)
-
-
-# ---------------------------------------------------------------- responses
-
-
-def usage_of(plan: Plan, finals: Iterable[tuple[int, Final]]) -> Usage:
-    """Usage of the choices ``(index, final)``: completion tokens of each, prompt tokens once per
-    prompt (the largest count among its samples, which all share it), and so the cached ones."""
-    prompts: dict[int, int] = {}
-    cached: dict[int, int] = {}
-    timed = True
-    completion = 0
-    for index, final in finals:
-        group = index // plan.n
-        prompts[group] = max(prompts.get(group, 0), final.prompt_tokens or 0)
-        completion += len(final.generated_tokens)
-        if final.timings is None:
-            timed = False
-        else:
-            cached[group] = max(cached.get(group, 0), final.timings.cached_prompt_tokens)
-    prompt = sum(prompts.values())
-    details = PromptTokensDetails(sum(cached.values())) if timed and cached else None
-    return Usage(prompt, completion, prompt + completion, details)
-
-
-def visible_text(plan: Plan, final: Final) -> str:
-    """The text a client sees: without the stop string that ended the choice, and what followed it
-    in the same token."""
-    cut = stop_cut(final.generated_text, plan) if final.finish_reason == "stop" else None
-    return final.generated_text if cut is None else final.generated_text[:cut]
-
-
-def stop_cut(text: str, plan: Plan) -> int | None:
-    """Where the stop string that ended ``text`` starts, or None. Without ``min_tokens`` the first
-    stop string to occur ended it; with ``min_tokens`` an earlier occurrence may have been passed
-    over, so the last one found is taken."""
-    if not plan.stops:
-        return None
-    found = [text.find(stop) if not plan.min_tokens else text.rfind(stop) for stop in plan.stops]
-    found = [at for at in found if at >= 0]
-    if not found:
-        return None
-    return min(found) if not plan.min_tokens else max(found)
-
-
-def _with_text(plan: Plan, finals: list[Final]) -> list[tuple[int, Final, str]]:
-    return [(job.index, final, visible_text(plan, final)) for job, final in zip(plan.jobs, finals, strict=True)]
-
-
-def answered_usage(plan: Plan, finals: list[Final]) -> Usage:
-    """:func:`usage_of` every choice of ``plan``, ``finals`` in the order of its jobs; one choice
-    (the common case) needs no grouping by prompt."""
-    if len(finals) == 1:
-        final = finals[0]
-        prompt, completion = final.prompt_tokens or 0, len(final.generated_tokens)
-        timings = final.timings
-        details = None if timings is None else PromptTokensDetails(timings.cached_prompt_tokens)
-        return Usage(prompt, completion, prompt + completion, details)
-    return usage_of(plan, zip([job.index for job in plan.jobs], finals, strict=True))
-
-
-def completion_response(plan: Plan, finals: list[Final], usage: Usage) -> Completion:
-    choices = [CompletionChoice(index, text, final.finish_reason) for index, final, text in _with_text(plan, finals)]
-    return Completion(plan.id, plan.created, plan.model, choices, usage)
-
-
-def chat_response(plan: Plan, finals: list[Final], usage: Usage) -> ChatCompletion:
-    choices = [
-        ChatChoice(index, ChatMessageOut("assistant", text), final.finish_reason)
-        for index, final, text in _with_text(plan, finals)
-    ]
-    return ChatCompletion(plan.id, plan.created, plan.model, choices, usage)

@@ -44,7 +44,9 @@ class EngineLoad(msgspec.Struct):
 
 
 class CoordinatorStatus(msgspec.Struct):
-    """``peers``: the other replicas this one hears; ``revision``: of the shared control state."""
+    """``peers``: the other replicas this one hears; ``revision``: of the shared control state;
+    ``arbiters``: the replicas arbitrating request ids as this one sees them, and whether it is
+    ``settled`` (runs the ids it arbitrates at once: docs/reliability.md)."""
 
     coordinator_id: str
     subject_prefix: str
@@ -56,6 +58,8 @@ class CoordinatorStatus(msgspec.Struct):
     peers: list[str] = msgspec.field(default_factory=list)
     revision: int = 0
     weight_version: str | int | None = None  # the fleet's, since the last update_weights
+    arbiters: list[str] = msgspec.field(default_factory=list)
+    settled: bool = False
 
 
 class PrefixCacheStatus(msgspec.Struct):

@@ -20,13 +20,14 @@ from service.protocol.messages import ClientRequestId
 
 
 class ForwardedSubmission(Struct, array_like=True):
-    """A resubmission the sending replica does not hold: held by the recipient, it answers
-    ``reply_to`` from now on (or replays its cached result there)."""
+    """A submission the sending replica does not hold (a resubmission, or one whose id another
+    replica claims): held by the recipient, it answers ``reply_to`` from now on (or replays its
+    cached result there). ``client_id`` is None for an anonymous client's id in flight."""
 
     owner: str
     reply_to: str
     stream: bool
-    client_id: str
+    client_id: str | None
     client_request_id: ClientRequestId
     body: bytes  # the contract body, compared with the original's
 
@@ -39,6 +40,28 @@ class ForwardedAbort(Struct, array_like=True):
     request_id: str | None = None
     client_id: str | None = None
     client_request_id: ClientRequestId | None = None
+
+
+class HandedSubmissions(Struct, array_like=True):
+    """Submissions whose ids the recipient arbitrates (:mod:`service.protocol.arbiter`), each
+    as its client sent it: the client's NATS reply subject ("" when it gave none) and the
+    message body. The recipient answers each as a ``submit_request`` and never hands one on."""
+
+    items: list[tuple[str, bytes]]
+
+
+class ArbiterClaims(Struct, array_like=True):
+    """The ids ``holder`` holds (in flight, or as a cached result) that the recipient arbitrates
+    in ``view``, the replicas as ``holder`` sees them: sent to every replica whenever that view
+    changes, in parts under ``max_payload`` (``part`` from 0; ``last`` ends them). They replace
+    what ``holder`` claimed before. A recipient whose own view is ``view`` and who has every
+    replica's claims for it is settled: it runs the ids it arbitrates (docs/reliability.md)."""
+
+    holder: str
+    view: list[str]
+    keys: list[tuple[str | None, ClientRequestId]]
+    part: int = 0
+    last: bool = True
 
 
 class ForwardedHold(Struct, array_like=True):

@@ -15,6 +15,17 @@ from msgspec import Meta, Struct
 from service.protocol.kv_events import Count
 from service.protocol.messages import Int64, ModelName, WeightVersion
 
+# Features an engine announces (``features`` of its register and heartbeats), so the coordinator
+# routes a request that needs one only to engines that have it: "logprobs", the engine computes
+# the log-probabilities ``sampling_params.logprobs`` and ``prompt_logprobs`` ask for. An engine
+# of an earlier release announces none.
+LOGPROBS = "logprobs"
+Features = Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=64)]
+
+
+def computes_logprobs(features: list[str] | None) -> bool:
+    return features is not None and LOGPROBS in features
+
 
 class EngineRegister(Struct):
     engine_id: str
@@ -26,6 +37,7 @@ class EngineRegister(Struct):
     # An extension (service/protocol/kv_events.py): the number of its last KV event, 0 before the
     # first; None when it publishes none (it is then routed by load alone).
     kv_sequence: Count | None = None
+    features: Features | None = None  # an extension: what it offers beyond earlier releases (LOGPROBS)
 
 
 class RegisterAck(Struct):
@@ -58,6 +70,7 @@ class Heartbeat(Struct):
     # An extension: the requests of ``active`` held by backpressure (hold_request), which the
     # engine rightly does not step; None from engines that predate it.
     held: list[str] | None = None
+    features: Features | None = None  # an extension, as the register's: a coordinator that adopts it routes by them
 
 
 class ResendReplies(Struct):
@@ -75,6 +88,10 @@ class CoordinatorHeartbeat(Struct):
     # An extension: the last beat of a replica that stops while peers live; the lowest of them
     # adopts its requests at once (docs/reliability.md, ownership).
     leaving: bool = False
+    # An extension: this replica arbitrates request ids (service/protocol/arbiter.py): it takes
+    # part in the rendezvous, serves ``submit_request.<id>`` and hands over claims when the
+    # replicas change. Replicas of earlier releases omit it and take no part.
+    arbitrates: bool = False
 
 
 class EngineDisconnect(Struct):

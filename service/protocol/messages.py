@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from service.protocol.errors import WireError
+from service.protocol.logprobs import LogprobCount, LogprobsMode, StreamedLogprobs, TopLogprob
 from service.protocol.prefix import MAX_PREFIX_HASHES
 
 # Integers that cross the wire fit msgpack's 64 bits: a bigger one (JSON allows any) would be
@@ -25,14 +26,6 @@ FinishReason = Literal["length", "stop", "abort"]
 WeightVersion = str | Int64
 # What pause does to requests in flight: freeze them (keep), end them (abort), or let them finish (drain).
 PauseMode = Literal["keep", "abort", "drain"]
-# Log-probabilities (an extension, docs/protocol.md): how many alternatives a token may list,
-# and which distribution they are of: the model's own ("raw") or the one sampled from, after
-# temperature, top-k and top-p ("processed").
-MAX_LOGPROBS = 20
-LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-LogprobsMode = Literal["raw", "processed"]
-# One alternative at a position: a token id and its log-probability, encoded as a pair.
-TopLogprob = tuple[int, float]
 
 
 # ---------------------------------------------------------------- from clients
@@ -165,10 +158,14 @@ class HoldRequest(Struct):
 class ControlSignal(Struct):
     """Control and profiler signals need no fields; ``set_generation_epoch`` needs ``epoch``.
     ``mode`` (an extension, pause only; None means ``keep``) says what pause does to the
-    requests in flight."""
+    requests in flight. ``retry`` (an extension) marks the same signal sent again because its
+    answer never came (the replica taking it died): a replica that finds the control state is
+    what the signal wrote broadcasts it again under that revision and acknowledges it once
+    every engine confirmed, instead of refusing it (409) or acknowledging it at once."""
 
     epoch: int | None = None
     mode: PauseMode | None = None
+    retry: bool = False
 
 
 class UpdateWeights(Struct):
@@ -376,12 +373,14 @@ class RoutedRequest(Struct, array_like=True, gc=False):
     per migration or retry), stamped on its partials and replies. ``resume_tokens`` are tokens
     an earlier run already generated and streamed: the engine continues after them, as if it had
     generated them itself (its partials start at offset ``len(resume_tokens)``, its final
-    includes them, ``max_tokens`` and stop strings count them)."""
+    includes them, ``max_tokens`` and stop strings count them). ``resume_logprobs`` (an
+    extension, log-probabilities): theirs, as delivered, when the request asked for them."""
 
     return_path: ReturnPath
     body: bytes
     attempt: int = 0
     resume_tokens: list[TokenId] | None = None
+    resume_logprobs: StreamedLogprobs | None = None
 
 
 class FirstRun(Struct, array_like=True, gc=False):
@@ -432,6 +431,8 @@ class RoutedReply(Struct, array_like=True, gc=False):
     coordinator keeps what was streamed without decoding the client's body (None for other
     replies, and from engines of earlier releases: that stream cannot migrate); ``attempt`` is
     the run of the :class:`RoutedRequest` it answers, so replies of an older run are dropped.
+    ``logprobs`` (an extension): a streamed partial's log-probabilities, when its request asked
+    for them, kept with its tokens.
     """
 
     return_path: ReturnPath
@@ -439,6 +440,7 @@ class RoutedReply(Struct, array_like=True, gc=False):
     seq: int = 0
     tokens: list[TokenId] | None = None
     attempt: int = 0
+    logprobs: StreamedLogprobs | None = None
 
 
 class EngineReplyBatch(Struct):
@@ -493,10 +495,13 @@ class AdoptedRequest(Struct, array_like=True, gc=False):
     """One request of a dead coordinator replica, as its engine hands it to the adopter: the
     return path (already naming the adopter), the client's body (so it can be routed again),
     how many partials the engine has sent (the ``seq`` its next reply carries), the tokens it
-    generated so far (a migration resumes after them) and the run (``attempt``) it is."""
+    generated so far (a migration resumes after them) and the run (``attempt``) it is; for a
+    request that asked for log-probabilities, ``logprobs``: those of its tokens (none for one
+    that asked for its prompt's only)."""
 
     return_path: ReturnPath
     body: bytes
     partials_sent: int
     tokens: list[TokenId] = msgspec.field(default_factory=list)
     attempt: int = 0
+    logprobs: StreamedLogprobs | None = None

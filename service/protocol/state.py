@@ -9,8 +9,10 @@ refused with 409.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 from msgspec import Struct
 
 from service.protocol.errors import ErrorCode, WireError
@@ -61,6 +63,39 @@ def decide(state: CoordinatorState, signal: Header) -> Decision:
     if state not in transition.allowed_from:
         raise WireError(ErrorCode.CONFLICT, f"{signal} is not allowed in state {state}")
     return Decision(changes=True, new_state=transition.new_state or state)
+
+
+# What the replica that finishes a stop writes (back to running): a stop's retry finds it done.
+STOP_DONE = "stop_done"
+
+
+def signal_edit(
+    signal: Header, epoch: int | None, coordinator_id: str, retry: bool = False
+) -> Callable[[ControlRecord], ControlRecord | None]:
+    """The change ``signal`` makes to a record: the table's new state (and for
+    ``set_generation_epoch`` the epoch), or None when it changes nothing. A ``retry`` (the same
+    signal again, its first answer lost) changes nothing when the record is what the signal
+    wrote: its last signal (a stop's, or the end of that stop; an epoch's, with that epoch).
+    Raises WireError 409 when the table forbids the signal."""
+
+    def edit(current: ControlRecord) -> ControlRecord | None:
+        if retry and _wrote(current, signal, epoch):
+            return None
+        decision = decide(current.state, signal)
+        if not decision.changes:
+            return None
+        new_epoch = epoch if signal is Header.SET_GENERATION_EPOCH else current.epoch
+        return msgspec.structs.replace(
+            current, state=decision.new_state, epoch=new_epoch, signal=signal.value, coordinator_id=coordinator_id
+        )
+
+    return edit
+
+
+def _wrote(record: ControlRecord, signal: Header, epoch: int | None) -> bool:
+    if signal is Header.SET_GENERATION_EPOCH:
+        return record.signal == signal.value and record.epoch == epoch
+    return record.signal == signal.value or (signal is Header.STOP and record.signal == STOP_DONE)
 
 
 class ControlRecord(Struct, kw_only=True):

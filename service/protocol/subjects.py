@@ -48,6 +48,10 @@ class Header(enum.StrEnum):
     # A replica that does not hold a request asks the others (``<prefix>.<header>.<recipient>``).
     FORWARD_SUBMISSION = "forward_submission"
     FORWARD_ABORT = "forward_abort"
+    # Named submissions handed, as their clients sent them, to the replica arbitrating their ids;
+    # and the ids a replica holds that another arbitrates (service/protocol/arbiter.py).
+    ARBITER_SUBMISSION = "arbiter_submission"
+    ARBITER_CLAIMS = "arbiter_claims"
     FORWARD_HOLD = "forward_hold"
 
 

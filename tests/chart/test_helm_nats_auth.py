@@ -104,6 +104,8 @@ BETWEEN_COORDINATORS = {
     Header.COORDINATOR_HEARTBEAT,
     Header.FORWARD_SUBMISSION,
     Header.FORWARD_ABORT,
+    Header.ARBITER_SUBMISSION,
+    Header.ARBITER_CLAIMS,
     Header.FORWARD_HOLD,
 }
 FROM_ENGINES = set(ENGINE_HEADERS)
@@ -113,7 +115,8 @@ FROM_CLIENTS = {Header.CONNECT, Header.SUBMIT_REQUEST, Header.ABORT_REQUEST, Hea
 def test_permissions_follow_the_protocols_subjects() -> None:
     assert SIGNALS | BETWEEN_COORDINATORS | FROM_ENGINES | FROM_CLIENTS == set(Header)
     rules = permissions(rendered_auth({}).auth_conf)
-    assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS)
+    # And a named submission to the replica arbitrating its id (service/protocol/arbiter.py).
+    assert set(rules["client"]["publish"]["allow"]) == subjects(FROM_CLIENTS) | {"dpcoord.submit_request.*"}
     # Engines send on dpcoord.<header>.<engine_id>; one shared user may send as any engine.
     assert set(rules["engine"]["publish"]["allow"]) == {f"{subject}.*" for subject in subjects(FROM_ENGINES)}
     coordinator = rules["coordinator"]["publish"]
@@ -124,6 +127,8 @@ def test_permissions_follow_the_protocols_subjects() -> None:
         "dpcoord.coordinator_heartbeat",
         "dpcoord.forward_submission.*",  # to one replica: only coordinators may forward
         "dpcoord.forward_abort.*",
+        "dpcoord.arbiter_submission.*",  # a copy handed to its id's arbiter, believed as sent
+        "dpcoord.arbiter_claims.*",
         "dpcoord.forward_hold.*",
     }
     # Replies into inboxes only: the clients' and admin's, and the pods'.

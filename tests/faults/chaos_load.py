@@ -13,6 +13,13 @@ Each stream is counted once:
 
 The SDK runs with its default retries (2, on a 5xx or connection error before the response
 starts), as applications run it: a retried request that then streams exactly counts as exact.
+
+Every :data:`LOGPROBS_EVERY`-th stream asks for log-probabilities instead (``logprobs`` 2) and
+runs through the client library, on NATS beside the gateway, through the same faults: it is
+exact only when its text is, its final carries every token's logprob and alternatives equal to
+the expected ones (the echo engine's function, or a torch reference run's within
+:attr:`Logprobs.tolerance`), and its partials' logprobs add up to the start of the final's
+(within the same tolerance).
 """
 
 from __future__ import annotations
@@ -22,10 +29,15 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx2
 import openai
 
+from engines.chat_template import plain_prompt
+from engines.echo import echo_logprob, echo_top_logprobs
+from service.client import ClientError, DpcoordClient
+from service.protocol.messages import ChatMessage, Final, TopLogprob
 from tests.faults.chaos import MODEL, ChaosStack, expected_text
 
 IN_FLIGHT = 200
@@ -36,24 +48,64 @@ TOKEN_SPREAD = 241
 HUNG_AFTER_S = 10.0
 OUTCOMES = ("exact", "corrupt", "hung", "error", "broken")
 Fault = Callable[[], Awaitable[None]]
+LOGPROBS_EVERY = 5  # every fifth stream asks for log-probabilities (through the client library)
+LOGPROBS_K = 2
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """The log-probabilities a stream's final must carry: each token's, and its alternatives
+    (their ids exactly, their values within ``tolerance``; None: only each first one's id, the
+    token itself, is compared: a greedy torch run)."""
+
+    token_logprobs: Sequence[float]
+    top_logprobs: Sequence[Sequence[TopLogprob]] | None
+    tolerance: float = 0.0
+
+    def matches(self, final: Final) -> bool:
+        got, tops = final.token_logprobs, final.top_logprobs
+        if got is None or tops is None or len(got) != len(self.token_logprobs) or len(tops) != len(got):
+            return False
+        if any(abs(a - b) > self.tolerance for a, b in zip(got, self.token_logprobs, strict=True)):
+            return False
+        if self.top_logprobs is None:
+            return all(top[0][0] == token for top, token in zip(tops, final.generated_tokens, strict=True))
+        return all(
+            [token for token, _ in top] == [token for token, _ in want]
+            and all(abs(a - b) <= self.tolerance for (_, a), (_, b) in zip(top, want, strict=True))
+            for top, want in zip(tops, self.top_logprobs, strict=True)
+        )
 
 
 @dataclass(frozen=True)
 class StreamCase:
-    """One stream of a load: what is asked, and the text it must give."""
+    """One stream of a load: what is asked, and the text it must give (and, asking for
+    log-probabilities, the ones it must give)."""
 
     content: str
     max_tokens: int
     expected: str
     extra_body: Mapping[str, object] | None = None
     model: str = MODEL
+    logprobs: Logprobs | None = None
 
 
 def echo_case(scenario: str, index: int) -> StreamCase:
-    """The echo engines' load: a distinct prompt and length per stream, its text computed."""
+    """The echo engines' load: a distinct prompt and length per stream, its text computed (and
+    every :data:`LOGPROBS_EVERY`-th one's log-probabilities: engines/echo.py's function)."""
     content = f"{scenario} stream {index:05d}"
     max_tokens = MIN_TOKENS + index % TOKEN_SPREAD
-    return StreamCase(content, max_tokens, expected_text(content, max_tokens))
+    expected = expected_text(content, max_tokens)
+    if index % LOGPROBS_EVERY:
+        return StreamCase(content, max_tokens, expected)
+    start = len(plain_prompt([ChatMessage("user", content)]).encode())
+    positions = range(start, start + max_tokens)
+    tokens = expected.encode()
+    logprobs = Logprobs(
+        [echo_logprob(token, p) for token, p in zip(tokens, positions, strict=True)],
+        [echo_top_logprobs(token, p, LOGPROBS_K) for token, p in zip(tokens, positions, strict=True)],
+    )
+    return StreamCase(content, max_tokens, expected, logprobs=logprobs)
 
 
 STREAMING_AT_FAULT = 20  # streams whose text has begun to reach the SDK when the first fault strikes
@@ -68,6 +120,8 @@ class Tally:
     scenario: str
     streams: int
     counts: Counter[str] = field(default_factory=Counter)
+    logprobs_exact: int = 0  # exact streams that asked for log-probabilities (they are checked too)
+    logprobs_resumed: int = 0  # of them, streams a later run answered (a retry or a migration: attempt > 0)
     max_gap_s: float = 0.0
     streaming: int = 0  # streams that have had text and not ended, now
     streaming_at_fault: int | None = None  # None: no fault
@@ -82,7 +136,7 @@ class Tally:
     def line(self) -> str:
         counts = "  ".join(f"{name} {self.counts[name]:>4}" for name in OUTCOMES)
         return (
-            f"{self.scenario:<34} streams {self.streams:>4}  {counts}  "
+            f"{self.scenario:<34} streams {self.streams:>4}  {counts}  logprobs exact {self.logprobs_exact:>3} (later run {self.logprobs_resumed:>2})  "
             f"streaming at fault {'-' if self.streaming_at_fault is None else self.streaming_at_fault:>3}  max gap {self.max_gap_s:4.1f} s  wall {self.wall_s:5.1f} s"
         )
 
@@ -158,6 +212,72 @@ async def one_stream(client: openai.AsyncOpenAI, case: StreamCase, tally: Tally)
     return "corrupt"
 
 
+async def one_library_stream(client: DpcoordClient, case: StreamCase, tally: Tally) -> str:
+    """Run one stream asking for log-probabilities through the client library; its outcome."""
+    assert case.logprobs is not None
+    last = time.monotonic()
+    streamed: list[str] = []
+    streamed_logprobs: list[float] = []
+    final: Final | None = None
+    streaming = False
+    attempt = 0
+    sampling: dict[str, Any] = {"max_tokens": case.max_tokens, "logprobs": LOGPROBS_K, **(case.extra_body or {})}
+    replies = client.stream(messages=[ChatMessage("user", case.content)], model=case.model, timeout=60, **sampling)
+    try:
+        while True:
+            try:
+                reply = await asyncio.wait_for(anext(replies), HUNG_AFTER_S)
+            except StopAsyncIteration:
+                break
+            now = time.monotonic()
+            tally.max_gap_s, last = max(tally.max_gap_s, now - last), now
+            if isinstance(reply, Final):
+                final = reply
+                continue
+            streamed.append(reply.text)
+            streamed_logprobs += reply.token_logprobs or ()
+            attempt = max(attempt, reply.attempt)
+            if not streaming and reply.text:
+                streaming = True
+                tally.streaming += 1
+                if tally.streaming >= STREAMING_AT_FAULT:
+                    tally.streams_began.set()
+    except TimeoutError:
+        return "hung"
+    except ClientError:
+        return "error"
+    finally:
+        tally.streaming -= streaming
+        await replies.aclose()
+    if final is None:
+        return "broken"
+    text = "".join(streamed)
+    got = final.token_logprobs or []
+    checks = {
+        "text": final.finish_reason == "length" and final.generated_text == case.expected,
+        "partials' text": case.expected.startswith(text),
+        "logprobs": case.logprobs.matches(final),
+        # Within the tolerance: a stream run again from its start (its owner replica lost before
+        # an engine's handover, say) gives the same greedy tokens, its final the new run's logprobs.
+        "partials' logprobs": len(got) >= len(streamed_logprobs)
+        and all(abs(a - b) <= case.logprobs.tolerance for a, b in zip(got, streamed_logprobs, strict=False)),
+    }
+    if all(checks.values()):
+        tally.logprobs_exact += 1
+        tally.logprobs_resumed += attempt > 0
+        return "exact"
+    if len(tally.examples) < 3:
+        failed = ", ".join(name for name, ok in checks.items() if not ok)
+        tolerance = case.logprobs.tolerance
+        at = next(
+            (n for n, (a, b) in enumerate(zip(got, streamed_logprobs, strict=False)) if abs(a - b) > tolerance), None
+        )
+        where = "" if at is None else f" (token {at}: final {got[at]!r}, partial {streamed_logprobs[at]!r})"
+        label = f"finish={final.finish_reason} attempt={attempt}: {failed} differ{where}"
+        tally.examples.append(difference(case.content, case.max_tokens, label, final.generated_text, case.expected))
+    return "corrupt"
+
+
 def difference(content: str, max_tokens: int, label: str, got: str, expected: str) -> str:
     """Where a corrupt stream leaves the expected text, with a little of either side."""
     at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
@@ -194,16 +314,20 @@ async def run_load(
     case: Callable[[str, int], StreamCase] = echo_case,
 ) -> Tally:
     """``streams`` streamed chat completions (``case(scenario, index)`` each), ``in_flight`` at
-    a time, through the stack's gateway, with ``faults`` injected beside them
-    (:func:`faults_once_streaming`)."""
+    a time, through the stack's gateway (those asking for log-probabilities through the client
+    library), with ``faults`` injected beside them (:func:`faults_once_streaming`)."""
     tally = Tally(scenario, streams)
     slots = asyncio.Semaphore(in_flight)
     started = time.monotonic()
-    async with sdk_client(stack.base_url, in_flight) as client:
+    async with sdk_client(stack.base_url, in_flight) as client, await DpcoordClient.connect(stack.settings) as library:
 
         async def one(index: int) -> None:
             async with slots:
-                tally.counts[await one_stream(client, case(scenario, index), tally)] += 1
+                asked = case(scenario, index)
+                if asked.logprobs is None:
+                    tally.counts[await one_stream(client, asked, tally)] += 1
+                else:
+                    tally.counts[await one_library_stream(library, asked, tally)] += 1
 
         await asyncio.gather(faults_once_streaming(faults, tally), *(one(index) for index in range(streams)))
     tally.wall_s = time.monotonic() - started

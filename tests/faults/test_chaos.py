@@ -12,7 +12,9 @@ and the terminal summary repeats them (tests/faults/conftest.py). Targets: 0 cor
 Then two findings of issue 19 measured on the same stack: the requests a SIGKILLed replica owns
 all end (final or clear error) within ``heartbeat_timeout_s`` + 5 s of the kill, and 30 HTTP
 clients that leave (streams after 5 events, streams at once, non-streamed requests whose client
-aborts) free 30 of 30 engine slots, read from the engines' Services API status.
+aborts) free 30 of 30 engine slots, read from the engines' Services API status. And one of
+issue 34: 60 concurrent same-id pairs through the client library, through a replica SIGKILLed
+and restarted and a nats-server restart, each run once, every copy answered.
 
 The stack is shared by the module's tests (started once, healed before each: dead replicas and
 engines replaced, every replica listing exactly the live engines). Run alone with
@@ -33,6 +35,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.echo import echo_logprob
 from service.client import ClientError, DpcoordClient
 from service.protocol.messages import Final
 from tests.faults.chaos import MODEL, ChaosStack, echo_text
@@ -121,8 +124,13 @@ async def test_stalled_readers_are_held_through_faults_and_end_exact(
 
 # ---------------------------------------------------------------- a dead coordinator's requests
 
-OWNED_REQUESTS = 150  # about 50 on each replica
+OWNED_REQUESTS = 150  # about 50 on each replica (asking for logprobs: an adopted request's final carries them all)
 OWNED_MAX_TOKENS = 300  # 1.5 s at 5 ms a token: what is left after the kill fits in the bound
+
+
+def echo_logprobs(prompt: str, text: str) -> list[float]:
+    """The echo engine's logprob of each token of ``text``, generated after ``prompt`` (ASCII)."""
+    return [echo_logprob(ord(char), len(prompt) + n) for n, char in enumerate(text)]
 
 
 async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
@@ -131,7 +139,8 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
     """Streams through the client library; once each has its first partial, the replica owning
     most of them (the request id names it) is SIGKILLed. Each of its requests must end, with
     its final or a clear error, within ``heartbeat_timeout_s`` + 5 s of the kill, and a final
-    must be the echo engine's text with the partials before it adding up to a prefix of it."""
+    must be the echo engine's text with the partials before it adding up to a prefix of it, and
+    carry each token's logprob, the echo engine's."""
     await stack.heal()
     bound_s = stack.settings.heartbeat_timeout_s + 5.0
     owners: dict[int, asyncio.Future[str]] = {}
@@ -143,7 +152,7 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
         streamed = ""
         outcome = "no final"
         try:
-            async for reply in client.stream(prompt, max_tokens=OWNED_MAX_TOKENS, timeout=60):
+            async for reply in client.stream(prompt, max_tokens=OWNED_MAX_TOKENS, logprobs=1, timeout=60):
                 if not owners[index].done():
                     owners[index].set_result(reply.request_id.rpartition("-")[0])
                 if isinstance(reply, Final):
@@ -153,6 +162,8 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
                         outcome, got = "final differs", reply.generated_text
                     elif not want.startswith(streamed):
                         outcome, got = "partials differ", streamed  # the final is right, the stream before it not
+                    elif reply.token_logprobs != echo_logprobs(prompt, want):
+                        outcome, got = "logprobs differ", want
                     if outcome != "exact" and len(examples) < 2:
                         examples.append(difference(prompt, OWNED_MAX_TOKENS, outcome, got, want))
                 else:
@@ -191,7 +202,7 @@ async def test_requests_of_a_sigkilled_replica_end_within_heartbeat_timeout(
         print(f"[chaos]   not exact: {example}")
     assert len(in_flight) >= 5, "the test needs requests in flight on the killed replica"
     assert sum(within.values()) == len(in_flight), line
-    assert set(within) <= {"exact", "error"}, (line, examples)  # not "no final", "final differs", "partials differ"
+    assert set(within) <= {"exact", "error"}, (line, examples)  # not "no final", "... differ(s)"
 
 
 # ---------------------------------------------------------------- clients that leave
@@ -293,3 +304,60 @@ async def test_clients_that_leave_free_their_engine_slots(stack: ChaosStack, cha
     chaos_report.append(line)
     print(f"\n[chaos] {line}")
     assert freed == 3 * LEAVERS, line
+
+
+# ---------------------------------------------------------------- one run per id, through faults
+
+PAIRS = 60  # 20 per variant
+PAIR_TOKENS = (200, 400)  # 1 to 2 s at 5 ms a token: pairs run while the faults strike
+PAIR_VARIANTS = ("same body, one client", "same body, two clients", "other body, two clients")
+
+
+async def test_concurrent_same_id_pairs_run_once_through_faults(stack: ChaosStack, chaos_report: list[str]) -> None:
+    """Issue 34, 1: concurrent same-id pairs through the client library (two clients share one
+    ``client_id``; or one client sends one id twice), while a replica is SIGKILLed and restarted
+    and nats-server restarts. Each pair runs once (its finals share one request id), and each
+    copy ends: its own prompt's final, or 409 (in progress, or another body)."""
+    await stack.heal()
+    outcomes: Counter[str] = Counter()
+    runs: Counter[int] = Counter()
+
+    async def one(client: DpcoordClient, prompt: str, client_request_id: str, tokens: int) -> Final | str:
+        try:
+            final = await client.submit(prompt, max_tokens=tokens, client_request_id=client_request_id, timeout=40)
+        except ClientError as exc:
+            return "409" if exc.code == 409 else f"error {exc.code}"
+        except TimeoutError:
+            return "silent"
+        return final if final.generated_text == echo_text(prompt, tokens) else "wrong"
+
+    async def pair(first: DpcoordClient, second: DpcoordClient, index: int) -> None:
+        variant = PAIR_VARIANTS[index % 3]
+        tokens = PAIR_TOKENS[0] + (index * 7) % (PAIR_TOKENS[1] - PAIR_TOKENS[0])
+        prompts = [f"pair {index} one ", f"pair {index} two " if variant.startswith("other") else f"pair {index} one "]
+        senders = [first, first] if variant.endswith("one client") else [first, second]
+        ended = await asyncio.gather(
+            *(one(client, prompt, f"pair-{index}", tokens) for client, prompt in zip(senders, prompts, strict=True))
+        )
+        runs[len({copy.request_id for copy in ended if isinstance(copy, Final)})] += 1
+        outcomes.update("final" if isinstance(copy, Final) else copy for copy in ended)
+
+    async with (
+        await DpcoordClient.connect(stack.settings, client_id="pairs") as first,
+        await DpcoordClient.connect(stack.settings, client_id="pairs") as second,
+    ):
+        pairs = [asyncio.ensure_future(pair(first, second, index)) for index in range(PAIRS)]
+        await wait_busy(stack, PAIRS // 2)  # the faults meet the pairs running
+        await kill_and_restart_a_replica(stack)
+        await restart_nats(stack)
+        await asyncio.gather(*pairs)
+    line = (
+        f"{'same-id pairs, replica + nats-server':<34} pairs {PAIRS}  "
+        + ", ".join(f"ran {count}x: {number}" for count, number in sorted(runs.items()))
+        + "  copies: "
+        + ", ".join(f"{kind} {number}" for kind, number in sorted(outcomes.items()))
+    )
+    chaos_report.append(line)
+    print(f"\n[chaos] {line}")
+    assert sum(number for count, number in runs.items() if count > 1) == 0, line
+    assert set(outcomes) <= {"final", "409"} and outcomes["final"] >= PAIRS, line

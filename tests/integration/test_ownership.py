@@ -58,8 +58,9 @@ def envelope(client_request_id: str, prompt: str, max_tokens: int, resubmission:
 async def test_resubmissions_reaching_the_other_replica_never_run_twice(
     settings: Settings, pair: tuple[Coordinator, Coordinator], engine: EngineRuntime, nc: NATS
 ) -> None:
-    """A resubmission the receiving replica does not hold is answered by the owner, so the
-    stream is one run's, exactly, however many resubmissions the queue group spreads."""
+    """A resubmission the receiving replica does not hold is handed to the replica arbitrating
+    its id, which holds it, so the stream is one run's, exactly, however many resubmissions the
+    queue group spreads."""
     subjects = Subjects(settings.subject_prefix)
     inbox = f"_INBOX.{uuid.uuid4().hex}"
     replies = await nc.subscribe(inbox)
@@ -83,7 +84,7 @@ async def test_resubmissions_reaching_the_other_replica_never_run_twice(
     expected = [ord(prompt[n % len(prompt)]) for n in range(max_tokens)]
     assert final["generated_tokens"] == expected and tokens == expected
     assert sum(coordinator.counters["submitted"] for coordinator in pair) == 1
-    assert sum(coordinator.counters["resubmissions_forwarded"] for coordinator in pair) >= 1
+    assert sum(coordinator.counters["submissions_handed"] for coordinator in pair) >= 1
 
 
 async def test_aborts_reaching_the_other_replica_free_every_slot(

@@ -250,22 +250,25 @@ async def test_anonymous_duplicate_in_flight_gets_409(
     assert decode_reply((await sub.next_msg(timeout=5)).data)["type"] == "final"
 
 
-async def test_named_resubmission_in_flight_moves_the_reply_and_runs_once(
+async def test_named_resubmission_in_flight_from_another_inbox_is_409_and_runs_once(
     coordinator: Coordinator, start_engines: EngineFactory, nc: NATS
 ) -> None:
+    """A copy from another inbox while the request runs gets 409 in progress (no inbox is left
+    silent); once it ended, the same copy gets the cached result."""
     await start_engines(1, token_delay_ms=30)
-    first_inbox, second_inbox = nc.new_inbox(), nc.new_inbox()
-    first, second = await nc.subscribe(first_inbox), await nc.subscribe(second_inbox)
+    first_inbox = nc.new_inbox()
+    first = await nc.subscribe(first_inbox)
     body = json.dumps(
         {"prompt": "a", "client_id": "c", "client_request_id": 1, "sampling_params": {"max_tokens": 3}}
     ).encode()
     await nc.publish(submit_subject(coordinator), body, reply=first_inbox)
-    await nc.publish(submit_subject(coordinator), body, reply=second_inbox)
-    final = decode_reply((await second.next_msg(timeout=5)).data)
+    copy = decode_reply((await nc.request(submit_subject(coordinator), body, timeout=5)).data)
+    assert copy["type"] == "error" and copy["error"]["code"] == 409 and "in progress" in copy["error"]["message"]
+    final = decode_reply((await first.next_msg(timeout=5)).data)
     assert final["type"] == "final" and final["generated_text"] == "aaa"
-    await request_json(nc, submit_subject(coordinator), {"prompt": "barrier"})
-    assert first.pending_msgs == 0
-    assert (coordinator.counters["submitted"], coordinator.counters["resubmitted"]) == (2, 1)
+    again = decode_reply((await nc.request(submit_subject(coordinator), body, timeout=5)).data)
+    assert again == final
+    assert (coordinator.counters["submitted"], coordinator.counters["replayed"]) == (1, 1)
 
 
 async def test_named_resubmission_after_completion_replays_the_result(

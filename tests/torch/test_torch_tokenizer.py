@@ -173,3 +173,26 @@ def test_special_tokens_that_add_no_text_do_not_grow_the_window(hf_tokenizer: HF
 def test_without_tokenizer_json_the_byte_tokenizer_is_used(tmp_path: Path) -> None:
     assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
     assert isinstance(load_tokenizer(None), ByteTokenizer)
+
+
+@pytest.mark.parametrize("name", ["bytes", "byte-level BPE", "byte fallback"])
+def test_token_bytes_add_up_to_the_text(
+    name: str, hf_tokenizer: HFTokenizer, sentencepiece_tokenizer: HFTokenizer
+) -> None:
+    """Each token's own bytes (the logprob fields' ``token_bytes``), a byte-level piece part of
+    a character, concatenate to the text the tokens add after a prompt; special tokens add none."""
+    tokenizers: dict[str, ByteTokenizer | HFTokenizer] = {
+        "bytes": ByteTokenizer(),
+        "byte-level BPE": hf_tokenizer,
+        "byte fallback": sentencepiece_tokenizer,
+    }
+    tokenizer = tokenizers[name]
+    prompt = tokenizer.encode("the lazy")
+    generated = tokenizer.encode(" the quick € fox 😀 jumps ü")
+    if name == "byte-level BPE":
+        generated = [*generated[1:], 1]  # without BOS, with "</s>"
+    text = tokenizer.decode([*prompt, *generated])[len(tokenizer.decode(prompt)) :]
+    assert b"".join(tokenizer.token_bytes(token) for token in generated) == text.encode()
+    if name != "byte fallback":  # whose byte tokens are special here, so the text leaves them out
+        pieces = [tokenizer.token_bytes(token) for token in generated]
+        assert any(piece.decode("utf-8", "replace") != piece.decode("utf-8", "ignore") for piece in pieces)

@@ -11,29 +11,44 @@ from collections.abc import Mapping
 
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from service.client.calls import ClientError
 from service.client.envelope import envelope
-from service.client.exchanges import EXPIRED, NO_RESPONDERS, RECONNECTED, CoordinatorWatch, Exchanges
+from service.client.exchanges import (
+    EXPIRED,
+    NO_RESPONDERS,
+    RECONNECTED,
+    CoordinatorWatch,
+    Exchanges,
+)
 from service.client.submission import Submission
+from service.protocol.arbiter import ArbiterTable
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode
+from service.protocol.membership import CoordinatorHeartbeat
 from service.protocol.messages import ErrorBody, ErrorReply, Final, Held, Partial, SubmitEnvelope
+from service.protocol.subjects import Subjects
 
 ENVELOPE = encode_msgpack(SubmitEnvelope(1, b"\x80", True, "r1", "c1", None, 10.0, None, None))
 
 
 class Published:
-    """Test double for the submission subject's publish: records (body, reply subject, headers)."""
+    """Test double for the submission publish: records (body, reply subject, subject published
+    to (None for the one all replicas share), headers)."""
 
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.subjects: list[str] = []
+        self.to: list[str | None] = []
         self.headers: list[Mapping[str, str] | None] = []
 
-    async def __call__(self, body: bytes, reply_subject: str, headers: Mapping[str, str] | None) -> None:
+    async def __call__(
+        self, body: bytes, reply_subject: str, subject: str | None, headers: Mapping[str, str] | None
+    ) -> None:
         self.bodies.append(body)
         self.subjects.append(reply_subject)
+        self.to.append(subject)
         self.headers.append(headers)
 
 
@@ -45,13 +60,23 @@ def final(tokens: int) -> bytes:
     return encode_msgpack(Final("coord1-7", "r1", "e1", list(range(tokens)), "x" * tokens, "length"))
 
 
-async def started(published: Published, timeout: float = 10.0) -> tuple[Submission, Exchanges]:
+async def started(
+    published: Published, timeout: float = 10.0, watch: CoordinatorWatch | None = None
+) -> tuple[Submission, Exchanges]:
     exchanges = Exchanges()
     exchanges.inbox = "_INBOX.me"
-    watch = CoordinatorWatch(exchanges, 1.0, 3.0)
-    submission = Submission(published, exchanges, watch, ENVELOPE, timeout)
+    watch = watch or CoordinatorWatch(exchanges, 1.0, 3.0)
+    submission = Submission(
+        published, exchanges, watch, ENVELOPE, timeout, address=lambda: watch.arbiter_subject("c1", "r1")
+    )
     await submission.start()
     return submission, exchanges
+
+
+def heartbeat(coordinator_id: str, arbitrates: bool = True, leaving: bool = False) -> Msg:
+    """A replica's heartbeat as the watch's subscription receives it (a real nats-py Msg)."""
+    body = encode_msgpack(CoordinatorHeartbeat(coordinator_id, leaving=leaving, arbitrates=arbitrates))
+    return Msg(None, subject="p.coordinator_heartbeat", data=body)  # type: ignore[arg-type]  # no client needed
 
 
 def deliver(exchanges: Exchanges, subject: str, *bodies: bytes) -> None:
@@ -119,6 +144,49 @@ async def test_a_lost_replica_resubmits_only_the_requests_it_held() -> None:
     with pytest.raises(TimeoutError):
         await submission.replies()
     assert len(published.bodies) == 2  # the first publish, and one for coord1's loss
+    submission.close()
+
+
+async def test_a_submission_goes_to_its_arbiter_and_to_every_replica_when_that_one_is_gone() -> None:
+    """The watch names the arbiter among the replicas that say they arbitrate; no-responders
+    from it (it died) sends the copy, as it was, to the subject all replicas share."""
+    published = Published()
+    exchanges = Exchanges()
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0, Subjects("p"))
+    assert watch.arbiter_subject("c1", "r1") is None  # no replica heard yet
+    for replica in ("coord1", "coord2", "coord3"):
+        await watch.on_heartbeat(heartbeat(replica))
+    await watch.on_heartbeat(heartbeat("old", arbitrates=False))  # an earlier release takes no part
+    arbiter = ArbiterTable({"coord1", "coord2", "coord3"}).of("c1", "r1")
+    submission, exchanges = await started(published, watch=watch)
+    assert published.to == [f"p.submit_request.{arbiter}"]
+    mailbox = exchanges.queues[published.subjects[0].rpartition(".")[2].encode()]
+    mailbox.put_nowait(NO_RESPONDERS)
+    mailbox.put_nowait(RECONNECTED)  # from now on, to the shared subject (the arbiter may be gone)
+    deliver(exchanges, published.subjects[0], final(1))
+    await submission.replies()
+    assert published.to[1:] == [None, None]
+    assert not msgspec.msgpack.decode(published.bodies[1], type=SubmitEnvelope).resubmission
+    submission.close()
+
+
+async def test_a_leaving_replica_is_no_arbiter_and_a_refused_subject_stops_the_addressing() -> None:
+    published = Published()
+    exchanges = Exchanges()
+    watch = CoordinatorWatch(exchanges, 1.0, 3.0, Subjects("p"))
+    await watch.on_heartbeat(heartbeat("coord1"))
+    await watch.on_heartbeat(heartbeat("coord2"))
+    await watch.on_heartbeat(heartbeat("coord2", leaving=True))
+    assert watch.arbiter_subject("c1", "r1") == "p.submit_request.coord1"  # the one left
+    submission, exchanges = await started(published, watch=watch)
+    watch.addressing = False  # what the client does when NATS refuses a replica's own subject
+    exchanges.address_refused()
+    mailbox = exchanges.queues[published.subjects[0].rpartition(".")[2].encode()]
+    mailbox.put_nowait(EXPIRED)
+    with pytest.raises(TimeoutError):
+        await submission.replies()
+    assert published.to == ["p.submit_request.coord1", None]
+    assert watch.arbiter_subject("c1", "r2") is None
     submission.close()
 
 

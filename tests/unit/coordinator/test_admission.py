@@ -72,18 +72,24 @@ async def test_refusals_carry_their_codes(later: Later) -> None:
     assert len(floor.ledger) == 2
 
 
-async def test_a_named_clients_repeat_in_flight_follows_the_new_reply_subject() -> None:
+async def test_a_named_clients_repeat_in_flight_is_answered_on_its_reply_subject_and_refused_on_another() -> None:
+    """The same reply subject (the client library's resubmission) keeps the request; another one
+    gets 409 in progress rather than taking the replies and leaving the first inbox silent."""
     floor = build()
     floor.engine("e1")
     job = admission(floor)
     named: dict[str, Any] = {"client_id": "alice", "client_request_id": "q1", "stream": True}
     await job.admit(*submission(**named))
-    await job.admit(*submission("_INBOX.client.2", **named))
+    await job.admit(*submission(**named))
     [entry] = list(floor.ledger)
-    assert entry.return_path.reply_to == "_INBOX.client.2" and entry.return_path.stream
+    assert entry.return_path.reply_to == "_INBOX.client.1" and entry.return_path.stream
     assert floor.core.counters["resubmitted"] == 1
+    with pytest.raises(WireError, match="in progress") as refusal:
+        await job.admit(*submission("_INBOX.client.2", **named))
+    assert refusal.value.code == 409 and entry.return_path.reply_to == "_INBOX.client.1"
     assert await refused(job, "_INBOX_mallory.x", **named) == 403
     assert await refused(job, "_INBOX.client.3", prompt="other", **named) == 409
+    assert len(floor.ledger) == 1
 
 
 async def test_a_named_clients_repeat_after_its_final_gets_the_cached_final_again() -> None:

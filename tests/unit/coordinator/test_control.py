@@ -129,3 +129,49 @@ async def test_a_shutdown_stops_this_replica_too() -> None:
     job = control(floor, calls)
     written, replicas = await job.shut_down_all()
     assert written.changed and replicas == 1 and job.fleet_shutdown and calls.stops == 1
+
+
+async def test_a_retry_that_finds_its_signal_done_is_broadcast_again_and_acknowledged() -> None:
+    """Issue 34, 3: the replica that took ``unpause`` died before answering; its retry, on this
+    replica, finds the record ``unpause`` wrote, so it is neither refused (409) nor acknowledged
+    before every engine confirmed it again under that revision."""
+    floor = build()
+    job = control(floor, Calls())
+    floor.engine("e1")
+    confirming(floor, Header.PAUSE, "e1")
+    confirming(floor, Header.UNPAUSE, "e1")
+    await signal(job, Header.PAUSE)
+    await signal(job, Header.UNPAUSE)
+    retry = ControlSignal(retry=True)
+    written = await job.apply(Header.UNPAUSE, retry)
+    assert not written.changed and written.record.state is CoordinatorState.RUNNING
+    await job.control_engines(incoming(Header.UNPAUSE), Header.UNPAUSE, retry, written)
+    first, again = floor.bus.on(floor.core.subjects.broadcast(Header.UNPAUSE))
+    assert first.body == again.body  # the same signal: under JetStream, the same revision
+    assert floor.bus.to("_INBOX.admin.1")[-1].json() == {
+        "type": "ack",
+        "signal": "unpause",
+        "state": "running",
+        "revision": written.revision,
+    }
+    with pytest.raises(WireError) as refusal:  # a repeat that is no retry is judged by the table
+        await job.apply(Header.UNPAUSE, ControlSignal())
+    assert refusal.value.code == 409
+
+
+async def test_a_stops_retry_after_the_stop_ended_is_acknowledged_and_forgets_no_engine() -> None:
+    floor = build()
+    calls = Calls()
+    job = control(floor, calls)
+    floor.engine("e1")
+    for header in (Header.PAUSE, Header.STOP):
+        confirming(floor, header, "e1")
+        await signal(job, header)
+    await floor.spawned.settle()
+    forgotten, stops = len(calls.forgotten), len(floor.bus.on(floor.core.subjects.broadcast(Header.STOP)))
+    floor.engine("e2")  # joined since
+    retry = ControlSignal(retry=True)
+    await job.control_engines(incoming(Header.STOP), Header.STOP, retry, await job.apply(Header.STOP, retry))
+    await floor.spawned.settle()
+    assert floor.bus.to("_INBOX.admin.1")[-1].json()["state"] == "running"
+    assert len(calls.forgotten) == forgotten and len(floor.bus.on(floor.core.subjects.broadcast(Header.STOP))) == stops

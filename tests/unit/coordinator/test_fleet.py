@@ -4,10 +4,14 @@ never received is found by reconciliation."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from service.coordinator import stalls
 from service.coordinator.fleet import Fleet
 from service.coordinator.requests import InflightRequest
+from service.coordinator.stalls import Stalls
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import WireError
 from service.protocol.membership import Heartbeat, ResendAnswer
@@ -132,3 +136,42 @@ async def test_the_watchdog_removes_a_silent_engine_and_suspects_a_stalled_one(l
     assert floor.core.counters["engines_silent"] == 1
     assert floor.core.counters["engines_suspected"] == 1 and entry.engine_id == "healthy" and healthy.load == 1
     assert aborts(floor, "stalled") == [entry.return_path.request_id]  # a live engine answers it
+
+
+async def test_engines_silent_together_leave_together_so_no_retry_goes_to_one_of_them(later: Later) -> None:
+    """Issue 34, 4: three engines silent at once (as a replica sees them after its own stall).
+    Removed one by one, a request spent its retries on the next engine about to go and ended
+    with 503 "engine e3 lost"; now all leave first, and it runs again on the engine left."""
+    floor = build(heartbeat_timeout_s=0.2, heartbeat_interval_s=0.1, routing_policy="round_robin")
+    job = fleet(floor)
+    for engine_id in ("e1", "e2", "e3", "e4"):
+        await job.register(engine_id, 4, None)
+    entry = admitted(floor)
+    assert entry.engine_id == "e1"
+    later.advance(2.0)
+    floor.pool.heard(floor.pool.get("e4"))  # type: ignore[arg-type]
+    await job.watch_once()
+    await floor.spawned.settle()
+    assert not floor.bus.to(entry.return_path.reply_to) and floor.core.counters["retried"] == 1
+    assert entry.engine_id == "e4" and entry.attempt == 1 and [record.engine_id for record in floor.pool] == ["e4"]
+
+
+async def test_a_watchdog_round_after_this_replicas_own_stall_removes_nothing(
+    later: Later, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped (SIGSTOP) replica resumes to find every engine silent: the silence was its own,
+    so the round is skipped and the engines get a full timeout to be heard again."""
+    monkeypatch.setattr(stalls, "time", later)
+    floor = build(heartbeat_timeout_s=0.2, heartbeat_interval_s=0.1)
+    watch = Stalls(0.1, floor.core.counters)
+    job = Fleet(floor.core, floor.ledger, floor.pool, floor.control, watch)
+    watch.listen(job.forgive_silence)
+    await job.register("e1", 4, None)
+    entry = admitted(floor)
+    round_ = asyncio.ensure_future(job.watch_once())
+    await asyncio.sleep(0)  # the round begins its sleep
+    later.advance(5.0)  # the process stops while the watchdog sleeps
+    await round_
+    assert floor.pool.get("e1") is not None and entry.engine_id == "e1" and floor.core.counters["stalls"] == 1
+    await job.watch_once()  # the next round: heard again within the timeout, by forgiveness
+    assert floor.pool.get("e1") is not None

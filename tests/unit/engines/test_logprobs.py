@@ -13,7 +13,7 @@ from engines.echo import EchoBackend, echo_logprob, echo_top_logprobs
 from engines.runtime_intake import RequestIntake
 from service.bus.registry import Incoming
 from service.protocol.codec import Encoding
-from service.protocol.messages import Final, Partial, RoutedRequestBatch
+from service.protocol.messages import Final, Partial, RoutedRequestBatch, StreamedLogprobs
 from service.protocol.subjects import Header
 from tests.unit.engines.wiring import Floor, build
 
@@ -97,3 +97,16 @@ async def test_a_backend_that_computes_no_logprobs_refuses_a_request_asking_for_
         error["type"] == "error" and error["error"]["code"] == 400 and "log-probabilities" in error["error"]["message"]
     )
     assert final["type"] == "final"
+
+
+async def test_a_resumed_run_puts_the_delivered_logprobs_first_and_refuses_resume_tokens_without_them() -> None:
+    floor = build()
+    delivered = StreamedLogprobs([-9.0], [[(97, -9.0)]])  # what the coordinator kept of the first run
+    resumed = floor.routed(PROMPT, max_tokens=3, attempt=1, resume_tokens=[97], logprobs=1)
+    resumed.resume_logprobs = delivered
+    without = floor.routed(PROMPT, max_tokens=3, attempt=1, resume_tokens=[97], logprobs=1)
+    await run(floor, resumed, without)
+    error, final = floor.bodies()
+    assert error["error"]["code"] == 400 and "resume_logprobs" in error["error"]["message"]
+    assert final["token_logprobs"] == [-9.0, *expected([98, 99], 4, 1)[0]]
+    assert final["top_logprobs"] == [[[97, -9.0]], *expected([98, 99], 4, 1)[1]]

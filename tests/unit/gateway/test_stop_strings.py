@@ -10,15 +10,20 @@ import msgspec
 import pytest
 
 from service.gateway.errors import deepest_field, from_validation
+from service.gateway.responses import rest_of
 from service.gateway.schemas import completion_decoder
 from service.gateway.streaming import ChunkWriter
-from service.gateway.translate import Plan, completion_plan, visible_text
+from service.gateway.translate import Plan, completion_plan
 from service.protocol.messages import Final, Partial
 
 
 def _plan(stop: list[str], min_tokens: int = 0, stream: bool = True) -> Plan:
     body = {"model": "m", "prompt": "p", "stop": stop, "stream": stream, "max_tokens": 100, "min_tokens": min_tokens}
     return completion_plan(completion_decoder.decode(json.dumps(body).encode()))
+
+
+def visible_text(plan: Plan, final: Final) -> str:
+    return rest_of(plan, plan.jobs[0], final).text
 
 
 def _final(text: str, reason: str = "stop") -> Final:

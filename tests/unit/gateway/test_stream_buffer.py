@@ -20,8 +20,9 @@ from typing import Any
 from service.client.exchanges import CoordinatorWatch, Exchanges
 from service.client.flow import FlowControl, FlowLimits
 from service.client.submission import Submission
+from service.gateway.disconnects import DisconnectWatch
 from service.gateway.schemas import completion_decoder
-from service.gateway.streaming import DONE, ChunkWriter, DisconnectWatch, Replies, send_stream, sse_events
+from service.gateway.streaming import DONE, ChunkWriter, Replies, send_stream, sse_events
 from service.gateway.translate import Job, completion_plan
 from service.protocol.codec import encode_msgpack
 from service.protocol.messages import Final, Partial

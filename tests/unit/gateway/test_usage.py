@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
+from service.gateway.responses import answered_usage, usage_of
 from service.gateway.schemas import PromptTokensDetails, Usage, completion_decoder
-from service.gateway.translate import answered_usage, completion_plan, usage_of
+from service.gateway.translate import completion_plan
 from service.protocol.messages import Final, Timings
 
 
