@@ -146,8 +146,9 @@ async def test_a_group_runs_on_one_engine_however_its_submissions_arrive(
 @pytest.fixture
 async def wire(nc: NATS, settings: Settings) -> AsyncIterator[tuple[Counter[str], list[SubmitEnvelope]]]:
     """What the gateway submits and where the coordinator routes it, read off the wire: the
-    client library's envelopes on ``<prefix>.submit_request``, and the requests routed per
-    engine on ``<prefix>.engine.<engine_id>.submit_request``."""
+    client library's envelopes on ``<prefix>.submit_request`` or a replica's own
+    ``<prefix>.submit_request.<coordinator_id>``, and the requests routed per engine on
+    ``<prefix>.engine.<engine_id>.submit_request``."""
     routed: Counter[str] = Counter()
     submitted: list[SubmitEnvelope] = []
 
@@ -160,6 +161,7 @@ async def wire(nc: NATS, settings: Settings) -> AsyncIterator[tuple[Counter[str]
     subscriptions = [
         await nc.subscribe(f"{settings.subject_prefix}.engine.*.submit_request", cb=route),
         await nc.subscribe(f"{settings.subject_prefix}.submit_request", cb=submit),
+        await nc.subscribe(f"{settings.subject_prefix}.submit_request.*", cb=submit),
     ]
     await nc.flush()
     yield routed, submitted
