@@ -206,7 +206,7 @@ class Replies:
         from engines.replies import ActiveRequest, ReplyPublisher
         from service.bus.direct import DirectClient
         from service.protocol.codec import Encoding, encode_msgpack
-        from service.protocol.messages import EngineReplyBatch, ReturnPath, RoutedRequest
+        from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedRequest
         from service.protocol.subjects import Subjects
 
         self._backend = backend

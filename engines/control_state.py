@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.protocol.messages import EngineSignal
+from service.protocol.routed import EngineSignal
 
 
 @dataclass(slots=True)

@@ -18,7 +18,8 @@ from typing import Protocol
 
 from service.bus.registry import HandlerRegistry, Incoming
 from service.protocol.handover import Adoption
-from service.protocol.messages import EngineAck, EngineSignal, PauseMode, WeightSignal
+from service.protocol.messages import PauseMode
+from service.protocol.routed import EngineAck, EngineSignal, WeightSignal
 from service.protocol.subjects import ADOPT, COMMIT_WEIGHTS, DISCARD_WEIGHTS, PREPARE_WEIGHTS, Header
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from engines.backend import PromptLogprobs, TokenOutput
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import StreamedLogprobs, TopLogprob
+from service.protocol.logprobs import StreamedLogprobs, TopLogprob
 
 TokenBytes = Callable[[Iterable[int]], dict[int, bytes]]
 

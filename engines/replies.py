@@ -48,22 +48,19 @@ from service.bus.batches import fits_alone, item_size, split_batches
 from service.bus.direct import DirectClient
 from service.protocol.codec import Encoding, encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
+from service.protocol.logprobs import StreamedLogprobs
 from service.protocol.messages import (
-    AdoptedRequest,
-    EngineReplyBatch,
     EpochSpan,
     Final,
     FinishReason,
     Partial,
     PartialWithoutLogprobs,
-    ReturnPath,
-    RoutedReply,
-    StreamedLogprobs,
     Timings,
     WeightVersion,
     WeightVersionSpan,
     error_reply,
 )
+from service.protocol.routed import AdoptedRequest, EngineReplyBatch, ReturnPath, RoutedReply
 from service.protocol.subjects import Header, Subjects
 
 if TYPE_CHECKING:

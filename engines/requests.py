@@ -53,7 +53,8 @@ from engines.logprob_record import LogprobRecord
 from engines.replies import ActiveRequest, ReplyPublisher
 from service.protocol.codec import Encoding
 from service.protocol.errors import WireError
-from service.protocol.messages import AdoptedRequest, FinishReason, RoutedReply, RoutedRequest, WeightVersion
+from service.protocol.messages import FinishReason, WeightVersion
+from service.protocol.routed import AdoptedRequest, RoutedReply, RoutedRequest
 from service.protocol.subjects import Header
 
 if TYPE_CHECKING:

@@ -60,7 +60,8 @@ from service.ops.settings import Settings
 from service.ops.tracing import start_tracing
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, ResendReplies
-from service.protocol.messages import Empty, EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
+from service.protocol.messages import Empty
+from service.protocol.routed import EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
 from service.protocol.subjects import KV_SNAPSHOT, RESEND_REPLIES, Header, Subjects
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ from engines.runtime_core import EngineCore
 from service.bus.registry import Incoming
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import Adoption
-from service.protocol.messages import EngineAck, EngineSignal, PauseMode
+from service.protocol.messages import PauseMode
+from service.protocol.routed import EngineAck, EngineSignal
 
 log = logging.getLogger(__name__)
 

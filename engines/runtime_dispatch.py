@@ -32,7 +32,7 @@ from service.bus.registry import HandlerRegistry, Incoming
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import detect_encoding
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import EngineAck, EngineSignal
+from service.protocol.routed import EngineAck, EngineSignal
 from service.protocol.subjects import CONTROL_HEADERS
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,9 @@ from service.ops.tracing import traceparent_in
 from service.protocol.codec import Encoding, PayloadDecoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import ResendAnswer, ResendReplies
-from service.protocol.messages import RoutedAbort, RoutedHold, RoutedRequest, RoutedRequestBatch, SubmitRequest
+from service.protocol.messages import SubmitRequest
 from service.protocol.prefix import TOKENS_PER_BLOCK, prompt_prefixes
+from service.protocol.routed import RoutedAbort, RoutedHold, RoutedRequest, RoutedRequestBatch
 
 if TYPE_CHECKING:
     from service.ops.tracing.otel import EngineTrace

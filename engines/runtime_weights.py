@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from engines.requests import RequestTable
 from engines.weight_updates import EngineWeights
-from service.protocol.messages import EngineAck, WeightSignal
+from service.protocol.routed import EngineAck, WeightSignal
 
 log = logging.getLogger(__name__)
 

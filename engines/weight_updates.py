@@ -33,7 +33,8 @@ from engines.backend import Backend
 from service.ops.progress import Progress
 from service.protocol.checkpoint import checkpoint_digest, checkpoint_files
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import EngineAck, WeightSignal, WeightVersion
+from service.protocol.messages import WeightVersion
+from service.protocol.routed import EngineAck, WeightSignal
 from service.protocol.subjects import COMMIT_WEIGHTS, PREPARE_WEIGHTS
 
 log = logging.getLogger(__name__)

@@ -21,13 +21,13 @@ from service.protocol.messages import (
     ClientRequestId,
     ControlSignal,
     HoldRequest,
-    RoutedReply,
     ServedModel,
     SubmitEnvelope,
     SubmitRequest,
     UpdateWeights,
     WeightVersion,
 )
+from service.protocol.routed import RoutedReply
 from service.protocol.state import CoordinatorState, Written
 from service.protocol.subjects import Header
 

@@ -25,7 +25,7 @@ from service.protocol.membership import (
     Heartbeat,
     computes_logprobs,
 )
-from service.protocol.messages import EngineReplyBatch
+from service.protocol.routed import EngineReplyBatch
 from service.protocol.subjects import Header
 
 

@@ -22,8 +22,9 @@ from nats.aio.subscription import Subscription
 from service.protocol.codec import Encoding, encode, encode_msgpack
 from service.protocol.kv_events import HeldPrefix, KvEvents, KvSnapshot
 from service.protocol.membership import EngineDisconnect, EngineRegister, Heartbeat
-from service.protocol.messages import EngineReplyBatch, Final, RoutedReply, RoutedRequestBatch
+from service.protocol.messages import Final
 from service.protocol.prefix import prefix_hashes
+from service.protocol.routed import EngineReplyBatch, RoutedReply, RoutedRequestBatch
 from service.protocol.subjects import KV_SNAPSHOT, Header, Subjects
 
 _batch_decoder = msgspec.msgpack.Decoder(RoutedRequestBatch)

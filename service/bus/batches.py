@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from service.protocol.messages import ReturnPath, StreamedLogprobs
+from service.protocol.logprobs import StreamedLogprobs
+from service.protocol.routed import ReturnPath
 from service.protocol.subjects import utf8_length
 
 Item = TypeVar("Item")

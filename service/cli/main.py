@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from service.cli import fleet_commands
 from service.cli.fleet_commands import CONTROL_COMMANDS, CommandFailed
 from service.ops import event_loop, gc_tuning
-from service.ops.settings import SettingGroup, Settings, group_of, settings_in
+from service.ops.setting_groups import SettingGroup, group_of
+from service.ops.settings import Settings, settings_in
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ from service.cli.fleet_commands import coordinator_status
 from service.cli.supervise import GATEWAY_EXTRA_HINT, Parts
 from service.client import ClientError, DpcoordClient
 from service.ops.children import die_with_parent
-from service.ops.settings import SettingGroup, Settings, settings_in
+from service.ops.setting_groups import SettingGroup
+from service.ops.settings import Settings, settings_in
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,9 @@ from service.ops.tracing import traceparent_in
 from service.protocol.codec import detect_encoding, encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedSubmission
-from service.protocol.messages import ClientRequestId, Held, ReturnPath, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import ClientRequestId, Held, SubmitEnvelope, SubmitRequest
 from service.protocol.reply_batches import batch_subject
+from service.protocol.routed import ReturnPath
 from service.protocol.subjects import ReplySubjects, utf8_length
 
 log = logging.getLogger(__name__)

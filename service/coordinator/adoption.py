@@ -38,7 +38,7 @@ from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest
 from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.handover import Adoption as AdoptionMessage
-from service.protocol.messages import AdoptedRequest
+from service.protocol.routed import AdoptedRequest
 from service.protocol.subjects import ADOPT, ReplySubjects
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from service.coordinator.results import CachedResult, ResultCache
 from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import WireError
-from service.protocol.messages import Final, ReturnPath, RoutedAbort, error_reply
+from service.protocol.messages import Final, error_reply
+from service.protocol.routed import ReturnPath, RoutedAbort
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)

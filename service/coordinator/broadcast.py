@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from service.protocol.codec import msgpack_decoder
-from service.protocol.messages import EngineAck
+from service.protocol.routed import EngineAck
 
 log = logging.getLogger(__name__)
 _ack_decoder = msgpack_decoder(EngineAck)

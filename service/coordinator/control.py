@@ -39,7 +39,8 @@ from service.coordinator.pool import EnginePool
 from service.coordinator.shared_state import SharedControlState
 from service.protocol.codec import encode, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import Ack, ControlSignal, EngineSignal, error_reply
+from service.protocol.messages import Ack, ControlSignal, error_reply
+from service.protocol.routed import EngineSignal
 from service.protocol.state import STOP_DONE, ControlRecord, CoordinatorState, Written
 from service.protocol.subjects import Header
 

@@ -67,11 +67,8 @@ from service.ops.tracing import start_tracing
 from service.protocol.codec import encode
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import Heartbeat
-from service.protocol.messages import (
-    Ack,
-    RoutedReply,
-    WeightVersion,
-)
+from service.protocol.messages import Ack, WeightVersion
+from service.protocol.routed import RoutedReply
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import (
     Header,

@@ -4,7 +4,7 @@ Contract (docs/protocol.md, *Backpressure*; docs/reliability.md, *Slow readers*)
 - Only the owner of a request (the inbox prefix its replies go to) may hold or release it,
   as for aborts: 403 otherwise, 404 when no replica holds it.
 - The replica that holds the request passes the hold on to its engine as a
-  :class:`~service.protocol.messages.RoutedHold` on ``<prefix>.engine.<id>.hold_request`` and
+  :class:`~service.protocol.routed.RoutedHold` on ``<prefix>.engine.<id>.hold_request`` and
   answers an ``ack`` naming the request; a request still queued (no engine yet) is acked with
   nothing to pass on (its client cannot have fallen behind it).
 - A replica that does not hold it asks the replica its id names (if alive, else every live
@@ -32,7 +32,8 @@ from service.ops.log_limit import RateLimitedLog
 from service.protocol.codec import encode_msgpack, msgpack_decoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedHold
-from service.protocol.messages import Ack, ErrorReply, HoldRequest, RoutedHold
+from service.protocol.messages import Ack, ErrorReply, HoldRequest
+from service.protocol.routed import RoutedHold
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)

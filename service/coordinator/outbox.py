@@ -32,7 +32,7 @@ from service.ops.log_limit import RateLimitedLog
 from service.ops.tracing import TRACEPARENT
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import FirstRun, RoutedRequest, RoutedRequestsOut
+from service.protocol.routed import FirstRun, RoutedRequest, RoutedRequestsOut
 from service.protocol.subjects import Header
 
 log = logging.getLogger(__name__)

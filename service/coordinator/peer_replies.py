@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from service.bus.batches import item_size
-from service.protocol.messages import RoutedReply
+from service.protocol.routed import RoutedReply
 
 
 @dataclass(slots=True, frozen=True)

@@ -44,7 +44,7 @@ from service.coordinator.peer_replies import PeerReplies
 from service.coordinator.peers import CoordinatorPeers
 from service.coordinator.requests import InflightRequest
 from service.ops.log_limit import RateLimitedLog
-from service.protocol.messages import RoutedReply
+from service.protocol.routed import RoutedReply
 from service.protocol.subjects import ReplySubjects
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 from service.coordinator.route_key import RouteKey
 from service.coordinator.timers import CoarseTimer
 from service.protocol.codec import Encoding
-from service.protocol.messages import ClientRequestId, ReturnPath, RoutedReply, StreamedLogprobs
+from service.protocol.logprobs import StreamedLogprobs
+from service.protocol.messages import ClientRequestId
+from service.protocol.routed import ReturnPath, RoutedReply
 
 if TYPE_CHECKING:
     from service.ops.tracing.otel import CoordinatorTrace

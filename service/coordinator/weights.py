@@ -40,7 +40,8 @@ from service.coordinator.pool import EnginePool
 from service.coordinator.shared_state import SharedControlState
 from service.protocol.codec import encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import Ack, UpdateWeights, WeightSignal, WeightVersion, error_reply
+from service.protocol.messages import Ack, UpdateWeights, WeightVersion, error_reply
+from service.protocol.routed import WeightSignal
 from service.protocol.state import ControlRecord, CoordinatorState
 from service.protocol.subjects import COMMIT_WEIGHTS, DISCARD_WEIGHTS, PREPARE_WEIGHTS, Header
 

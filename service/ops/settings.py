@@ -8,43 +8,24 @@ uses. Every process still reads every ``DPCOORD_`` variable from its environment
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Annotated, Literal, TypeVar
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.protocol.subjects import ID_PATTERN, InboxPrefixes, Subjects
-
-T = TypeVar("T")
-
-
-class SettingGroup(StrEnum):
-    """Who reads a setting; the value is the heading ``--help`` shows the group under."""
-
-    NATS = "NATS connection, auth and TLS"
-    SERVICE = "health, metrics, logs and event loop"
-    COORDINATOR = "coordinator"
-    ENGINE = "engine"
-    TORCH = "torch backend (see docs/engines.md)"
-    GATEWAY = "OpenAI-compatible HTTP gateway (see docs/gateway.md)"
-
-
-NatsSetting = Annotated[T, SettingGroup.NATS]
-ServiceSetting = Annotated[T, SettingGroup.SERVICE]
-CoordinatorSetting = Annotated[T, SettingGroup.COORDINATOR]
-EngineSetting = Annotated[T, SettingGroup.ENGINE]
-TorchSetting = Annotated[T, SettingGroup.TORCH]
-GatewaySetting = Annotated[T, SettingGroup.GATEWAY]
-
-
-def group_of(field: FieldInfo) -> SettingGroup:
-    """The group a ``Settings`` field was annotated with; every field has exactly one."""
-    groups = [item for item in field.metadata if isinstance(item, SettingGroup)]
-    if len(groups) != 1:
-        raise TypeError(f"a Settings field needs exactly one SettingGroup, not {groups}")
-    return groups[0]
+from service.ops.setting_checks import check_consistent
+from service.ops.setting_groups import (
+    CoordinatorSetting,
+    EngineSetting,
+    GatewaySetting,
+    NatsSetting,
+    ServiceSetting,
+    SettingGroup,
+    TorchSetting,
+    group_of,
+)
+from service.protocol.subjects import ID_PATTERN
 
 
 def settings_in(groups: tuple[SettingGroup, ...]) -> dict[str, FieldInfo]:
@@ -394,44 +375,7 @@ class Settings(BaseSettings):
     )
 
     @model_validator(mode="after")
-    def _one_way_to_authenticate(self) -> Settings:
-        if self.nats_password and not self.nats_user:
-            raise ValueError("nats_password is set without nats_user")
-        if self.nats_user and not self.nats_password:
-            raise ValueError("nats_user is set without nats_password")
-        chosen = [
-            name
-            for name in ("nats_user", "nats_token", "nats_nkey_seed_file", "nats_creds_file")
-            if getattr(self, name)
-        ]
-        if len(chosen) > 1:
-            raise ValueError(f"choose one NATS authentication method, not {' and '.join(chosen)}")
-        if self.nats_tls_key_file and not self.nats_tls_cert_file:
-            raise ValueError("nats_tls_key_file is set without nats_tls_cert_file")
-        return self
-
-    @model_validator(mode="after")
-    def _ids_fit(self) -> Settings:
-        for name in ("coordinator_id", "engine_id"):
-            value = getattr(self, name)
-            if value is not None and len(value) > self.max_id_bytes:
-                raise ValueError(f"{name} is longer than max_id_bytes ({self.max_id_bytes})")
-        return self
-
-    @model_validator(mode="after")
-    def _inboxes_apart(self) -> Settings:
-        """Replies go only under inbox prefixes (the coordinator's hot path relies on it): none
-        may reach the subjects dpcoord serves."""
-        problem = InboxPrefixes(self.reply_inbox_prefixes.split(",")).overlap(Subjects(self.subject_prefix))
-        if problem is not None:
-            raise ValueError(f"reply_inbox_prefixes: {problem}")
-        return self
-
-    @model_validator(mode="after")
-    def _heartbeat_fits_timeout(self) -> Settings:
-        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
-            raise ValueError(
-                f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be below heartbeat_timeout_s "
-                f"({self.heartbeat_timeout_s}), or live engines get removed"
-            )
+    def _consistent(self) -> Settings:
+        """The rules between fields (service/ops/setting_checks.py); a ValueError names the first broken."""
+        check_consistent(self)
         return self

@@ -20,9 +20,9 @@ TopLogprob = tuple[int, float]
 
 class StreamedLogprobs(Struct, array_like=True, gc=False):
     """Log-probabilities of tokens a stream delivered, aligned with their ids, carried beside a
-    partial's ``tokens`` (:class:`~service.protocol.messages.RoutedReply`) so the coordinator
+    partial's ``tokens`` (:class:`~service.protocol.routed.RoutedReply`) so the coordinator
     keeps them for a migration without decoding the client's body, and handed to the engine that
-    resumes the stream (:class:`~service.protocol.messages.RoutedRequest`), whose final carries
+    resumes the stream (:class:`~service.protocol.routed.RoutedRequest`), whose final carries
     every token's."""
 
     token_logprobs: list[float]

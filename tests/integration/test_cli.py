@@ -15,7 +15,8 @@ import pytest
 
 from service.cli import main as cli_main
 from service.cli.main import build_parser, main, settings_from
-from service.ops.settings import SettingGroup, Settings, group_of
+from service.ops.setting_groups import SettingGroup, group_of
+from service.ops.settings import Settings
 from tests.helpers import REPO_ROOT, new_shell_env, read_up_banner
 
 DPCOORD = [sys.executable, "-m", "service"]

@@ -14,7 +14,8 @@ from nats.aio.msg import Msg
 from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, EngineRegister, Heartbeat, RegisterAck
-from service.protocol.messages import EngineReplyBatch, Final, RoutedReply, RoutedRequestBatch
+from service.protocol.messages import Final
+from service.protocol.routed import EngineReplyBatch, RoutedReply, RoutedRequestBatch
 from tests.conftest import EngineFactory
 from tests.helpers import engines_become, request_json
 

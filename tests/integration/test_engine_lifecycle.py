@@ -10,7 +10,7 @@ from nats.aio.client import Client as NATS
 from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, EngineRegister, Heartbeat
-from service.protocol.messages import EngineReplyBatch, ReturnPath, RoutedReply
+from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedReply
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, engines_become, request_json
 

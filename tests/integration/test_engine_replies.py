@@ -7,7 +7,7 @@ from collections import Counter
 
 from engines.replies import ReplyPublisher, reply_size
 from service.bus.direct import DirectClient
-from service.protocol.messages import ReturnPath, RoutedReply
+from service.protocol.routed import ReturnPath, RoutedReply
 from service.protocol.subjects import Header, Subjects
 
 

@@ -26,7 +26,8 @@ from handlers import HANDLERS
 from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import ReturnPath, RoutedRequest, RoutedRequestBatch, SubmitEnvelope
+from service.protocol.messages import SubmitEnvelope
+from service.protocol.routed import ReturnPath, RoutedRequest, RoutedRequestBatch
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import decode_reply, request, request_json
 

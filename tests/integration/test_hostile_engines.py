@@ -20,7 +20,8 @@ from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, EngineRegister, Heartbeat
-from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
+from service.protocol.messages import Final
+from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedReply
 from tests.conftest import EngineFactory
 from tests.helpers import decode_reply, engines_become, request, request_json
 

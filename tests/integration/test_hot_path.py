@@ -21,8 +21,9 @@ from service.coordinator.coordinator import Coordinator
 from service.coordinator.metrics import CoordinatorCollector
 from service.protocol.codec import Encoding, PayloadDecoder, encode_msgpack
 from service.protocol.errors import WireError
-from service.protocol.messages import RoutedRequestBatch, SamplingParams, SubmitEnvelope, SubmitRequest
+from service.protocol.messages import SamplingParams, SubmitEnvelope, SubmitRequest
 from service.protocol.reply_batches import BATCH_TOKEN, batch_decoder
+from service.protocol.routed import RoutedRequestBatch
 from tests.conftest import EngineFactory, make_settings
 from tests.helpers import request_stream
 

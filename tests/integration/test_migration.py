@@ -22,16 +22,8 @@ from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect
-from service.protocol.messages import (
-    EngineReplyBatch,
-    Final,
-    Partial,
-    ReturnPath,
-    RoutedRequest,
-    RoutedRequestBatch,
-    SamplingParams,
-    SubmitRequest,
-)
+from service.protocol.messages import Final, Partial, SamplingParams, SubmitRequest
+from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedRequest, RoutedRequestBatch
 from tests.conftest import EngineFactory
 from tests.helpers import REPO_ROOT
 

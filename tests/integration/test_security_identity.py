@@ -24,7 +24,8 @@ from service.client import ClientError, DpcoordClient
 from service.coordinator.coordinator import Coordinator
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, Heartbeat
-from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
+from service.protocol.messages import Final
+from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedReply
 from tests.conftest import make_settings
 from tests.helpers import REPO_ROOT, decode_reply
 from tests.nats_jwt import Operator

@@ -15,7 +15,8 @@ from handlers import HANDLERS
 from service.bus.connection import flush_subscriptions
 from service.bus.server import EmbeddedNatsServer
 from service.coordinator.coordinator import Coordinator
-from service.protocol.messages import EngineReplyBatch, Final, ReturnPath, RoutedReply
+from service.protocol.messages import Final
+from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedReply
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import Subjects
 from tests.helpers import decode_reply

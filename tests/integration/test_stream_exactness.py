@@ -19,7 +19,8 @@ from service.coordinator.coordinator import Coordinator
 from service.ops.settings import Settings
 from service.protocol.codec import Encoding, encode, encode_msgpack
 from service.protocol.membership import EngineRegister
-from service.protocol.messages import EngineReplyBatch, Final, Partial, RoutedReply, RoutedRequestBatch
+from service.protocol.messages import Final, Partial
+from service.protocol.routed import EngineReplyBatch, RoutedReply, RoutedRequestBatch
 from tests.gateway_helpers import http, serve_gateway, sse_data
 
 ENGINE_ID = "scripted"

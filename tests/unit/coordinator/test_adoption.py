@@ -15,7 +15,7 @@ from service.coordinator.ownership import Ownership
 from service.coordinator.relay import ReplyRelay
 from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.errors import WireError
-from service.protocol.messages import AdoptedRequest, EngineAck, RoutedReply
+from service.protocol.routed import AdoptedRequest, EngineAck, RoutedReply
 from service.protocol.subjects import ADOPT, Header
 from tests.unit.coordinator.conftest import Later
 from tests.unit.coordinator.wiring import Floor, build, reply

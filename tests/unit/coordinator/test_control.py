@@ -11,7 +11,8 @@ from service.bus.registry import Incoming
 from service.coordinator.control import Control
 from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.errors import WireError
-from service.protocol.messages import ControlSignal, EngineAck
+from service.protocol.messages import ControlSignal
+from service.protocol.routed import EngineAck
 from service.protocol.state import CoordinatorState
 from service.protocol.subjects import Header
 from tests.unit.coordinator.wiring import Floor, build

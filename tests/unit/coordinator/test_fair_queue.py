@@ -9,7 +9,7 @@ from service.coordinator.fair_queue import COMPACT_SLACK, FairQueue
 from service.coordinator.request_ids import ID_HEX_DIGITS, request_ids
 from service.coordinator.requests import InflightRequest, RequestTable
 from service.protocol.codec import Encoding
-from service.protocol.messages import ReturnPath
+from service.protocol.routed import ReturnPath
 
 
 def entry(table: RequestTable, request_id: str, owner: str, body: bytes = b"{}") -> InflightRequest:

@@ -16,7 +16,8 @@ from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.handover import ForwardedHold
 from service.protocol.membership import Heartbeat
-from service.protocol.messages import Ack, ErrorBody, ErrorReply, HoldRequest, RoutedHold
+from service.protocol.messages import Ack, ErrorBody, ErrorReply, HoldRequest
+from service.protocol.routed import RoutedHold
 from service.protocol.subjects import Header
 from tests.unit.coordinator.wiring import Floor, build
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest
-from service.protocol.messages import StreamedLogprobs
+from service.protocol.logprobs import StreamedLogprobs
 from tests.unit.coordinator.conftest import Later
 from tests.unit.coordinator.wiring import Floor, build, reply
 

@@ -7,7 +7,7 @@ import msgspec
 
 from service.coordinator.outbox import Outbox
 from service.coordinator.requests import InflightRequest
-from service.protocol.messages import RoutedRequestBatch
+from service.protocol.routed import RoutedRequestBatch
 from service.protocol.subjects import Header
 from tests.unit.coordinator.wiring import Floor, build
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 from service.bus.batches import item_size
 from service.coordinator.peer_replies import PeerReplies
-from service.protocol.messages import ReturnPath, RoutedReply
+from service.protocol.routed import ReturnPath, RoutedReply
 from tests.unit.coordinator.conftest import Clock
 
 

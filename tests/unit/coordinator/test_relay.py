@@ -9,8 +9,8 @@ import msgspec
 from service.bus.batches import BATCH_OVERHEAD
 from service.coordinator.relay import ReplyRelay
 from service.coordinator.requests import InflightRequest
-from service.protocol.messages import RoutedReply
 from service.protocol.reply_batches import batch_decoder
+from service.protocol.routed import RoutedReply
 from tests.unit.coordinator.conftest import Later
 from tests.unit.coordinator.wiring import Floor, build, reply
 

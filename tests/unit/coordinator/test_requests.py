@@ -5,7 +5,7 @@ from __future__ import annotations
 from service.coordinator.requests import InflightRequest, RequestTable
 from service.coordinator.timers import CoarseTimers
 from service.protocol.codec import Encoding
-from service.protocol.messages import ReturnPath
+from service.protocol.routed import ReturnPath
 
 
 def entry(request_id: str, client: tuple[str | None, str | int] | None = None) -> InflightRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service.coordinator.requests import InflightRequest
 from service.protocol.codec import Encoding
-from service.protocol.messages import ReturnPath, RoutedReply
+from service.protocol.routed import ReturnPath, RoutedReply
 
 
 def entry() -> InflightRequest:

@@ -7,7 +7,8 @@ import pytest
 from service.coordinator.broadcast import BroadcastResult
 from service.coordinator.weights import agreed_digest
 from service.protocol.errors import WireError
-from service.protocol.messages import EngineAck, UpdateWeights
+from service.protocol.messages import UpdateWeights
+from service.protocol.routed import EngineAck
 
 REQUEST = UpdateWeights("/ckpt/7", 7)
 

@@ -25,7 +25,7 @@ from service.coordinator.results import ResultCache
 from service.coordinator.routing import make_policy
 from service.ops.settings import Settings
 from service.protocol.codec import Encoding
-from service.protocol.messages import ReturnPath, RoutedReply
+from service.protocol.routed import ReturnPath, RoutedReply
 from service.protocol.subjects import InboxPrefixes, ReplySubjects, Subjects
 from tests.unit.coordinator.bus_double import RecordingBus
 

@@ -12,7 +12,7 @@ from engines.runtime_control import ControlSignals
 from service.bus.registry import Incoming
 from service.protocol.codec import Encoding
 from service.protocol.handover import Adoption
-from service.protocol.messages import EngineAck, EngineSignal
+from service.protocol.routed import EngineAck, EngineSignal
 from tests.unit.engines.wiring import Floor, build
 
 

@@ -14,7 +14,8 @@ from engines.runtime_core import Route
 from engines.runtime_dispatch import EngineDispatch
 from service.bus.registry import HandlerRegistry, Incoming
 from service.protocol.codec import encode_msgpack
-from service.protocol.messages import EngineAck, EngineSignal, PauseMode, RoutedAbort, WeightSignal
+from service.protocol.messages import PauseMode
+from service.protocol.routed import EngineAck, EngineSignal, RoutedAbort, WeightSignal
 from tests.unit.engines.wiring import ENGINE_ID, Floor, build
 
 

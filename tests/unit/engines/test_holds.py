@@ -17,7 +17,7 @@ from engines.runtime_steps import StepLoop
 from service.bus.registry import Incoming
 from service.protocol.codec import Encoding
 from service.protocol.membership import Heartbeat
-from service.protocol.messages import RoutedHold, RoutedRequest
+from service.protocol.routed import RoutedHold, RoutedRequest
 from service.protocol.subjects import Header
 from tests.unit.engines.wiring import ENGINE_ID, Floor, build
 

@@ -11,7 +11,7 @@ from engines.runtime_intake import RequestIntake
 from service.bus.registry import Incoming
 from service.protocol.codec import Encoding
 from service.protocol.membership import ResendAnswer, ResendReplies
-from service.protocol.messages import ReturnPath, RoutedAbort, RoutedRequest, RoutedRequestBatch
+from service.protocol.routed import ReturnPath, RoutedAbort, RoutedRequest, RoutedRequestBatch
 from tests.unit.engines.wiring import Floor, build
 
 

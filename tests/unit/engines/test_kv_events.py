@@ -22,8 +22,9 @@ from service.bus.registry import Incoming
 from service.protocol.codec import Encoding, encode_msgpack
 from service.protocol.kv_events import HeldPrefix, KvEvents, KvSnapshot
 from service.protocol.membership import EngineRegister, Heartbeat, RegisterAck
-from service.protocol.messages import Empty, RoutedRequestBatch
+from service.protocol.messages import Empty
 from service.protocol.prefix import prompt_prefixes
+from service.protocol.routed import RoutedRequestBatch
 from service.protocol.subjects import Header
 from tests.unit.engines.wiring import ENGINE_ID, Floor, build
 

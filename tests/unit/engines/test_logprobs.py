@@ -13,7 +13,9 @@ from engines.echo import EchoBackend, echo_logprob, echo_top_logprobs
 from engines.runtime_intake import RequestIntake
 from service.bus.registry import Incoming
 from service.protocol.codec import Encoding
-from service.protocol.messages import Final, Partial, RoutedRequestBatch, StreamedLogprobs
+from service.protocol.logprobs import StreamedLogprobs
+from service.protocol.messages import Final, Partial
+from service.protocol.routed import RoutedRequestBatch
 from service.protocol.subjects import Header
 from tests.unit.engines.wiring import Floor, build
 

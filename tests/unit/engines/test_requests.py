@@ -11,7 +11,7 @@ from engines.backend import GenerationRequest, TokenOutput
 from engines.echo import EchoBackend
 from service.protocol.codec import Encoding
 from service.protocol.errors import ErrorCode, WireError
-from service.protocol.messages import RoutedRequest
+from service.protocol.routed import RoutedRequest
 from service.protocol.subjects import Header
 from tests.unit.engines.wiring import Floor, build
 

@@ -10,7 +10,7 @@ from engines.backend import TokenOutput
 from engines.replies import ActiveRequest
 from engines.token_pace import TokenPace
 from service.protocol.codec import Encoding
-from service.protocol.messages import ReturnPath
+from service.protocol.routed import ReturnPath
 
 
 class Clock:

@@ -8,7 +8,7 @@ from pathlib import Path
 from engines.backend import GenerationRequest
 from engines.runtime_weights import WeightUpdates
 from service.protocol.codec import Encoding
-from service.protocol.messages import WeightSignal
+from service.protocol.routed import WeightSignal
 from tests.unit.engines.wiring import Floor, build
 
 

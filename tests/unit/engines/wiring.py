@@ -23,7 +23,7 @@ from engines.requests import RequestTable
 from engines.runtime_core import EngineCore
 from engines.weight_updates import EngineWeights
 from service.ops.settings import Settings
-from service.protocol.messages import EngineReplyBatch, ReturnPath, RoutedReply, RoutedRequest
+from service.protocol.routed import EngineReplyBatch, ReturnPath, RoutedReply, RoutedRequest
 from service.protocol.subjects import Header, Subjects
 from tests.unit.coordinator.bus_double import RecordingBus
 
