@@ -2,6 +2,10 @@
 the ids it arbitrates now: the state of arbitration (docs/reliability.md, *One run per id*).
 
 Contract:
+- A replica joins: for its quiet time after it starts, in which every live peer's heartbeat
+  arrives, it does not arbitrate (its heartbeats say so) and hands what it gets to the
+  arbiters among its peers, so a replica that starts holds nothing up; then it arbitrates,
+  until it leaves (:meth:`Arbiters.stop_arbitrating`).
 - The view is this replica (while it arbitrates) and the live peers whose heartbeats say they
   arbitrate; the arbiter of an id is :class:`service.protocol.arbiter.ArbiterTable`'s for it.
 - Claims: the ids other replicas hold (in flight, or as a cached result) that this replica
@@ -14,9 +18,11 @@ Contract:
   unless it sees no peer at all, a short quiet time after it started (or found its own loop
   stalled) has passed, in which every live peer's heartbeat arrives. Two settled replicas with
   peers have the same view, so they name the same arbiter: no id runs on two replicas.
-  Unsettled, the arbiter holds what it would run. A replica alone runs new submissions at once
-  but holds resubmissions for its quiet time (``quiet_now``): a replica that restarts gets its
-  clients' resubmissions at once, and a peer it has not heard yet may hold them.
+  Unsettled, the arbiter holds what it would run. A replica alone (no arbitrating peer, and,
+  while it joins, no live peer at all) runs new submissions at once but holds resubmissions
+  for its quiet time (``quiet_now``): a replica that restarts gets its clients' resubmissions
+  at once, and a peer it has not heard yet may hold them. Replicas that start together, each
+  joining, hold what they get until they arbitrate.
 
 Everything here is read on the hot path as plain attributes (``settled``, ``alone``,
 ``claimed``); it changes only when a heartbeat, a view or claims change.
@@ -34,10 +40,11 @@ from service.protocol.arbiter import ArbiterTable
 class Arbiters:
     def __init__(self, own_id: str, quiet_s: float, max_claims: int) -> None:
         self.own_id = own_id
-        self.arbitrating = True  # False once this replica is leaving
-        self.view: frozenset[str] = frozenset({own_id})
-        self.table = ArbiterTable(self.view)
-        self.alone = True  # a view of this replica only: every id is its own, no hash needed
+        self.joining = True  # until its quiet time has passed (:meth:`join`)
+        self.arbitrating = False  # from joining until leaving
+        self.view: frozenset[str] = frozenset()
+        self.table = ArbiterTable({own_id})
+        self.alone = True  # every id is its own, no hash needed (see the module docstring)
         self.settled = True  # alone as it starts: it runs new submissions until it hears a peer
         self.claimed = False  # some claims are held (the hot path skips the lookup otherwise)
         self._quiet_s = quiet_s
@@ -65,26 +72,36 @@ class Arbiters:
     # ------------------------------------------------------------ the view
 
     def heard(self, peer: str, arbitrates: bool) -> bool:
-        """A peer's heartbeat; True when it is an arbitrating peer this replica did not count."""
+        """A peer's heartbeat; True when it started or stopped arbitrating as this replica sees it."""
+        if arbitrates == (peer in self._peers):
+            return False
         if arbitrates:
-            if peer in self._peers:
-                return False
             self._peers.add(peer)
-            return True
-        self._peers.discard(peer)
-        return False
+        else:
+            self._peers.discard(peer)
+        return True
 
     def set_view(self, live_peers: Iterable[str]) -> bool:
         """The view from the live peers; True when it changed (the table is computed again)."""
-        members = {peer for peer in live_peers if peer in self._peers}
+        live = set(live_peers)
+        members = live & self._peers
+        alone = not members and (self.arbitrating or not live)
         if self.arbitrating:
             members.add(self.own_id)
         view = frozenset(members)
-        if view == self.view:
+        if view == self.view and alone == self.alone:
             return False
         self.view = view
         self.table = ArbiterTable(view or {self.own_id})
-        self.alone = view == {self.own_id}
+        self.alone = alone
+        return True
+
+    def join(self) -> bool:
+        """Arbitrate from now on, the quiet time having passed; True when this replica joined now."""
+        if not self.joining or self.quiet_now:
+            return False
+        self.joining = False
+        self.arbitrating = True
         return True
 
     def departed(self, peer: str, adopter: str) -> None:
@@ -99,6 +116,7 @@ class Arbiters:
             self._awaiting.add(adopter)
 
     def stop_arbitrating(self) -> None:
+        self.joining = False
         self.arbitrating = False
 
     def quiet(self) -> None:
@@ -149,11 +167,16 @@ class Arbiters:
         """Decide ``settled`` again (see the module docstring); returns it."""
         received = self._received
         self.settled = (
-            self.arbitrating
-            and not adopting
+            not adopting
             and not self._awaiting
-            and (self.alone or time.monotonic() >= self._quiet_until)
-            and all(received.get(peer) == self.view for peer in self.view if peer != self.own_id)
+            and (
+                self.alone
+                or (
+                    self.arbitrating
+                    and time.monotonic() >= self._quiet_until
+                    and all(received.get(peer) == self.view for peer in self.view if peer != self.own_id)
+                )
+            )
         )
         return self.settled
 
@@ -163,6 +186,8 @@ class Arbiters:
             f"claims of {peer}" for peer in sorted(self.view - {self.own_id}) if self._received.get(peer) != self.view
         ]
         reasons += [f"the adopter {adopter}" for adopter in sorted(self._awaiting)]
+        if self.joining:
+            reasons.append("joining")
         if time.monotonic() < self._quiet_until:
             reasons.append("its quiet time")
         return reasons

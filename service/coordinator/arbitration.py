@@ -106,6 +106,11 @@ class Arbitration:
     def arbitrating(self) -> bool:
         return self._arbiters.arbitrating
 
+    def join(self) -> bool:
+        """Arbitrate from now on if the quiet time has passed; True when this replica joined now
+        (its next heartbeat says so)."""
+        return self._arbiters.join()
+
     # ------------------------------------------------------------ submissions (the hot path)
 
     async def admit(self, incoming: Incoming, submit: SubmitRequest | SubmitEnvelope, handed: bool = False) -> None:
@@ -244,19 +249,16 @@ class Arbitration:
 
     # ------------------------------------------------------------ claims
 
-    def start(self) -> None:
-        """Settle as soon as the quiet time ends (alone, at once then)."""
-        loop = asyncio.get_running_loop()
-        loop.call_later(self._quiet_s, lambda: self._core.spawn(self.beat()))
-
     def stalled(self) -> None:
-        """This replica's loop stalled (a stopped process, say): quiet again, as at its start."""
+        """This replica's loop stalled (a stopped process, say): quiet again, then settle."""
         self._arbiters.quiet()
-        self.start()
+        asyncio.get_running_loop().call_later(self._quiet_s, lambda: self._core.spawn(self.beat()))
 
     def heard(self, peer: str, arbitrates: bool) -> None:
-        """A peer's heartbeat: a new arbitrating peer changes the view at once."""
+        """A peer's heartbeat: a peer that starts or stops arbitrating changes the view at once,
+        before the next message is read (one that stops may be closing: nothing more goes to it)."""
         if self._arbiters.heard(peer, arbitrates) and self._peers.is_live(peer):
+            self._follow_view()
             self._core.spawn(self.beat())
 
     def departed(self, peer: str) -> None:
@@ -275,9 +277,7 @@ class Arbitration:
         """Each heartbeat (and at once when the view may have changed): follow the view, send the
         claims when due, settle, release what was held."""
         arbiters = self._arbiters
-        if arbiters.set_view(self._peers.live()):
-            self._repeats = CLAIM_REPEATS + 1
-            log.info("arbitrating among %s", ", ".join(sorted(arbiters.view)) or "none (leaving)")
+        self._follow_view()
         adopting = self._adopting()
         if (self._repeats or self._claims_due) and not adopting and self._core.nc.is_connected:
             self._repeats = max(0, self._repeats - 1)
@@ -285,6 +285,14 @@ class Arbitration:
             await self.send_claims()
         if arbiters.refresh(adopting) or self._held:
             await self.release()
+
+    def _follow_view(self) -> None:
+        """The view from the live peers; when it changed, the claims go on the next beats."""
+        arbiters = self._arbiters
+        if arbiters.set_view(self._peers.live()):
+            self._repeats = CLAIM_REPEATS + 1
+            state = "leaving" if not arbiters.arbitrating and not arbiters.joining else "joining"
+            log.info("arbitrating among %s", ", ".join(sorted(arbiters.view)) or f"none ({state})")
 
     async def send_claims(self) -> None:
         """To each peer of the view, the ids this replica holds that it arbitrates."""

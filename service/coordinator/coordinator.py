@@ -237,7 +237,7 @@ class Coordinator:
         self.spawn(keep_running("heartbeat", self._heartbeat_once, self.counters, self.settings.heartbeat_interval_s))
         self.spawn(keep_running("routing", self._outbox.route_once, self.counters))
         asyncio.get_running_loop().call_later(self.settings.heartbeat_timeout_s, self._warmed_up)
-        self._arbitration.start()
+        self._replica_watch.start(quiet_s(self.settings.heartbeat_interval_s))
         log.info("coordinator %s serving %d subjects under %s.*", self.id, len(self._handlers), self.subjects.prefix)
 
     async def run_until_stopped(self) -> None:
@@ -256,7 +256,7 @@ class Coordinator:
         self._stop_requested.set()
         hand_over = bool(self.peers.live()) and not self._control.fleet_shutdown and self.nc.is_connected
         if hand_over:  # no engine holds a queued request, so no peer could adopt it: route them
-            await self._replica_watch.stop_arbitrating()
+            await self._replica_watch.stop_arbitrating(self.settings.heartbeat_interval_s)
             await self._dispatch.stop_admitting()
             await self.requests.drained(self.settings.control_timeout_s)
             await self._outbox.sent(self.settings.control_timeout_s)

@@ -31,7 +31,7 @@ PEER = "c2"
 class Job:
     """Arbitration wired as coordinator.py wires it, with what it refused kept."""
 
-    def __init__(self, floor: Floor, quiet_s: float = 0.0) -> None:
+    def __init__(self, floor: Floor, quiet_s: float = 0.0, joined: bool = True) -> None:
         self.floor = floor
         self.arbiters = Arbiters(COORDINATOR_ID, quiet_s, 1000)
         self.refused: list[WireError] = []
@@ -56,7 +56,9 @@ class Job:
             adopting=lambda: self.adopting,
             refuse=self._refuse,
         )
-        self.arbiters.refresh(self.adopting)  # settled once its quiet time passed
+        if joined:
+            self.arbiters.join()  # it arbitrates once its quiet time passed
+        self.arbiters.refresh(self.adopting)  # settled then
 
     async def _refuse(self, incoming: Incoming, err: WireError) -> None:
         self.refused.append(err)
@@ -211,6 +213,7 @@ async def test_a_claim_of_an_id_an_engine_runs_here_means_it_was_adopted_away() 
 
 async def test_a_departed_peers_claims_go_and_its_adopters_are_awaited() -> None:
     arbiters = Arbiters(COORDINATOR_ID, 0.0, 1000)
+    assert arbiters.join()
     for peer in ("c0", PEER):
         arbiters.heard(peer, arbitrates=True)
     arbiters.set_view(["c0", PEER])
@@ -229,6 +232,7 @@ async def test_a_departed_peers_claims_go_and_its_adopters_are_awaited() -> None
 @pytest.mark.parametrize("parts", [1, 3])
 async def test_claims_in_parts_count_once_the_last_arrives(parts: int) -> None:
     arbiters = Arbiters(COORDINATOR_ID, 0.0, 1000)
+    assert arbiters.join()
     arbiters.heard(PEER, arbitrates=True)
     arbiters.set_view([PEER])
     view = sorted([COORDINATOR_ID, PEER])
