@@ -27,7 +27,7 @@ def coordinator_readiness(coordinator: Coordinator) -> Check:
     engines = len(coordinator.engines)
     if engines == 0:
         return Check(False, "no engine registered")
-    if coordinator.arbiters.joining:
+    if coordinator.arbiters.joining and not coordinator.arbiters.alone:
         return Check(False, "joining: hearing its peers before it arbitrates request ids")
     return Check(True, f"{engines} engine(s), state {coordinator.state}")
 

@@ -1,12 +1,18 @@
 """A replica joins the arbitration (service/coordinator/arbiters.py): for its quiet time it
 arbitrates nothing and hands what it gets to the arbitrating peers, so a replica that starts
 holds no id up; replicas that start together hold until they arbitrate; a peer that stops
-arbitrating leaves the view at once, not a heartbeat later."""
+arbitrating leaves the view at once, not a heartbeat later; among peers, a joining replica is
+not ready (`/readyz`) until it arbitrates."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import cast
 
+from service.coordinator.arbiters import Arbiters
+from service.coordinator.coordinator import Coordinator
+from service.coordinator.observability import coordinator_readiness
 from service.protocol.handover import HandedSubmissions
 from service.protocol.subjects import Header
 from tests.unit.coordinator.test_arbitration import PEER, Job, ids_of, named
@@ -54,3 +60,28 @@ async def test_a_peer_that_stops_arbitrating_leaves_the_view_at_once() -> None:
     job.arbitration.heard(PEER, arbitrates=False)  # its heartbeat as it stops
     await floor.spawned.settle()
     assert job.arbiters.view == {COORDINATOR_ID} and job.arbiters.alone and job.arbiters.settled
+
+
+class ReadinessDouble:
+    """A test double of the Coordinator, with what its readiness reads: NATS up, an engine, and
+    the arbitration's state."""
+
+    def __init__(self, arbiters: Arbiters) -> None:
+        self.nc = SimpleNamespace(is_connected=True)
+        self.id = COORDINATOR_ID
+        self.engines = [object()]
+        self.state = "running"
+        self.arbiters = arbiters
+
+
+def test_among_peers_a_joining_replica_is_not_ready_until_it_arbitrates() -> None:
+    arbiters = Arbiters(COORDINATOR_ID, 0.0, 1000)
+    double = cast(Coordinator, ReadinessDouble(arbiters))
+    assert coordinator_readiness(double).ok  # alone: it serves at once
+    arbiters.heard(PEER, arbitrates=True)
+    arbiters.set_view([PEER])
+    check = coordinator_readiness(double)
+    assert not check.ok and "joining" in check.detail
+    arbiters.join()
+    arbiters.set_view([PEER])
+    assert coordinator_readiness(double).ok
