@@ -21,7 +21,8 @@ What an engine does, as the documentation says (everything it sends goes on
 - abort on ``<prefix>.engine.<engine_id>.abort_request``; resend on ``...resend_replies``;
 - confirm broadcasts on ``<prefix>.engines.<signal>`` with ``{engine_id, signal, ok, detail}``,
   applying a control signal only when its ``revision`` is newer than the last applied;
-- leave with ``{engine_id, reason}`` on ``<prefix>.disconnect.<engine_id>``.
+- leave with ``{engine_id, reason}`` on ``<prefix>.disconnect.<engine_id>``;
+- with ``kv_events``, hold a prefix cache and publish its KV events (benchmarks/doc_prefix_cache.py).
 
 Generation is the echo backend's rule: the n-th generated token is the prompt's token n mod its
 length (a text prompt's tokens are its UTF-8 bytes); ``max_tokens`` defaults to 16. With
@@ -45,6 +46,8 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from benchmarks.doc_prefix_cache import DocPrefixCache, prefixes
+
 RECENT_FINALS_KEPT = 10_000
 
 
@@ -64,6 +67,11 @@ class DocEngine:
     paused: bool = False
     registered: bool = False
     revision: int | None = None  # of the shared control state last applied
+    cache: DocPrefixCache | None = None  # with KV events
+
+    def kv(self) -> dict[str, int]:
+        """``kv_sequence`` for register and heartbeat, when it publishes KV events."""
+        return {} if self.cache is None else {"kv_sequence": self.cache.sequence}
 
 
 def _encode(message: dict[str, Any], encoding: str) -> bytes:
@@ -98,10 +106,16 @@ class DocEngineFleet:
         capacity: int = 256,
         heartbeat_interval_s: float = 1.0,
         token_delay_s: float = 0.0,
+        cached_prompts: int = 0,
     ) -> None:
+        """``cached_prompts``: with more than 0, each engine holds the prefixes of that many
+        prompts and publishes KV events."""
         self.nc = nc
         self.prefix = prefix
-        self.engines = {engine_id: DocEngine(engine_id) for engine_id in engine_ids}
+        self.engines = {
+            engine_id: DocEngine(engine_id, cache=DocPrefixCache(cached_prompts) if cached_prompts else None)
+            for engine_id in engine_ids
+        }
         self.capacity = capacity
         self.heartbeat_interval_s = heartbeat_interval_s
         self.token_delay_s = token_delay_s
@@ -129,6 +143,7 @@ class DocEngineFleet:
         async def one(engine: DocEngine) -> None:
             message = msgpack.packb(
                 {"engine_id": engine.engine_id, "capacity": self.capacity, "backend": "doc", "paused": False}
+                | engine.kv()
             )
             async with gate:
                 subject = f"{self.prefix}.register.{engine.engine_id}"
@@ -166,7 +181,7 @@ class DocEngineFleet:
                         "load": len(engine.active),
                         "capacity": self.capacity,
                         "active": list(engine.active),
-                    }
+                    } | engine.kv()
                     await self.nc.publish(f"{self.prefix}.heartbeat.{engine.engine_id}", msgpack.packb(beat))
                 await asyncio.sleep(max(0.0, self.heartbeat_interval_s / 10 - (time.monotonic() - started)))
 
@@ -183,6 +198,8 @@ class DocEngineFleet:
             await self._abort(engine, msgpack.unpackb(msg.data)["request_id"])
         elif header == "resend_replies":
             await self._resend(engine, msgpack.unpackb(msg.data)["request_ids"], msg.reply)
+        elif header == "kv_snapshot" and engine.cache is not None and msg.reply:
+            await self.nc.publish(msg.reply, msgpack.packb(engine.cache.snapshot(engine.engine_id)))
 
     async def _submit(self, engine: DocEngine, requests: list[list[Any]]) -> None:
         partials: list[list[Any]] = []
@@ -197,6 +214,8 @@ class DocEngineFleet:
                 finals.append(self._error(route, 400, f"bad submission: {exc}", 0))
                 continue
             self.requests_served += 1
+            if engine.cache is not None:
+                engine.cache.ran(prefixes(submit.get("prompt"), submit.get("messages")))
             active = Active(route, prompt, max_tokens)
             if self.token_delay_s:
                 engine.active[request_id] = active
@@ -208,6 +227,9 @@ class DocEngineFleet:
             finals.append(self._final(engine, active, "length" if prompt else "stop"))
         await self._send(engine, "engine_reply_partial", partials)
         await self._send(engine, "engine_reply", finals)
+        events = engine.cache.events(engine.engine_id) if engine.cache is not None else None
+        if events is not None:
+            await self.nc.publish(f"{self.prefix}.kv_events.{engine.engine_id}", msgpack.packb(events))
 
     async def _abort(self, engine: DocEngine, request_id: str) -> None:
         active = engine.active.pop(request_id, None)
@@ -339,7 +361,9 @@ async def _serve(args: argparse.Namespace) -> None:
     until SIGTERM, then leaves."""
     nc = await nats.connect(args.nats_url, name=f"doc-engines-{args.id_prefix}", pending_size=64 * 1024 * 1024)
     ids = [f"{args.id_prefix}{index}" for index in range(args.count)]
-    fleet = DocEngineFleet(nc, args.prefix, ids, args.capacity, args.heartbeat_interval)
+    fleet = DocEngineFleet(
+        nc, args.prefix, ids, args.capacity, args.heartbeat_interval, cached_prompts=args.cached_prompts
+    )
     await fleet.start()
     started = time.perf_counter()
     await fleet.register()
@@ -360,6 +384,7 @@ def main() -> None:
     parser.add_argument("--id-prefix", default="doc-")
     parser.add_argument("--capacity", type=int, default=256)
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--cached-prompts", type=int, default=0, help="with more than 0: KV events")
     args = parser.parse_args()
     try:
         import uvloop

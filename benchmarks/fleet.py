@@ -23,6 +23,11 @@ plus 32 tokens of its own), as the client library sends for such a prompt, so th
 ``prefix`` policy has work to do. The coordinator never decodes the body, so its work is what
 it would be for the long prompt.
 
+With ``--cached-prompts N`` every engine holds the prefixes of its last N prompts and publishes
+KV events (benchmarks/doc_prefix_cache.py), and each request's body is its long prompt: one
+event per routed message that brought a prompt new to the engine, as many stored and evicted
+prefixes as it says, the realistic rate for ``cache_aware`` (``--policies cache_aware``).
+
 Run: ``dpcoord bench --simulated-engines 2,100,1000,3000`` (or ``python -m benchmarks.fleet``);
 ``--help`` lists the knobs.
 """
@@ -117,7 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=lambda text: text.split(","),
         default=["least_loaded"],
         metavar="P,P,...",
-        help="routing policies, each over every fleet size (default least_loaded; also p2c, round_robin, prefix)",
+        help="routing policies, each over every fleet size (default least_loaded; also p2c, round_robin, prefix, "
+        "cache_aware)",
+    )
+    parser.add_argument(
+        "--cached-prompts",
+        type=int,
+        default=0,
+        help="with more than 0: each engine holds that many prompts' prefixes and publishes KV events",
     )
     parser.add_argument(
         "--rate", type=float, default=None, help="offered requests/s (default: a share of the closed-loop rate)"

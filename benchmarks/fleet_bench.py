@@ -53,7 +53,7 @@ class FleetBench:
         self.nats_url = nats_url
         self.nats_pid = nats_pid
         self.log_dir = log_dir
-        self.workload = Workload()
+        self.workload = Workload(real_prompts=args.cached_prompts > 0)
         self._numbers = itertools.count()  # request numbers: unique client_request_ids across every window
         self._nc: NATS | None = None
 
@@ -90,6 +90,8 @@ class FleetBench:
             str(engines),
             "--id-prefix",
             "sim-",
+            "--cached-prompts",
+            str(self.args.cached_prompts),
             stdout=asyncio.subprocess.PIPE,
         )
         fleet = RunningFleet(policy, engines, subjects, coordinator, host, log_path)
@@ -195,6 +197,7 @@ class FleetBench:
         after = status["counters"] if status is not None and before_status is not None else {}
         messages = after.get("routed_messages", 0) - before.get("routed_messages", 0)
         routed = after.get("routed_requests", 0) - before.get("routed_requests", 0)
+        kv_events = after.get("kv_events", 0) - before.get("kv_events", 0)
         latencies = sorted(load.latencies_us)
         fleet.windows.append(
             {
@@ -204,6 +207,7 @@ class FleetBench:
                 "cpu_us_per_request": load.cpu_us_per_request("coordinator"),
                 "coordinator_core_pct": load.cpu_s["coordinator"] / load.window_s * 100,
                 "requests_per_routed_message": routed / messages if messages else float("nan"),
+                "kv_events_per_request": kv_events / routed if routed else 0.0,
                 "others_cores": max(0.0, (load.machine_busy_s - sum(load.cpu_s.values())) / load.window_s),
                 "sent": load.sent,
                 "lost": load.lost,

@@ -14,14 +14,14 @@ def print_report(
 ) -> None:
     out.write(f"\n{header}\n")
     columns = (
-        "policy       engines  achieved/s   p50 ms   p99 ms  coord us/req  coord %core  req/msg  "
+        "policy       engines  achieved/s   p50 ms   p99 ms  coord us/req  coord %core  req/msg  kv ev/req  "
         "reg s  reg CPU s  idle %core  lost  dup  errors  engines lost  log lines  others (cores)\n"
     )
     out.write(columns)
     for r in results:
         out.write(
             f"{r.policy:<12} {r.engines:>7}  {r.achieved_per_s:>10,.0f}  {r.p50_ms:>7.2f}  {r.p99_ms:>7.2f}  "
-            f"{r.cpu_us_per_request:>12.1f}  {r.coordinator_core_pct:>11.0f}  {r.requests_per_routed_message:>7.1f}  "
+            f"{r.cpu_us_per_request:>12.1f}  {r.coordinator_core_pct:>11.0f}  {r.requests_per_routed_message:>7.1f}  {r.kv_events_per_request:>9.2f}  "
             f"{r.registration_s:>5.2f}  {r.registration_cpu_s:>9.2f}  {r.idle_core_pct:>10.1f}  {r.lost:>4}  {r.duplicated:>3}  "
             f"{r.errors:>6}  {r.engines_lost if r.engines_lost != UNKNOWN else '?':>12}  {r.log_lines:>9}  {r.others_cores:>14.2f}\n"
         )

@@ -25,6 +25,7 @@ class FleetResult:
     cpu_us_per_request: float
     coordinator_core_pct: float
     requests_per_routed_message: float
+    kv_events_per_request: float  # KV events the coordinator applied per request routed
     others_cores: float  # CPU of every other process on the machine over the load windows, in cores
     sent: int  # sums over the rounds
     lost: int
@@ -65,6 +66,7 @@ def summarise(fleets: list[RunningFleet], rate: float) -> list[FleetResult]:
                 cpu_us_per_request=median("cpu_us_per_request"),
                 coordinator_core_pct=median("coordinator_core_pct"),
                 requests_per_routed_message=median("requests_per_routed_message"),
+                kv_events_per_request=median("kv_events_per_request"),
                 others_cores=median("others_cores"),
                 sent=sum(int(w["sent"]) for w in windows),
                 lost=sum(int(w["lost"]) for w in windows),

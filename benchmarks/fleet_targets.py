@@ -44,7 +44,8 @@ def judge(results: list[FleetResult]) -> list[dict[str, Any]]:
             value = row.cpu_ratio if cpu else row.rate_ratio
             why = (
                 f"{base.cpu_us_per_request:.1f} -> {row.cpu_us_per_request:.1f} us/request; requests per routed message "
-                f"{base.requests_per_routed_message:.1f} -> {row.requests_per_routed_message:.1f}"
+                f"{base.requests_per_routed_message:.1f} -> {row.requests_per_routed_message:.1f}; KV events per "
+                f"request {base.kv_events_per_request:.2f} -> {row.kv_events_per_request:.2f}"
                 if cpu
                 else f"{base.achieved_per_s:,.0f} -> {row.achieved_per_s:,.0f} req/s of {row.offered_per_s:,.0f} offered; "
                 f"coordinator at {row.coordinator_core_pct:.0f}% of a core; other processes {row.others_cores:.2f} cores; "

@@ -13,6 +13,12 @@ Log-probabilities, when a request asks for them: each output carries its new tok
 output its prompt's (``prompt``); :meth:`Backend.token_bytes` names each token's bytes. A
 backend that computes none says so (``computes_logprobs``): the runtime then refuses such
 requests and does not announce the feature.
+
+KV events, for a backend with a prefix cache (``publishes_kv_events``): each request comes with
+its prompt's prefixes as submitted (``GenerationRequest.prefixes``, docs/protocol.md *KV
+events*), and :meth:`Backend.cache_changes`, asked after every step, says which of them it began
+and stopped holding since it was last asked, and how many prompt tokens wait for their prefill.
+The runtime numbers and publishes them (:mod:`engines.kv_prefixes`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,30 @@ from service.protocol.messages import ChatMessage, FinishReason, LogprobsMode, S
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPrefix:
+    """One prefix of a request's prompt as submitted, named as routing names it: its prefix hash,
+    its length in the hash chain's blocks, and the prompt tokens it covers (a token prompt's
+    first ``16 * blocks``; None for text and chat prompts, whose blocks are bytes: the backend
+    then ties it to the prompt's whole cached length)."""
+
+    prefix_hash: int
+    blocks: int
+    tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheChanges:
+    """What a prefix cache's backend began (``stored``: ``(prefix_hash, blocks)``) and stopped
+    (``evicted``) holding since it was last asked, each at most once and only where its state
+    changed over that time; ``queued_tokens``: prompt tokens of its requests still waiting for
+    their prefill, less what its cache serves."""
+
+    stored: list[tuple[int, int]]
+    evicted: list[int]
+    queued_tokens: int
 
 
 @dataclass(slots=True)
@@ -49,6 +79,8 @@ class GenerationRequest:
     logprobs: int | None = None  # alternatives per generated token's logprob; None: no logprobs
     prompt_logprobs: int | None = None  # alternatives per prompt token's logprob; None: none
     logprobs_mode: LogprobsMode = "raw"  # of the model's distribution, or of the one sampled from
+    # Its prompt's prefixes, for a backend that publishes KV events (empty otherwise).
+    prefixes: tuple[PromptPrefix, ...] = ()
 
     @classmethod
     def from_submit(cls, request_id: str, submit: SubmitRequest, prompt: str | list[int]) -> GenerationRequest:
@@ -239,6 +271,17 @@ class Backend(abc.ABC):
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The KV cache's prefix-cache counters; None for a backend without one."""
         return None
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Whether it has a prefix cache it reports (:meth:`cache_changes`): the runtime then
+        gives each request its prompt's prefixes and publishes KV events."""
+        return False
+
+    def cache_changes(self) -> CacheChanges:
+        """The prefixes it began and stopped holding since it was last asked, and the prompt
+        tokens waiting for their prefill; asked between steps, only when it publishes KV events."""
+        raise NotImplementedError(f"the {self.name} backend publishes no KV events")
 
     def execution_path(self) -> ExecutionPath | None:
         """The fast pieces the steps run; None for a backend without any (echo)."""

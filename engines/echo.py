@@ -24,6 +24,12 @@ then ``token + 1``, ``token + 2``, … each 1/8 less likely; the first prompt to
 mode (raw or processed) changes nothing: there is no distribution. A token's bytes are its byte
 value (ids >= 256: none).
 
+It simulates a prefix cache (:mod:`engines.echo_cache`) and publishes its KV events: a
+request's first step "prefills" its prompt, whose prefixes (hashed as submitted) the cache then
+holds, for the last ``cached_prompts`` prompts prefilled (default :data:`ECHO_CACHED_PROMPTS`;
+0: no cache, no events); its queued tokens are the prompt tokens of the requests not stepped
+yet, less what the cache serves.
+
 It has no weights: ``update_weights`` (``stage_weights``) only checks that the directory holds
 ``*.safetensors`` files, which the runtime digests as for any backend, and the swap changes
 nothing but the version its replies carry.
@@ -37,13 +43,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.backend import Backend, GenerationRequest, PromptLogprobs, TokenOutput
+from engines.backend import Backend, CacheChanges, GenerationRequest, PromptLogprobs, TokenOutput
+from engines.echo_cache import SimulatedPrefixCache
 from service.protocol.checkpoint import checkpoint_files
 from service.protocol.messages import FinishReason, TopLogprob
 
 # The echo backend's context when ``max_context`` is not set: it bounds ``max_tokens`` as a
 # model's context would.
 ECHO_CONTEXT = 1 << 20
+# Prompts whose prefixes the simulated prefix cache holds.
+ECHO_CACHED_PROMPTS = 256
 _BYTES = [bytes((byte,)) for byte in range(256)]
 
 
@@ -76,6 +85,7 @@ class _Running:
     text: str = ""
     resumed_text: str = ""  # the text of the resume tokens
     prompt_sent: bool = False  # its prompt logprobs went out with its first output
+    prefilled: bool = False  # stepped once: its prompt's prefixes are in the simulated cache
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
 
@@ -84,11 +94,14 @@ class EchoBackend(Backend):
     default_model_name = "dpcoord-echo"
     computes_logprobs = True
 
-    def __init__(self, token_delay_ms: float = 0.0, max_context: int = ECHO_CONTEXT) -> None:
+    def __init__(
+        self, token_delay_ms: float = 0.0, max_context: int = ECHO_CONTEXT, cached_prompts: int = ECHO_CACHED_PROMPTS
+    ) -> None:
         self._delay_s = token_delay_ms / 1000.0
         self.max_context = max_context
         self._running: dict[str, _Running] = {}
         self._held: dict[str, _Running] = {}  # by backpressure: not advanced until released
+        self.cache = SimulatedPrefixCache(cached_prompts) if cached_prompts else None
 
     def add(self, request: GenerationRequest) -> int:
         prompt = request.prompt
@@ -112,6 +125,22 @@ class EchoBackend(Backend):
 
     def has_work(self) -> bool:
         return bool(self._running)
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.cache is not None
+
+    def cache_changes(self) -> CacheChanges:
+        cache = self.cache
+        if cache is None:
+            return super().cache_changes()
+        stored, evicted = cache.drain()
+        queued = sum(
+            len(running.prompt_tokens) - cache.served_tokens(running.request.prefixes, len(running.prompt_tokens))
+            for running in self._running.values()
+            if not running.prefilled
+        )
+        return CacheChanges(stored, evicted, queued)
 
     def hold(self, request_id: str) -> bool:
         running = self._running.pop(request_id, None)
@@ -141,6 +170,10 @@ class EchoBackend(Backend):
         return outputs
 
     def _advance(self, running: _Running) -> TokenOutput:
+        if not running.prefilled:
+            running.prefilled = True
+            if self.cache is not None:
+                self.cache.prefilled(running.request.prefixes)
         output = self._next_token(running)
         request = running.request
         if request.prompt_logprobs is not None and not running.prompt_sent:

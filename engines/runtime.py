@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING, Any
 from engines.backend import Backend
 from engines.control_state import ControlState
 from engines.handlers import ENGINE_HANDLERS
+from engines.kv_prefixes import PublishedPrefixes
 from engines.replies import ReplyPublisher
 from engines.requests import RequestTable
 from engines.runtime_control import ControlSignals
 from engines.runtime_core import EngineCore, Route
 from engines.runtime_dispatch import EngineDispatch
 from engines.runtime_intake import RequestIntake
+from engines.runtime_kv import KvPublisher
 from engines.runtime_membership import Membership
 from engines.runtime_steps import StepLoop
 from engines.runtime_weights import WeightUpdates
@@ -58,8 +60,9 @@ from service.ops.settings import Settings
 from service.ops.tracing import start_tracing
 from service.protocol.codec import encode_msgpack
 from service.protocol.membership import EngineDisconnect, ResendReplies
+from service.protocol.messages import Empty
 from service.protocol.routed import EngineAck, RoutedAbort, RoutedHold, RoutedRequestBatch
-from service.protocol.subjects import RESEND_REPLIES, Header, Subjects
+from service.protocol.subjects import KV_SNAPSHOT, RESEND_REPLIES, Header, Subjects
 
 if TYPE_CHECKING:
     from service.ops.tracing.otel import Tracer
@@ -107,10 +110,21 @@ class EngineRuntime:
         publisher = ReplyPublisher(self.engine_id, self.nc, self.subjects, self.counters, settings.recent_replies_bytes)
         self.requests = RequestTable(self.engine_id, backend, publisher, self.counters, settings.stream_interval)
         requests = self.requests
+        self.kv_prefixes = PublishedPrefixes(self.engine_id)  # what its KV events told, for a prefix cache
+        publishes_kv = backend.publishes_kv_events
         # Floor 2: the jobs, side by side; none imports another.
-        self._steps = StepLoop(core, requests, self.control_state, self.weights)
+        self._kv_events = KvPublisher(core, self.kv_prefixes)
+        self._steps = StepLoop(
+            core, requests, self.control_state, self.weights, self._kv_events.publish if publishes_kv else None
+        )
         self._membership = Membership(
-            core, requests, self.control_state, self.weights, self.served_model_name, steps=lambda: self._steps.steps
+            core,
+            requests,
+            self.control_state,
+            self.weights,
+            self.served_model_name,
+            steps=lambda: self._steps.steps,
+            kv_sequence=lambda: self.kv_prefixes.sequence if publishes_kv else None,
         )
         self._intake = RequestIntake(core, requests, self.control_state)
         self._signals = ControlSignals(
@@ -141,6 +155,8 @@ class EngineRuntime:
             Header.HOLD_REQUEST: Route.to(RoutedHold, self._intake.hold),
             RESEND_REPLIES: Route.to(ResendReplies, self._intake.resend),
         }
+        if publishes_kv:
+            routed[KV_SNAPSHOT] = Route.to(Empty, self._kv_events.snapshot)
         self._dispatch = EngineDispatch(core, routed, ENGINE_HANDLERS, self, self._signals.superseded)
 
     # ------------------------------------------------------------ state others read

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from engines.backend import GenerationRequest
+from engines.backend import GenerationRequest, PromptPrefix
 from engines.control_state import ControlState
 from engines.limits import check_limits, check_resume
 from engines.requests import RequestTable
@@ -33,6 +33,7 @@ from service.protocol.codec import Encoding, PayloadDecoder
 from service.protocol.errors import ErrorCode, WireError
 from service.protocol.membership import ResendAnswer, ResendReplies
 from service.protocol.messages import SubmitRequest
+from service.protocol.prefix import TOKENS_PER_BLOCK, prompt_prefixes
 from service.protocol.routed import RoutedAbort, RoutedHold, RoutedRequest, RoutedRequestBatch
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class RequestIntake:
             )
         prompt = submit.prompt if submit.prompt is not None else backend.render_chat(submit.messages or ())
         request = GenerationRequest.from_submit(routed.return_path.request_id, submit, prompt)
+        if backend.publishes_kv_events:
+            request.prefixes = _prefixes(submit)
         resume = routed.resume_tokens
         if resume:
             check_resume(resume, request.max_tokens)
@@ -142,3 +145,14 @@ class RequestIntake:
         again; the answer (``ResendAnswer``) lists the ids it never received."""
         unknown = await self._requests.resend(resend.request_ids)
         await self._core.answer(incoming.reply, ResendAnswer(unknown))
+
+
+def _prefixes(submit: SubmitRequest) -> tuple[PromptPrefix, ...]:
+    """The prompt's prefixes as submitted, hashed as the client and the coordinator hash them
+    (docs/protocol.md, *KV events*): a token prompt's cover ``16 * blocks`` of its tokens; a text
+    or chat prompt's, whose blocks are bytes, its whole length."""
+    tokens = isinstance(submit.prompt, list)
+    return tuple(
+        PromptPrefix(prefix_hash, blocks, blocks * TOKENS_PER_BLOCK if tokens else None)
+        for prefix_hash, blocks in prompt_prefixes(submit.prompt, submit.messages)
+    )

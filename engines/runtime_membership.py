@@ -1,5 +1,6 @@
 """The engine's membership of the pool: registration (retried until a coordinator adds it),
-heartbeats with its load, held requests, step count and weight version, and rejoining.
+heartbeats with its load, held requests, step count, weight version and, for an engine that
+publishes KV events, the number of its last one (``kv_sequence``), and rejoining.
 
 Contract: registration retries whatever goes wrong; an engine whose weights are not the
 fleet's loads the fleet's first (:meth:`engines.weight_updates.EngineWeights.adopt`) and
@@ -44,6 +45,7 @@ class Membership:
         weights: EngineWeights,
         served_model_name: str,
         steps: Callable[[], int],
+        kv_sequence: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._core = core
         self._engine_id = core.engine_id
@@ -54,6 +56,7 @@ class Membership:
         self._served_model_name = served_model_name
         self._features = [LOGPROBS] if core.backend.computes_logprobs else None
         self._steps = steps
+        self._kv_sequence = kv_sequence  # read as each message is built, after the events sent before it
         self.registered = asyncio.Event()  # set once a coordinator added this engine
         self._beating = True
 
@@ -72,6 +75,7 @@ class Membership:
                     self._control.paused,
                     self._served_model_name,
                     self._weights.version,
+                    self._kv_sequence(),
                     features=self._features,
                 )
             )
@@ -132,6 +136,7 @@ class Membership:
                 self._served_model_name,
                 self._steps(),
                 self._weights.version,
+                kv_sequence=self._kv_sequence(),
                 held=self._requests.held_back() or None,
                 features=self._features,
             )

@@ -8,8 +8,9 @@ fails its requests (an error rather than a stream with a gap). :meth:`publish_un
 what the last step produced and is called by whatever must leave no generated token unsent
 (a confirmed pause, a suspend, the engine stopping). Each step's start and end are read once
 (two clock readings per step) and recorded with its outputs: the requests' timings and spans
-are made from them (:mod:`engines.requests`). KV-cache events of a step would go in
-:meth:`step_once`, once per step.
+are made from them (:mod:`engines.requests`). After every step, and when it goes idle, it has
+what the step changed in the prefix cache published (``after_step``, the KV events job's
+action, passed in by the wiring).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from engines.backend import TokenOutput
 from engines.control_state import ControlState
@@ -36,6 +38,7 @@ class StepLoop:
         requests: RequestTable,
         control: ControlState,
         weights: EngineWeights,
+        after_step: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._engine_id = core.engine_id
         self._backend = core.backend
@@ -45,6 +48,7 @@ class StepLoop:
         self._requests = requests
         self._control = control
         self._weights = weights
+        self._after_step = after_step
         self.steps = 0  # steps taken, in heartbeats: an engine that holds requests and never steps is suspected
         self.pace = TokenPace()  # tokens generated and inter-token latency, for /metrics
         self._unsent: list[TokenOutput] = []  # the last step's outputs, published during the next step
@@ -64,6 +68,8 @@ class StepLoop:
         if self._control.paused or not backend.has_work() or not self._connected.is_set():
             self._wake.clear()  # before publishing: a wake while it publishes (a request, a release) is kept
             await self.publish_unsent()
+            if self._after_step is not None:
+                await self._after_step()
             return
         async with self._step_lock:
             if self._control.paused:  # a pause confirmed while this step waited for the lock
@@ -74,7 +80,10 @@ class StepLoop:
                 await self.publish_unsent()
             finally:
                 outputs = await self._finish_step(step)
-        self._unsent, self._unsent_step = outputs, (started, time.monotonic())
+        ended = time.monotonic()
+        if self._after_step is not None:
+            await self._after_step()
+        self._unsent, self._unsent_step = outputs, (started, ended)
         if backend.launches_ahead or not backend.has_work():
             await self.publish_unsent()
         # Between steps, let the reader and nats-py's flusher run: a backend's step need not

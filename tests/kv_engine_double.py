@@ -1,5 +1,7 @@
 """KvEngineDouble: a test double of an engine with a prefix cache, on raw nats-py, speaking
-the KV events of docs/protocol.md (*KV events*) before the engine runtime does.
+the KV events of docs/protocol.md (*KV events*) with what a test makes it hold, and losing
+events on the way when a test says so (the engine runtime's real events are tested with echo
+and torch engines).
 
 It registers and heartbeats with ``kv_sequence``, answers ``kv_snapshot`` with what the test
 made it hold, publishes one numbered KV event per :meth:`KvEngineDouble.hold` (optionally as if

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engines.backend import Backend, ExecutionPath, GenerationRequest, PrefixCacheStats, TokenOutput
+from engines.backend import Backend, CacheChanges, ExecutionPath, GenerationRequest, PrefixCacheStats, TokenOutput
 from engines.chat_template import plain_prompt
 from engines.torch_backend.block_manager import BlockManager
 from engines.torch_backend.cuda_graphs import DecodeGraphs
@@ -218,6 +218,14 @@ class TorchBackend(Backend):
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.requests.scheduler.blocks.stats()
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """With prefix caching on: the request table knows which prompt prefixes the cache holds."""
+        return self.requests.held is not None
+
+    def cache_changes(self) -> CacheChanges:
+        return self.requests.cache_changes()
 
     # ------------------------------------------------------------ steps
 

@@ -20,6 +20,10 @@ last token is always fed (its logits give the next token), so at most
 nothing ever writes to a shared page. A sequence whose prompt logprobs are asked for reuses
 nothing (``Sequence.prompt_logits``): its whole prompt is recomputed, since cached pages keep
 keys and values but no logits; the pages it fills are registered for the others as usual.
+
+A :class:`PageWatcher` (the backend's map of prompt prefixes, for KV events) is told each hash
+as it enters the prefix cache (a page registered) and leaves it (a cached page evicted, or the
+cache cleared), as it happens.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from typing import Protocol
 
 from engines.backend import PrefixCacheStats
 from engines.torch_backend.sequence import Sequence
@@ -35,6 +40,14 @@ from engines.torch_backend.sequence import Sequence
 def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     """The hash of a full page: its tokens, chained onto the hash of the page before it."""
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class PageWatcher(Protocol):
+    def registered(self, page_hash: bytes) -> None:
+        """A page holding the prefix ``page_hash`` names joined the prefix cache."""
+
+    def evicted(self, page_hash: bytes) -> None:
+        """The page holding the prefix ``page_hash`` names left it."""
 
 
 class BlockManager:
@@ -52,6 +65,7 @@ class BlockManager:
         self._queried_tokens = 0
         self._hit_tokens = 0
         self._evicted_pages = 0
+        self.watcher: PageWatcher | None = None  # told what enters and leaves the prefix cache
 
     @property
     def num_free(self) -> int:
@@ -59,6 +73,10 @@ class BlockManager:
 
     def refs(self, page: int) -> int:
         return self._refs[page]
+
+    def is_cached(self, page_hash: bytes) -> bool:
+        """Whether a page holding the prefix ``page_hash`` names is in the prefix cache."""
+        return page_hash in self._by_hash
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -75,7 +93,7 @@ class BlockManager:
         if not self.prefix_caching or sequence.prompt_logits:
             return []
         reusable = (len(sequence.token_ids) - 1) // self.block_size
-        self._hash_pages(sequence, reusable)
+        self.hash_pages(sequence, reusable)
         hits: list[int] = []
         for page_hash in sequence.page_hashes[:reusable]:
             page = self._by_hash.get(page_hash)
@@ -126,13 +144,16 @@ class BlockManager:
         full = sequence.num_cached // self.block_size
         if full <= sequence.num_committed:
             return
-        self._hash_pages(sequence, full)
+        self.hash_pages(sequence, full)
+        watcher = self.watcher
         for index in range(sequence.num_committed, full):
             page_hash = sequence.page_hashes[index]
             if page_hash not in self._by_hash:
                 page = sequence.block_table[index]
                 self._by_hash[page_hash] = page
                 self._hashes[page] = page_hash
+                if watcher is not None:
+                    watcher.registered(page_hash)
         sequence.num_committed = full
 
     def release(self, sequence: Sequence) -> None:
@@ -153,6 +174,9 @@ class BlockManager:
         """Forget every cached prefix: the cache's contents are gone (suspend). No page may be in use."""
         if any(self._refs):
             raise RuntimeError("the prefix cache is cleared while pages are in use")
+        if self.watcher is not None:
+            for page_hash in self._by_hash:
+                self.watcher.evicted(page_hash)
         self._by_hash.clear()
         self._hashes = [None] * self.num_blocks
         self._cached.clear()
@@ -170,10 +194,12 @@ class BlockManager:
             del self._by_hash[page_hash]
             self._hashes[page] = None
             self._evicted_pages += 1
+            if self.watcher is not None:
+                self.watcher.evicted(page_hash)
         self._refs[page] = 1
         return page
 
-    def _hash_pages(self, sequence: Sequence, count: int) -> None:
+    def hash_pages(self, sequence: Sequence, count: int) -> None:
         """Extend ``sequence.page_hashes`` to its first ``count`` full pages."""
         hashes, size, tokens = sequence.page_hashes, self.block_size, sequence.token_ids
         while len(hashes) < count:

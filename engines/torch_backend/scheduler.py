@@ -9,7 +9,11 @@ counts only the tokens it still feeds. A preempted sequence goes back to the fro
 queue with no pages: it is recomputed (prompt plus generated tokens, less whatever prefix is
 still cached) when pages are free again. A sequence held back by backpressure (:meth:`Scheduler.hold`)
 gives its pages back the same way and is not scheduled until released, when it waits first in
-line to be recomputed. Nothing here knows about tensors, so every rule is
+line to be recomputed. Siblings are prefilled once: a waiting sequence whose next uncached page
+another sequence is computing (admitted in this schedule, or in the one before, whose step may
+still be in flight) is deferred in its place, so the next schedule serves that page from the
+cache instead of computing it again (SGLang's in-batch prefix check). Nothing here knows about
+tensors, so every rule is
 tested on its own (tests/torch/test_torch_scheduler.py, tests/torch/test_torch_prefix_cache.py).
 """
 
@@ -49,6 +53,8 @@ class Scheduler:
         self.held: list[Sequence] = []  # held back by backpressure: no pages, not scheduled
         self.num_preempted = 0
         self.grown: list[Sequence] = []  # sequences the last schedule gave a new page
+        self._computing: set[bytes] = set()  # hashes of the pages the last schedule's prefills compute
+        self.num_deferred = 0  # admissions deferred for a page another sequence was computing
 
     def add(self, sequence: Sequence) -> None:
         if self.blocks.blocks_for(len(sequence.token_ids)) > self.blocks.num_blocks:
@@ -58,6 +64,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def queued_tokens(self) -> int:
+        """Tokens the waiting sequences will feed once admitted, less the prefix cached now."""
+        blocks = self.blocks
+        page = blocks.block_size
+        return sum(len(sequence.token_ids) - len(blocks.match(sequence)) * page for sequence in self.waiting)
 
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
@@ -138,20 +150,32 @@ class Scheduler:
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []
+        deferred: list[Sequence] = []
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_batch:
-            sequence = self.waiting[0]
-            hits = self.blocks.match(sequence)
-            if admitted and len(sequence.token_ids) - len(hits) * self.blocks.block_size > budget:
+        waiting, blocks = self.waiting, self.blocks
+        earlier, computing = self._computing, set()
+        while waiting and len(self.running) < self.max_batch:
+            sequence = waiting[0]
+            hits = blocks.match(sequence)
+            hashes = sequence.page_hashes
+            if len(hits) < len(hashes) and (hashes[len(hits)] in computing or hashes[len(hits)] in earlier):
+                deferred.append(waiting.popleft())  # that page is being computed: read it next step
+                continue
+            if admitted and len(sequence.token_ids) - len(hits) * blocks.block_size > budget:
                 break
-            if not self.blocks.can_admit(sequence, hits):
+            if not blocks.can_admit(sequence, hits):
                 break
-            self.waiting.popleft()
-            self.blocks.admit(sequence, hits)
+            waiting.popleft()
+            blocks.admit(sequence, hits)
             sequence.status = SequenceStatus.RUNNING
             self.running.append(sequence)
             admitted.append(sequence)
             budget -= sequence.num_new
+            computing.update(hashes[len(hits) :])
+        if deferred:
+            waiting.extendleft(reversed(deferred))
+            self.num_deferred += len(deferred)
+        self._computing = computing
         return admitted
 
     def _preempt(self, sequence: Sequence) -> None:

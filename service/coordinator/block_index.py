@@ -14,8 +14,9 @@ Contract:
   engines that publish events (an engine over its share forgets its oldest first), and at
   most ``max_entries`` predictions (the oldest expire first).
 
-The sequence bookkeeping of each engine (:class:`EngineBlocks`) is :mod:`.kv_feed`'s; this
-module only holds it.
+The sequence bookkeeping of each engine (:class:`EngineBlocks`) is :mod:`.kv_feed`'s, and so is
+``learning`` (a replica that just started, still learning what the engines hold): this module
+only holds them.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class BlockIndex:
         self._prefixes: dict[int, _Prefix] = {}
         self._predictions: deque[tuple[float, int, EngineBlocks]] = deque()  # oldest first
         self.entries = 0  # (engine, prefix) pairs held
+        self.learning = False  # this replica just started: the engines' snapshots are not all in
 
     # ------------------------------------------------------------ engines
 
@@ -131,13 +133,17 @@ class BlockIndex:
     def matches(self, hashes: Sequence[int], now: float, limit: int) -> dict[EngineBlocks, int]:
         """Engines holding a prefix of the prompt whose ``hashes`` these are (shortest first),
         each with the length in blocks of the longest one it holds; at most ``limit`` holders
-        are read per hash, the most recent first, and at most ``limit`` engines are returned.
-        A shorter prefix with as many holders as a longer one whose holders were all current is
-        skipped: an engine that holds a prefix holds the shorter ones too (its events and
-        routing's predictions store them together), so those are the same engines; and once
-        ``limit`` engines hold a prefix, the shorter ones are not read at all."""
+        are read per hash, the most recent first, and at most ``limit`` engines are returned
+        (fewer when fewer engines publish events). An engine that holds a prefix holds the
+        shorter ones too (its events and routing's predictions store them together), so a
+        shorter prefix with as many holders as a longer one whose holders were all current has
+        the same holders: it is skipped, and so are all the shorter ones once the shortest has
+        that many; and once ``limit`` engines hold a prefix, the shorter ones are not read."""
         found: dict[EngineBlocks, int] = {}
         prefixes = self._prefixes
+        limit = min(limit, len(self.engines))
+        shortest = prefixes.get(hashes[0]) if hashes else None
+        most = len(shortest.holders) if shortest is not None else 0  # holders of the shortest prefix
         same = -1  # holders of the last prefix whose holders were all read and current
         for index in range(len(hashes) - 1, -1, -1):
             prefix = prefixes.get(hashes[index])
@@ -148,15 +154,17 @@ class BlockIndex:
             if count == same:
                 continue
             same = count
-            for engine, expiry in islice(reversed(holders.items()), limit):
+            blocks = prefix.blocks
+            recent = reversed(holders.items())
+            for engine, expiry in recent if count <= limit else islice(recent, limit):
                 if expiry <= now:
                     same = -1
                 elif engine not in found:
-                    found[engine] = prefix.blocks
+                    found[engine] = blocks
                     if len(found) >= limit:
                         return found
-            if count >= limit:
-                return found  # enough engines hold this longer prefix: those of shorter ones hold less
+            if same == count and (count >= limit or count == most):
+                return found  # enough current holders of this longer prefix, or the shorter ones are the same
         return found
 
     def held_blocks(self, engine: EngineBlocks, hashes: Sequence[int], now: float) -> int:

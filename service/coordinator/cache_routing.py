@@ -7,9 +7,10 @@ Contract (docs/protocol.md, *Routing*):
 - An engine's load is its requests in flight plus its queued tokens (prompt tokens waiting for
   their prefill) over ``cache_aware_request_tokens``, the tokens that weigh as one request.
 - Its score is its load less ``cache_aware_prefix_weight`` times the prefix of the prompt it
-  holds (or is computing: predicted), in the same unit: once for the prefill the request skips,
-  more for the compute the fleet saves (a sibling waits for the first's prefill on its engine
-  about as long as it would compute the prefix elsewhere). The lowest score wins, equal scores
+  holds (or is computing: predicted), in the same unit. The weight is high (8): a held prefix
+  is worth more than the few requests' wait it may add, so the holder keeps the prompt until
+  its affinity yields (below), the rule that balances the load; sessions that lost their home
+  (a replica that restarted) find their engine by it. The lowest score wins, equal scores
   are broken at random. The candidates are the engines holding the prompt's longest prefixes (at
   most ``CANDIDATES``, from the index), the least loaded engine, and when no holder wins two
   drawn at random: O(prompt hashes + a few) whatever the fleet's size.
@@ -26,6 +27,9 @@ Contract (docs/protocol.md, *Routing*):
   the prompt tokens the engine does not hold join its queued tokens (until its next KV event
   says how many wait). Routing predicts: the prompt's prefixes count as held by the chosen
   engine for ``cache_aware_prediction_ttl_s``, so a burst of siblings follows the first.
+- A replica that just started routes no request with a key (prefix hashes, session or group)
+  while it learns what the engines hold (``BlockIndex.learning``, :mod:`.kv_feed`): such
+  requests wait, a heartbeat interval or so, then go where the engines' snapshots say.
 - Engines that publish no KV events (no prefix cache, or an earlier release) are absent from
   the index: scored on load alone, never predicted. A request with no whole block of prompt,
   no session and no group, or one with no session and no group while no engine publishes KV
@@ -69,11 +73,18 @@ class CacheAware:
         self.groups = Homes(settings.session_table_size, settings.session_ttl_s)
 
     def key_of(self, submit: SubmitRequest | SubmitEnvelope) -> RouteKey | None:
-        hashes = hashes_of(submit)
+        """None (routed on load alone, as ``least_loaded``) for a submission with no session and
+        no group while no engine publishes KV events, its hashes uncomputed: they would steer
+        nothing (a request still waiting when an engine starts publishing goes by load), or
+        when its prompt has no whole block."""
         session_id, group_id = submit.session_id, submit.group_id
-        if not hashes and session_id is None and group_id is None:
-            return None
-        return RouteKey(hashes, session_id, group_id)
+        if session_id is None and group_id is None:
+            index = self.index
+            if not index.engines and not index.learning:
+                return None
+            hashes = hashes_of(submit)
+            return RouteKey(hashes) if hashes else None
+        return RouteKey(hashes_of(submit), session_id, group_id)
 
     def load(self, record: EngineRecord) -> float:
         return len(record.requests) + record.queued_tokens / self._per_request
@@ -85,14 +96,19 @@ class CacheAware:
         return mean * factor if mean * factor > mean + slack else mean + slack
 
     def choose(self, group: EngineGroup, key: RouteKey | None = None) -> EngineRecord | None:
-        if key is None or (not self.index.engines and key.session_id is None and key.group_id is None):
+        index = self.index
+        if key is None:
             return self._fallback.choose(group)  # nothing to be affine to: load alone
+        if index.learning:
+            return None  # a replica that just started: the engines' snapshots first
+        session_id, group_id = key.session_id, key.group_id
+        if not index.engines and session_id is None and group_id is None:
+            return self._fallback.choose(group)
         least = group.least_loaded()
         if least is None:
             return None
         now = time.monotonic()
         bound = self.bound(group)
-        session_id, group_id = key.session_id, key.group_id
         chosen = None
         if session_id is not None:
             chosen = self._home(self.sessions.get(session_id, now), group, bound)
@@ -105,8 +121,19 @@ class CacheAware:
             self.sessions.set(session_id, chosen, now)
         if group_id is not None:
             self.groups.set(group_id, chosen, now)
-        if key.hashes:
-            self._count(chosen, key, held, now)
+        hashes = key.hashes
+        if hashes:
+            # The choice counts at once: the prompt joins the engine's queued tokens, less what
+            # it holds, and its prefixes count as held there for the prediction's TTL (nothing
+            # for an engine without KV events).
+            engine = index.engines.get(chosen.engine_id)
+            if engine is not None and engine.record is chosen:
+                if held < 0:
+                    held = index.held_blocks(engine, hashes, now)
+                blocks = prefix_blocks(len(hashes) - 1, len(hashes))  # the prompt's, as far as its hashes tell
+                if blocks > held:
+                    chosen.queued_tokens += (blocks - held) * TOKENS_PER_BLOCK
+                index.predict(engine, hashes, now)
         return chosen
 
     def _home(self, home: EngineRecord | None, group: EngineGroup, bound: float) -> EngineRecord | None:
@@ -158,20 +185,6 @@ class CacheAware:
                     if random.random() * ties < 1:
                         chosen, chosen_blocks = record, 0
         return chosen, chosen_blocks
-
-    def _count(self, chosen: EngineRecord, key: RouteKey, held: int, now: float) -> None:
-        """The prompt joins ``chosen``'s queued tokens, less what it holds, and its prefixes
-        count as held there for the prediction's TTL; nothing for an engine without KV events."""
-        engine = self.index.engines.get(chosen.engine_id)
-        if engine is None or engine.record is not chosen:
-            return
-        hashes = key.hashes
-        if held < 0:
-            held = self.index.held_blocks(engine, hashes, now)
-        blocks = prefix_blocks(len(hashes) - 1, len(hashes))  # the prompt's, as far as its hashes tell
-        if blocks > held:
-            chosen.queued_tokens += (blocks - held) * TOKENS_PER_BLOCK
-        self.index.predict(engine, hashes, now)
 
     def turn_ended(self) -> None:
         self._fallback.turn_ended()

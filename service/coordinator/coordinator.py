@@ -130,7 +130,7 @@ class Coordinator:
         self._admission = Admission(core, ledger, answers, self.engines, self.peers, self.replies)
         self._stalls = Stalls(settings.heartbeat_timeout_s / 2, self.counters)
         self._fleet = Fleet(core, ledger, self.engines, self.control_state, self._stalls)
-        self._kv_feed = KvFeed(core, self.blocks, self.engines)
+        self._kv_feed = KvFeed(core, self.blocks, self.engines, release=ledger.release)
         self._control = Control(
             core, ledger, self.control_state, self.engines, self.peers,
             forget_engines=self._fleet.remove_all, request_stop=self.request_stop,
@@ -371,18 +371,18 @@ class Coordinator:
     # ------------------------------------------------------------ background
 
     async def _heartbeat_once(self) -> None:
-        """One beat to the other replicas, and housekeeping: expired results are swept by time,
-        owners that hold no slot forgotten, and engines gone from the pool from the block index.
-        A beat that came far too late tells of a stall."""
+        """One beat to the other replicas, and housekeeping: expired results swept by time, idle
+        owners forgotten, the block index's (:meth:`KvFeed.tick`). A beat far too late tells of a stall."""
         self.results.sweep()
         self.requests.forget_idle_owners()
-        self._kv_feed.sweep()
+        self._kv_feed.tick()
         await self._replica_watch.beat()
         await self._stalls.sleep(self.settings.heartbeat_interval_s)
 
     def _warmed_up(self) -> None:
         """Every live engine and peer has been heard by now: settle what waited for that."""
         self._replica_watch.warmed_up()
+        self._kv_feed.warmed_up()
         self.requests.release()
 
     def _on_bus_back(self) -> None:

@@ -20,11 +20,19 @@ Contract:
 - An engine that leaves the pool is forgotten at the next :meth:`KvFeed.sweep`; routing never
   chooses it meanwhile (its record left the pool).
 - Each event's ``queued_tokens`` becomes the engine's queued tokens (:mod:`.cache_routing`).
+- A replica that starts learns before it routes by the index: ``BlockIndex.learning`` holds
+  from its start until the fleet has been heard (:meth:`KvFeed.tick`, every heartbeat interval:
+  two intervals since the start, the last of them without a new engine) and every snapshot
+  asked meanwhile is answered (or failed), or at the latest until warm-up ends
+  (:meth:`KvFeed.warmed_up`); ``cache_aware`` routes no request by the index meanwhile, and
+  ``release`` (the ledger's, passed in by the wiring) routes what waited once it is over.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import msgspec
 from nats.errors import Error as NatsError
@@ -48,13 +56,45 @@ MAX_BUFFERED = 256
 
 
 class KvFeed:
-    def __init__(self, core: Core, index: BlockIndex, pool: EnginePool) -> None:
+    def __init__(
+        self,
+        core: Core,
+        index: BlockIndex,
+        pool: EnginePool,
+        release: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._core = core
         self._index = index
         self._pool = pool
+        self._release = release
         self.enabled = core.settings.routing_policy == "cache_aware"
         self._counters = core.counters
         self._failures = RateLimitedLog(log)
+        self._asking = 0  # snapshots asked and not answered (or failed) yet
+        self._heard_all = False
+        self._clock = clock
+        self._started = self._last_new = clock()
+        index.learning = self.enabled
+
+    def tick(self) -> None:
+        """Every heartbeat interval: engines gone from the pool forgotten (:meth:`sweep`), and
+        while learning, whether every live engine has been heard (each beats once an interval:
+        two since the start, and one without a new engine)."""
+        self.sweep()
+        if not self._index.learning or self._heard_all:
+            return
+        now, interval = self._clock(), self._core.settings.heartbeat_interval_s
+        if now - self._started >= 2 * interval and now - self._last_new >= interval:
+            self._heard_all = True
+            self._settle()
+
+    def warmed_up(self) -> None:
+        """Warm-up is over: route by the index whatever is still asked."""
+        self._heard_all = True
+        if self._index.learning:
+            self._index.learning = False
+            self._release()
 
     def registered(self, engine_id: str, kv_sequence: int | None) -> None:
         """``engine_id`` registered (it restarted): a fresh snapshot, or none for an engine
@@ -65,6 +105,7 @@ class KvFeed:
         if record is None or kv_sequence is None:
             self._index.forget(engine_id)
             return
+        self._last_new = self._clock()
         self._ask(self._index.track(engine_id, record))
 
     def heard(self, heartbeat: Heartbeat) -> None:
@@ -81,6 +122,7 @@ class KvFeed:
         """One engine step's events (sent on its own subject, so ``engine_id`` is the sender)."""
         if not self.enabled:
             return
+        self._counters["kv_events"] += 1
         engine = self._tracked(engine_id)
         if engine is None:
             return
@@ -114,6 +156,7 @@ class KvFeed:
             return None
         engine = self._index.engines.get(engine_id)
         if engine is None or engine.record is not record:
+            self._last_new = self._clock()
             engine = self._index.track(engine_id, record)
             self._ask(engine)
         return engine
@@ -130,9 +173,22 @@ class KvFeed:
     def _ask(self, engine: EngineBlocks) -> None:
         if not engine.pending:
             engine.pending = True
+            self._asking += 1
             self._core.spawn(self._snapshot(engine))
 
+    def _settle(self) -> None:
+        if self._index.learning and self._heard_all and not self._asking:
+            self._index.learning = False
+            self._release()
+
     async def _snapshot(self, engine: EngineBlocks) -> None:
+        try:
+            await self._take_snapshot(engine)
+        finally:
+            self._asking -= 1
+            self._settle()
+
+    async def _take_snapshot(self, engine: EngineBlocks) -> None:
         engine_id = engine.engine_id
         core = self._core
         self._counters["kv_snapshots_asked"] += 1

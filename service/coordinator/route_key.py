@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from msgspec import Struct
 
 from service.protocol.messages import SubmitEnvelope, SubmitRequest
-from service.protocol.prefix import prefix_hashes
+from service.protocol.prefix import TOKENS_PER_BLOCK, prefix_hashes
 
 
 class RouteKey(Struct, gc=False):
@@ -26,10 +26,15 @@ class RouteKey(Struct, gc=False):
 
 
 def hashes_of(submit: SubmitRequest | SubmitEnvelope) -> Sequence[int]:
-    """The prompt's prefix hashes: the envelope's, or computed from a plain submission."""
+    """The prompt's prefix hashes: the envelope's, or computed from a plain submission. A prompt
+    under ``TOKENS_PER_BLOCK`` (16) items has none, uncomputed: fewer token ids than a block
+    holds, or fewer characters than a text block's 64 bytes of UTF-8 (at most 4 a character)."""
     if isinstance(submit, SubmitEnvelope):
         return submit.prefix_hashes or ()
-    return prefix_hashes(submit.prompt, submit.messages)
+    prompt = submit.prompt
+    if prompt is not None and len(prompt) < TOKENS_PER_BLOCK:
+        return ()
+    return prefix_hashes(prompt, submit.messages)
 
 
 def prefix_blocks(index: int, count: int) -> int:

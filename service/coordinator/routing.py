@@ -7,7 +7,7 @@ can hold or refuse the request. The coordinator calls ``turn_ended`` when it pub
 routed in one event-loop turn (one message per engine), so a policy knows which engine is
 already receiving a batch.
 
-- ``least_loaded`` (default): fewest requests in flight, equals in rotation. With a
+- ``least_loaded``: fewest requests in flight, equals in rotation. With a
   ``routing_load_slack`` of s, the engine already receiving a batch this turn keeps getting
   requests while its load is at most the least loaded engine's plus s: under load, routed
   messages keep carrying several requests however many engines there are, at the price of
@@ -16,7 +16,7 @@ already receiving a batch.
   same slack applies against it). O(1), with no shared order among coordinator replicas.
 - ``round_robin``: each engine with room in turn, ignoring load. O(1).
 - ``prefix``: see :mod:`service.coordinator.prefix_routing`.
-- ``cache_aware``: see :mod:`service.coordinator.cache_routing`.
+- ``cache_aware`` (default): see :mod:`service.coordinator.cache_routing`.
 """
 
 from __future__ import annotations

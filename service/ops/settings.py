@@ -70,7 +70,7 @@ class Settings(BaseSettings):
         "dpcoord-coordinators", description="Queue group shared by coordinator replicas"
     )
     routing_policy: CoordinatorSetting[Literal["least_loaded", "p2c", "round_robin", "prefix", "cache_aware"]] = Field(
-        "least_loaded",
+        "cache_aware",
         description="How a request picks an engine: least_loaded, p2c (less loaded of two drawn at random), round_robin, "
         "prefix (where its prompt's longest prefix went, within prefix_load_bound), or cache_aware (the engines' KV "
         "events blended with load; sessions and groups kept together); see docs/protocol.md",
@@ -99,10 +99,10 @@ class Settings(BaseSettings):
         "tokens) and in its score (the prefix it holds)",
     )
     cache_aware_prefix_weight: CoordinatorSetting[float] = Field(
-        2.0,
+        8.0,
         ge=0,
         description="cache_aware: how many times over the prompt prefix an engine holds (or is computing) counts "
-        "against its load in its score: once for the prefill skipped, more for the compute the fleet saves",
+        "against its load in its score; high, so the holder keeps the prompt until its affinity yields",
     )
     cache_aware_load_factor: CoordinatorSetting[float] = Field(
         1.25,

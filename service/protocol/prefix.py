@@ -43,9 +43,24 @@ class ChatTurn(Protocol):
 def prefix_hashes(prompt: str | list[int] | None, messages: Sequence[ChatTurn] | None = None) -> list[int]:
     """The prefix hashes of ``prompt``, or of chat ``messages`` when there is no prompt; empty
     when there is no whole block (or a token id over 32 bits)."""
+    return _chain(prompt, messages)[0]
+
+
+def prompt_prefixes(
+    prompt: str | list[int] | None, messages: Sequence[ChatTurn] | None = None
+) -> list[tuple[int, int]]:
+    """Each prefix hash of :func:`prefix_hashes` with the length in blocks of the prefix it
+    names (the boundary it was taken at: 1, 2, 4, ..., or the last whole block), as an engine
+    reports what it holds (docs/protocol.md, *KV events*)."""
+    hashes, ends = _chain(prompt, messages)
+    return list(zip(hashes, ends, strict=True))
+
+
+def _chain(prompt: str | list[int] | None, messages: Sequence[ChatTurn] | None) -> tuple[list[int], list[int]]:
+    """The prefix hashes and the block counts they were taken at."""
     if prompt is None:
         if not messages:
-            return []
+            return [], []
         data = "".join(f"{message.role}\0{message.content}\0" for message in messages).encode()
         block = BYTES_PER_BLOCK
         digest = b"c"
@@ -57,20 +72,20 @@ def prefix_hashes(prompt: str | list[int] | None, messages: Sequence[ChatTurn] |
         try:
             ids = array(_UINT32, prompt)
         except OverflowError:
-            return []
+            return [], []
         if sys.byteorder != "little":
             ids.byteswap()
         data = ids.tobytes()
         block = TOKENS_PER_BLOCK * 4
         digest = b"t"
-    blocks = len(data) // block
+    ends = _boundaries(len(data) // block)
     hashes: list[int] = []
     start = 0
-    for end in _boundaries(blocks):
+    for end in ends:
         digest = blake2b(digest + data[start * block : end * block], digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))
         start = end
-    return hashes
+    return hashes, ends
 
 
 def _boundaries(blocks: int) -> list[int]:

@@ -2,8 +2,11 @@
 snapshot, a replica that restarts rebuilds its index from the engines' snapshots; sessions and
 groups stay on one engine (echo engines, the client library and the HTTP gateway).
 
-Until the engine runtime publishes KV events (issue 33, stage 2), the engines with a prefix
-cache here are :class:`tests.kv_engine_double.KvEngineDouble`, a test double of their wire.
+The engines are echo engines, whose simulated prefix cache publishes KV events as the engine
+runtime does for any backend (tests/torch/test_torch_cache_routing.py has the torch backend's),
+and :class:`tests.kv_engine_double.KvEngineDouble`, a test double of the wire that holds what a
+test tells it and can lose events on the way. Routing's predictions expire at once here, so
+only the engines' events steer.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tests.kv_engine_double import KvEngineDouble
 
 @pytest.fixture
 def settings(nats_url: str) -> Settings:
-    return make_settings(nats_url, routing_policy="cache_aware")
+    return make_settings(nats_url, routing_policy="cache_aware", cache_aware_prediction_ttl_s=0.001)
 
 
 @pytest.fixture
@@ -97,6 +100,22 @@ async def test_a_replica_that_restarts_rebuilds_its_index_from_the_engines(
         assert await served_by(settings, [prompt(64, 1, seed) for seed in range(3)]) == ["kv0"] * 3
 
 
+async def test_echo_engines_events_steer_follow_ups_also_after_a_replica_restarts(
+    settings: Settings, coordinator: Coordinator, start_engines: EngineFactory
+) -> None:
+    await start_engines(3)
+    await until(lambda: len(coordinator.blocks.engines) == 3)
+    shared = prompt(64, own=0, seed=3)
+    [home] = await served_by(settings, [shared])
+    assert home is not None
+    await until(lambda: knows(coordinator, home, shared))
+    assert await served_by(settings, [prompt(64, 1, seed) for seed in range(3)]) == [home] * 3
+    await coordinator.stop()
+    async with Coordinator(settings, HANDLERS) as restarted:
+        await until(lambda: knows(restarted, home, shared))  # from the snapshots the heartbeats prompted
+        assert await served_by(settings, [prompt(64, 1, seed) for seed in range(3, 6)]) == [home] * 3
+
+
 async def test_a_session_stays_on_its_engine_and_moves_when_it_leaves(
     settings: Settings, coordinator: Coordinator, start_engines: EngineFactory
 ) -> None:
@@ -127,8 +146,9 @@ async def test_a_group_runs_on_one_engine_however_its_submissions_arrive(
 @pytest.fixture
 async def wire(nc: NATS, settings: Settings) -> AsyncIterator[tuple[Counter[str], list[SubmitEnvelope]]]:
     """What the gateway submits and where the coordinator routes it, read off the wire: the
-    client library's envelopes on ``<prefix>.submit_request``, and the requests routed per
-    engine on ``<prefix>.engine.<engine_id>.submit_request``."""
+    client library's envelopes on ``<prefix>.submit_request`` or a replica's own
+    ``<prefix>.submit_request.<coordinator_id>``, and the requests routed per engine on
+    ``<prefix>.engine.<engine_id>.submit_request``."""
     routed: Counter[str] = Counter()
     submitted: list[SubmitEnvelope] = []
 
@@ -141,6 +161,7 @@ async def wire(nc: NATS, settings: Settings) -> AsyncIterator[tuple[Counter[str]
     subscriptions = [
         await nc.subscribe(f"{settings.subject_prefix}.engine.*.submit_request", cb=route),
         await nc.subscribe(f"{settings.subject_prefix}.submit_request", cb=submit),
+        await nc.subscribe(f"{settings.subject_prefix}.submit_request.*", cb=submit),
     ]
     await nc.flush()
     yield routed, submitted

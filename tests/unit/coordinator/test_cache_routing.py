@@ -77,16 +77,21 @@ def seeded() -> None:
     random.seed(11)
 
 
-def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix() -> None:
+def test_a_prompt_goes_to_the_engine_holding_its_longest_prefix_blended_with_load() -> None:
     fleet = Fleet(4)
     fleet.holds(1, prompt(8))
     fleet.holds(2, prompt(32))
-    fleet.load(2, 5)  # 32 held blocks, twice over at 256 tokens a request: 4 requests' worth; score 1
-    assert fleet.route(prompt(32, 2)) == "e1"  # 8 blocks held, idle: score -1 beats the idle e0 and e3's 0
-    fleet = Fleet(4)
-    fleet.holds(2, prompt(64))
-    fleet.load(2, 7)
-    assert fleet.route(prompt(64, 1)) == "e2"  # 64 blocks = 8 requests' worth
+    fleet.load(2, 5)  # 32 held blocks, 8 times over at 256 tokens a request: 16 requests' worth; score -11
+    assert fleet.route(prompt(32, 2)) == "e2"  # beats e1's 8 blocks held, idle: score -4
+    light = Fleet(4, cache_aware_prefix_weight=2.0)
+    light.holds(1, prompt(8))
+    light.holds(2, prompt(32))
+    light.load(2, 5)  # twice over: 4 requests' worth; score 1
+    assert light.route(prompt(32, 2)) == "e1"  # 8 blocks held, idle: score -1 beats the idle e0 and e3's 0
+    light = Fleet(4, cache_aware_prefix_weight=2.0)
+    light.holds(2, prompt(64))
+    light.load(2, 7)
+    assert light.route(prompt(64, 1)) == "e2"  # 64 blocks = 8 requests' worth
 
 
 def test_affinity_yields_once_the_holder_passes_the_bound() -> None:
@@ -213,6 +218,21 @@ def test_the_key_comes_from_the_envelope_or_the_plain_body() -> None:
     assert policy.key_of(envelope) == RouteKey([5, 6], None, "g")
     assert policy.key_of(SubmitEnvelope(1, b"{}", session_id="s")) == RouteKey((), "s")
     assert policy.key_of(SubmitEnvelope(1, b"{}")) is None  # routed as least_loaded
+    assert policy.key_of(SubmitRequest(tokens)) == RouteKey(prefix_hashes(tokens))
+    assert policy.key_of(SubmitRequest(tokens[: TOKENS_PER_BLOCK - 1])) is None  # no whole block
+    assert policy.key_of(SubmitRequest("é" * (TOKENS_PER_BLOCK - 1))) is None
+    assert policy.key_of(SubmitRequest("é" * 32)) == RouteKey(prefix_hashes("é" * 32))  # 64 bytes
+
+
+def test_without_kv_events_only_sessions_and_groups_make_a_key() -> None:
+    """No engine publishes KV events: a prompt's hashes would steer nothing, so none are
+    computed, unless the replica is still learning what the engines hold."""
+    policy = Fleet(2, tracked=0).policy
+    tokens = list(range(3 * TOKENS_PER_BLOCK))
+    assert policy.key_of(SubmitRequest(tokens)) is None
+    assert policy.key_of(SubmitRequest(tokens, group_id="g")) == RouteKey(prefix_hashes(tokens), None, "g")
+    policy.index.learning = True
+    assert policy.key_of(SubmitRequest(tokens)) == RouteKey(prefix_hashes(tokens))
 
 
 def test_homes_are_bounded_in_count_and_age(clock: Clock) -> None:
@@ -222,3 +242,28 @@ def test_homes_are_bounded_in_count_and_age(clock: Clock) -> None:
     assert len(fleet.policy.sessions) == 2 and fleet.policy.sessions.get("a", clock.now) is None
     clock.now += 11
     assert fleet.policy.sessions.get("c", clock.now) is None
+
+
+def test_the_default_routes_a_fleet_without_kv_events_as_least_loaded() -> None:
+    """cache_aware is the default; over engines that publish no KV events it makes least_loaded's
+    choices, request for request (prompts with prefix hashes included)."""
+    assert Settings().routing_policy == "cache_aware"
+    pools, policies = [], []
+    for settings in (Settings(), Settings(routing_policy="least_loaded")):
+        pool = EnginePool(max_inflight_per_engine=1024, departed_memory_s=10.0)
+        for n in range(3):
+            pool.add(f"e{n}", 256)
+        pools.append(pool)
+        policies.append(make_policy(settings))
+    for seed in range(24):
+        key = RouteKey(prefix_hashes(prompt(8, 1, seed % 3)))
+        chosen = [policy.choose(pool.everyone, key) for policy, pool in zip(policies, pools, strict=True)]
+        records = [record for record in chosen if record is not None]
+        assert len(records) == 2 and records[0].engine_id == records[1].engine_id
+        for record, pool in zip(records, pools, strict=True):
+            pool.assign(record, f"r{seed}")
+            if seed % 5 == 0:  # some finish at once: loads differ
+                assert pool.release(record.engine_id, f"r{seed}")
+        if seed % 4 == 3:
+            for policy in policies:
+                policy.turn_ended()

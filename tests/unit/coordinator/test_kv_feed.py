@@ -1,6 +1,7 @@
 """The KV feed on a recording bus: events applied in their numbering, a gap answered by a
 snapshot, snapshots when an engine registers, when a heartbeat introduces it (a replica that
-starts), and when it is first heard; the engines that publish none, and the bounds."""
+starts: it routes by the index only once it has learnt it), and when it is first heard; the
+engines that publish none, and the bounds."""
 
 from __future__ import annotations
 
@@ -33,9 +34,28 @@ class EngineDouble:
         return [encode_msgpack(KvSnapshot(self.engine_id, self.sequence, held, queued_tokens=0))]
 
 
-def feed_of(**settings: object) -> tuple[Floor, KvFeed]:
+def feed_of(clock: Clock | None = None, **settings: object) -> tuple[Floor, KvFeed]:
     floor = build(**{"routing_policy": "cache_aware", **settings})  # type: ignore[arg-type]
-    return floor, KvFeed(floor.core, floor.blocks, floor.pool)
+    return floor, KvFeed(floor.core, floor.blocks, floor.pool, floor.ledger.release, clock or Clock())
+
+
+class Clock:
+    """Test double of the feed's clock: time moves when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def heard_all(floor: Floor, feed: KvFeed, clock: Clock) -> None:
+    """Ticks: one interval after the start (too early), then two more without a new engine."""
+    for _ in range(3):
+        feed.tick()
+        assert floor.blocks.learning
+        clock.now += floor.settings.heartbeat_interval_s
+    feed.tick()
 
 
 def holders(floor: Floor, prefix_hash: int) -> dict[str, int]:
@@ -104,22 +124,62 @@ async def test_a_heartbeat_introducing_an_engine_takes_a_snapshot_and_one_ahead_
     assert engine.asked == 2 and holders(floor, 2) == {"e1": 1} and floor.core.counters["kv_gaps"] == 1
 
 
-async def test_a_replica_that_starts_rebuilds_its_index_from_snapshots_and_routes_by_it() -> None:
+async def test_a_replica_that_starts_rebuilds_its_index_from_snapshots_before_it_routes_by_it() -> None:
     """A fresh replica hears the fleet's heartbeats: each engine is adopted and snapshotted,
-    with nothing replayed, and the first request sharing a held prefix goes to its holder."""
-    floor, feed = feed_of()
+    with nothing replayed. A request with a key waits until every engine was heard and its
+    snapshot is in; then the first sharing a held prefix goes to its holder."""
+    clock = Clock()
+    floor, feed = feed_of(clock)
     fleet = Fleet(floor.core, floor.ledger, floor.pool, floor.control)
     prompt = list(range(64 * TOKENS_PER_BLOCK))
     hashes = prefix_hashes(prompt)
+    key = RouteKey(prefix_hashes(prompt + [7] * 16))
     doubles = [EngineDouble(floor, f"e{n}", {hashes[-1]: 64} if n == 2 else {}, sequence=40) for n in range(4)]
     for n in range(4):
         heartbeat = Heartbeat(f"e{n}", capacity=8, kv_sequence=40)
         await fleet.heartbeat(heartbeat)
         feed.heard(heartbeat)
+        assert floor.ledger.engine_for(floor.pool.everyone, None, key) is None  # learning: it waits
     await floor.spawned.settle()
     assert [double.asked for double in doubles] == [1, 1, 1, 1] and len(floor.blocks.engines) == 4
-    chosen = floor.ledger.engine_for(floor.pool.everyone, None, RouteKey(prefix_hashes(prompt + [7] * 16)))
+    assert floor.blocks.learning  # every snapshot in, but the fleet may not all have been heard
+    feed.tick()  # an engine new less than an interval ago: others may come
+    clock.now += 2 * floor.settings.heartbeat_interval_s
+    feed.tick()
+    chosen = floor.ledger.engine_for(floor.pool.everyone, None, key)
     assert chosen is not None and chosen.engine_id == "e2"
+
+
+async def test_requests_that_waited_while_learning_go_where_the_snapshots_say() -> None:
+    clock = Clock()
+    floor, feed = feed_of(clock)
+    prompt = list(range(64 * TOKENS_PER_BLOCK))
+    for n in range(3):
+        floor.engine(f"e{n}")
+        EngineDouble(floor, f"e{n}", {prefix_hashes(prompt)[-1]: 64} if n == 1 else {}, sequence=3)
+    for n in range(3):
+        feed.heard(Heartbeat(f"e{n}", kv_sequence=3))
+    heard_all(floor, feed, clock)
+    entries = [floor.request() for _ in range(3)]
+    for entry in entries:
+        entry.routing_key = RouteKey(prefix_hashes(prompt))
+        floor.ledger.admit(entry, None, floor.ledger.engine_for(floor.pool.everyone, None, entry.routing_key))
+    assert floor.ledger.queued == 3  # snapshots asked, not answered yet
+    await floor.spawned.settle()  # answered: learning is over and the queue released
+    assert not floor.blocks.learning and not floor.ledger.queued
+    assert {entry.engine_id for entry in entries} == {"e1"}
+
+
+async def test_learning_ends_with_warm_up_whatever_is_still_asked() -> None:
+    floor, feed = feed_of()
+    floor.engine("e1")
+    feed.heard(Heartbeat("e1", kv_sequence=0))  # nobody answers: the snapshot fails later
+    assert floor.blocks.learning
+    feed.warmed_up()
+    key = RouteKey(prefix_hashes(list(range(32))))
+    assert not floor.blocks.learning and floor.ledger.engine_for(floor.pool.everyone, None, key) is not None
+    floor, feed = feed_of(routing_policy="least_loaded")
+    assert not floor.blocks.learning
 
 
 async def test_a_snapshot_not_answered_leaves_the_number_unknown_and_the_next_event_asks_again() -> None:
