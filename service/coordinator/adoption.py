@@ -5,7 +5,8 @@ Contract:
 - A peer is adopted once this replica knows it dead (a whole heartbeat timeout of silence it
   could have heard, :mod:`service.coordinator.peers`) and is the lowest live id; the other
   survivors forget the replies they kept for it.
-- The adopter broadcasts ``adopt`` to every engine it knows. Each engine hands over the dead
+- The adopter broadcasts ``adopt`` to every engine it knows, and waits for each until it
+  answers or leaves the pool (found dead meanwhile). Each engine hands over the dead
   replica's requests (their return paths, bodies and how many partials it sent) and names the
   adopter in their replies from then on. The adopter holds them as its own: deadline, engine
   slot, resubmissions and aborts (forwarded by the other replicas, :mod:`.forwarding`), and
@@ -109,6 +110,7 @@ class Adoption:
                 encode_msgpack(AdoptionMessage(dead, core.id)),
                 expected,
                 core.settings.control_timeout_s,
+                still_expected=lambda engine_id: self._pool.get(engine_id) is not None,
             )
             adopted = {
                 item.return_path.request_id: (engine_id, item)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,11 +28,25 @@ class BroadcastResult:
         return {engine_id: ack.detail for engine_id, ack in self.acks.items() if not ack.ok}
 
 
-async def broadcast(nc: NATS, subject: str, body: bytes, expected: set[str], timeout_s: float) -> BroadcastResult:
+# How often a broadcast that may stop waiting for engines that left asks whether they did.
+RECHECK_S = 0.1
+
+
+async def broadcast(
+    nc: NATS,
+    subject: str,
+    body: bytes,
+    expected: set[str],
+    timeout_s: float,
+    still_expected: Callable[[str], bool] | None = None,
+) -> BroadcastResult:
     """Publish ``body`` on ``subject`` and wait until every engine in ``expected`` confirmed it,
-    or ``timeout_s`` passed; ``missing`` names the engines that stayed silent."""
+    or ``timeout_s`` passed; ``missing`` names the engines that stayed silent. With
+    ``still_expected``, an engine it says no to (one that left the pool, found dead) is waited
+    for no more, nor named missing: its silence would otherwise cost the whole timeout."""
     result = BroadcastResult()
     all_confirmed = asyncio.Event()
+    expected = set(expected)
 
     async def on_ack(msg: Msg) -> None:
         try:
@@ -49,11 +64,30 @@ async def broadcast(nc: NATS, subject: str, body: bytes, expected: set[str], tim
     try:
         await nc.publish(subject, body, reply=inbox)
         if expected:
-            try:
-                await asyncio.wait_for(all_confirmed.wait(), timeout_s)
-            except TimeoutError:
-                pass
+            await _confirmed(all_confirmed, timeout_s, expected, result, still_expected)
     finally:
         await sub.unsubscribe()
     result.missing = expected.difference(result.acks)
     return result
+
+
+async def _confirmed(
+    all_confirmed: asyncio.Event,
+    timeout_s: float,
+    expected: set[str],
+    result: BroadcastResult,
+    still_expected: Callable[[str], bool] | None,
+) -> None:
+    """Until every engine still expected confirmed, or ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (left := deadline - loop.time()) > 0:
+        try:
+            await asyncio.wait_for(all_confirmed.wait(), left if still_expected is None else min(left, RECHECK_S))
+            return
+        except TimeoutError:
+            if still_expected is None:
+                return
+        expected.difference_update([engine_id for engine_id in expected if not still_expected(engine_id)])
+        if expected.issubset(result.acks):
+            return

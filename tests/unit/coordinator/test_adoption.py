@@ -4,6 +4,8 @@ the request's owner."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
@@ -81,3 +83,20 @@ async def test_an_abort_is_applied_only_for_the_requests_owner() -> None:
     with pytest.raises(WireError) as unknown:
         await ownership.abort(abort_from("_INBOX"), "c1-none", None)
     assert unknown.value.code == 404
+
+
+async def test_an_adoption_waits_for_no_engine_that_left_the_pool_meanwhile(later: Later) -> None:
+    """An engine that dies with the replica answers no ``adopt``: once the fleet removes it, the
+    adoption (and the arbitration waiting on it) ends, not a control timeout later."""
+    floor = build(control_timeout_s=600.0)
+    job, _ = adoption(floor)
+    floor.engine("e1")
+    floor.engine("e2")
+    later.advance(floor.settings.heartbeat_timeout_s)
+    floor.bus.responders[floor.core.subjects.broadcast(ADOPT)] = lambda body: [encode_msgpack(EngineAck("e1", ADOPT))]
+    job.departed("c0")
+    await asyncio.sleep(0)  # the broadcast is out, e2 silent
+    assert job.adopting
+    floor.pool.remove("e2", departed=True)  # the fleet found it dead
+    await asyncio.wait_for(floor.spawned.settle(), 10)  # far less than control_timeout_s
+    assert not job.adopting and floor.core.counters["peers_adopted"] == 1
