@@ -303,7 +303,7 @@ async def test_cli_services_serve_probes_on_their_configured_ports(nats_url: str
         )
         for port in ports.values():
             assert (await http_get(port, HEALTH_PATH))[0] == 200
-            assert (await http_get(port, READY_PATH))[0] == 200
+            await probe_until(port, READY_PATH, 200)  # the coordinator joins its arbitration first
         assert "dpcoord_engines_connected 1.0" in (await http_get(ports["coordinator"], METRICS_PATH))[1]
     finally:
         for process in processes.values():
