@@ -11,8 +11,9 @@ within the connect timeout, before anything starts.
 
 While engines load, ``up`` says every few seconds how many registered so far (each engine logs
 how far its weights loaded). The banner prints once every part serves: every engine registered
-with the coordinator, and
-the gateway listening (its own log says so) with its ``/readyz`` answering 200. The gateway's
+with the coordinator, the coordinator's ``/readyz`` answering 200 (it has joined the
+arbitration of request ids), and the gateway listening (its own log says so) with its
+``/readyz`` answering 200. The gateway's
 port is 8000 when the gateway could bind it: the check binds as the gateway does
 (``SO_REUSEADDR``), so connections in TIME_WAIT from a previous run do not make it look taken."""
 
