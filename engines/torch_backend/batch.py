@@ -5,7 +5,9 @@ is gathered into Python lists and sent to the device in one small transfer per t
 masks are built on the device: a query sees the cached slots at or before its position and,
 with a ``sliding_window`` W, only the last W of those (its own included), as transformers'
 sliding-window mask. Decode groups for the paged kernel carry lengths instead of a mask (the
-kernel applies the window itself). With a step in flight (``previous``), the decode rows'
+kernel applies the window itself). Prefills are attended in groups of like query lengths
+(:func:`prefill_groups`), their rows packed group by group; ``last_token_index`` keeps the
+order of the scheduled sequences whatever the packing. With a step in flight (``previous``), the decode rows'
 input ids are its sampled ids, copied on the device (:mod:`engines.torch_backend.placeholders`). A prefill whose
 prompt logprobs are due (``Sequence.prompt_rows_due``) also has the rows of its positions
 0 .. P-2 in ``last_token_index``, after every sequence's sampling row, in the order of the
@@ -50,19 +52,35 @@ def build_batch(
     paged_decode: bool = False,
     previous: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    scratch_slot: int | None = None,
 ) -> ForwardBatch:
+    """``scratch_slot``: where a fed token whose page the prefix cache holds already (a prompt
+    read whole from the cache feeds its last token) writes its keys and values; a slot of the
+    cache's scratch page, needed only with prefix caching."""
+    groups = prefill_groups(scheduled.prefill)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    last: list[int] = []
-    prompt_rows: list[int] = []
-    for sequence in scheduled.sequences:
-        first = len(input_ids)
+    first_rows: dict[int, int] = {}  # id(sequence) -> the row of its first new token
+    for sequence in [*scheduled.decode, *(sequence for group in groups for sequence in group)]:
+        first_rows[id(sequence)] = len(input_ids)
+        shared = sequence.num_committed * block_size  # positions in pages others may read: never written
         for position in range(sequence.num_cached, len(sequence.token_ids)):
             input_ids.append(sequence.token_ids[position])
             positions.append(position)
-            slots.append(sequence.slot(position, block_size))
-        last.append(len(input_ids) - 1)
+            if position >= shared:
+                slots.append(sequence.slot(position, block_size))
+            elif scratch_slot is None:
+                raise RuntimeError(
+                    f"request_id={sequence.request_id}: a cached page's token is fed without a scratch slot"
+                )
+            else:
+                slots.append(scratch_slot)
+    last: list[int] = []
+    prompt_rows: list[int] = []
+    for sequence in scheduled.sequences:
+        first = first_rows[id(sequence)]
+        last.append(first + sequence.num_new - 1)
         if sequence.prompt_rows_due:
             prompt_rows.extend(range(first, first + sequence.num_prompt_tokens - 1))
     ids = _long(input_ids, device)
@@ -80,10 +98,22 @@ def build_batch(
             if paged_decode
             else _decode_group(scheduled.decode, block_size, dtype, device, sliding_window)
         ),
-        prefill=_prefill_group(scheduled.prefill, block_size, group_size, dtype, device, sliding_window)
-        if scheduled.prefill
-        else None,
+        prefill=tuple(_prefill_group(group, block_size, group_size, dtype, device, sliding_window) for group in groups),
     )
+
+
+def prefill_groups(sequences: list[Sequence]) -> list[list[Sequence]]:
+    """The prefills in attention groups, each padded to its longest query: longest first, a group
+    closing before a query shorter than half of its first, so padding at most doubles a query.
+    (One group for a step that prefills a long prompt beside siblings feeding a page each
+    would pad every sibling to the prompt's length.)"""
+    groups: list[list[Sequence]] = []
+    for sequence in sorted(sequences, key=lambda sequence: sequence.num_new, reverse=True):
+        if groups and 2 * sequence.num_new >= groups[-1][0].num_new:
+            groups[-1].append(sequence)
+        else:
+            groups.append([sequence])
+    return groups
 
 
 def _decode_group(

@@ -15,9 +15,11 @@ the page is registered under a hash chained over token content,
 ``hash(page i) = blake2b(hash(page i - 1) || tokens of page i)``, so equal hashes mean equal
 token prefixes, not merely equal pages. A sequence being admitted takes a reference on every
 registered page that matches its leading full pages and feeds only the tokens after them. Its
-last token is always fed (its logits give the next token), so at most
-``(len(tokens) - 1) // block_size`` pages are reused; and since only full pages are shared,
-nothing ever writes to a shared page. A sequence whose prompt logprobs are asked for reuses
+last token is always fed (its logits give the next token): when every page up to the one
+holding it is cached (the samples of one prompt, page-aligned), that token alone is fed and
+its keys and values, which the page holds already, are written to the scratch page instead
+(``Sequence.num_committed`` marks the pages fed tokens must not be written to). Since only
+full pages are shared, nothing ever writes to a shared page. A sequence whose prompt logprobs are asked for reuses
 nothing (``Sequence.prompt_logits``): its whole prompt is recomputed, since cached pages keep
 keys and values but no logits; the pages it fills are registered for the others as usual.
 
@@ -90,9 +92,9 @@ class BlockManager:
 
     def match(self, sequence: Sequence) -> list[int]:
         """Registered pages holding the sequence's leading full pages, in order (no side effect)."""
-        if not self.prefix_caching or sequence.prompt_logits:
+        reusable = self.reusable(sequence)
+        if not reusable:
             return []
-        reusable = (len(sequence.token_ids) - 1) // self.block_size
         self.hash_pages(sequence, reusable)
         hits: list[int] = []
         for page_hash in sequence.page_hashes[:reusable]:
@@ -101,6 +103,14 @@ class BlockManager:
                 break
             hits.append(page)
         return hits
+
+    def reusable(self, sequence: Sequence) -> int:
+        """How many of the sequence's leading full pages a cached copy may serve: every full
+        page (its last token is fed even so); none with prefix caching off or for a sequence
+        that wants its prompt's logits."""
+        if not self.prefix_caching or sequence.prompt_logits:
+            return 0
+        return len(sequence.token_ids) // self.block_size
 
     def can_admit(self, sequence: Sequence, hits: list[int]) -> bool:
         """Whether a sequence without pages fits, reusing ``hits`` (a cached hit leaves the free pool)."""
@@ -118,7 +128,7 @@ class BlockManager:
             self._refs[page] += 1
         sequence.block_table = list(hits)
         sequence.num_committed = len(hits)
-        sequence.num_cached = len(hits) * self.block_size
+        sequence.num_cached = min(len(hits) * self.block_size, len(sequence.token_ids) - 1)
         self._queried_tokens += len(sequence.token_ids)
         self._hit_tokens += sequence.num_cached
         self.grow(sequence, len(sequence.token_ids))

@@ -81,7 +81,7 @@ class StaticDecodeBatch:
     def batch(self, size: int) -> ForwardBatch:
         group = AttentionGroup(self.tables[:size], None, query_len=1, context_lens=self.lengths[:size])
         return ForwardBatch(
-            self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, None
+            self.longs[0, :size], self.longs[1, :size], self.longs[2, :size], self.last[:size], group, ()
         )
 
     def _views(self, size: int, turn: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -8,7 +8,8 @@ warm-up pass; on CPU it is ``kv_memory_fraction`` of the memory the OS reports a
 all, loading fails with the figures, not at the first request.
 
 The cache tensor is ``[layers, pages + 1, block_size, 2, kv_heads, head_dim]``: the extra last
-page is scratch, never handed out, for the padding rows of a CUDA graph replay to write to.
+page is scratch, never handed out, for the padding rows of a CUDA graph replay to write to,
+and the last token of a prompt read whole from the prefix cache (its own page is shared).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ head norms on q and k, a sliding window, experts) is switched on by its
 One forward pass runs a whole step of continuous batching: the new tokens of every scheduled
 sequence are flattened into ``T`` rows, so the projections and the MLP are single matrix
 products over the batch. Attention reads the cache: decode sequences (one query each) in one
-group, prefills (queries padded to the longest) in another. Projections are fused
+group, prefills in groups of like query lengths (queries padded to each group's longest). Projections are fused
 (q|k|v and gate|up) to save kernel launches; :mod:`engines.torch_backend.weights` maps
 Hugging Face parameter names onto them. Query heads are folded onto their key/value head
 (``[B, kv_heads, group * Q, head_dim]``), which is grouped-query attention without copying
@@ -58,7 +58,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] cache slot each token's key and value go to
     last_token_index: torch.Tensor  # [B (+ prompt rows)] the row whose logits sample each sequence's next token
     decode: AttentionGroup | None
-    prefill: AttentionGroup | None
+    prefill: tuple[AttentionGroup, ...]  # their rows follow the decode rows, group after group
 
 
 class RMSNorm(nn.Module):
@@ -119,9 +119,12 @@ class DecoderLayer(nn.Module):
             out.append(
                 self._attend_decode(query[: batch.decode.block_tables.shape[0]], kv_cache, batch.decode, kernels)
             )
-        if batch.prefill is not None:
-            decoded = 0 if batch.decode is None else batch.decode.block_tables.shape[0]
-            out.append(self._attend_prefill(query[decoded:], kv_cache, batch.prefill))
+        row = 0 if batch.decode is None else batch.decode.block_tables.shape[0]
+        for group in batch.prefill:
+            assert group.pad_index is not None, "a prefill group carries its padding index"
+            rows = group.pad_index.shape[0]
+            out.append(self._attend_prefill(query[row : row + rows], kv_cache, group))
+            row += rows
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _attend_decode(

@@ -66,6 +66,7 @@ class ModelRunner:
         self._rotary = rotary
         self._kv_cache: torch.Tensor | None = kv_cache
         self._cache_shape = tuple(kv_cache.shape)
+        self._scratch_slot = (kv_cache.shape[1] - 1) * block_size  # the first slot of the last page
         self._failures = failures  # fast-path pieces that failed to build, graph capture included
         self._max_batch, self._block_size = max_batch, block_size
         self._group_size = model.config.group_size  # query heads per key-value head
@@ -122,6 +123,7 @@ class ModelRunner:
             self.model.kernels.paged_decode is not None,
             earlier,
             self._sliding_window,
+            self._scratch_slot,
         )
         return ForwardInputs(batch, None, None)
 

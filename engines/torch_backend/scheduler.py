@@ -69,7 +69,10 @@ class Scheduler:
         """Tokens the waiting sequences will feed once admitted, less the prefix cached now."""
         blocks = self.blocks
         page = blocks.block_size
-        return sum(len(sequence.token_ids) - len(blocks.match(sequence)) * page for sequence in self.waiting)
+        return sum(
+            len(sequence.token_ids) - min(len(blocks.match(sequence)) * page, len(sequence.token_ids) - 1)
+            for sequence in self.waiting
+        )
 
     def remove(self, sequence: Sequence) -> None:
         """Finish or abort: the sequence leaves the scheduler and its pages are free at once."""
@@ -158,7 +161,11 @@ class Scheduler:
             sequence = waiting[0]
             hits = blocks.match(sequence)
             hashes = sequence.page_hashes
-            if len(hits) < len(hashes) and (hashes[len(hits)] in computing or hashes[len(hits)] in earlier):
+            # Deferred only for a page it could read from the cache (none for a sequence that
+            # wants its prompt's logits).
+            if len(hits) < blocks.reusable(sequence) and (
+                hashes[len(hits)] in computing or hashes[len(hits)] in earlier
+            ):
                 deferred.append(waiting.popleft())  # that page is being computed: read it next step
                 continue
             if admitted and len(sequence.token_ids) - len(hits) * blocks.block_size > budget:

@@ -8,7 +8,9 @@ import pytest
 
 from engines.backend import GenerationRequest, TokenOutput
 from engines.torch_backend.backend import TorchBackend
+from engines.torch_backend.batch import prefill_groups
 from engines.torch_backend.config import ModelConfig
+from engines.torch_backend.sequence import Sequence
 from tests.torch.reference import engine_options, hf_greedy, hf_model, random_weights, run_to_end
 
 SEED = 5
@@ -45,6 +47,48 @@ def test_greedy_tokens_with_a_shared_prefix_equal_transformers_with_and_without_
         assert (stats.hit_tokens > 0) is caching
     assert results[True] == expected
     assert results[False] == expected
+
+
+def test_a_step_prefilling_a_long_prompt_beside_cached_siblings_gives_each_transformers_tokens(
+    reference: object,
+) -> None:
+    """One step prefills a fresh 120-token prompt and two that read PREFIX's pages from the cache
+    (9 and 10 tokens fed): two attention groups, the siblings not padded to the long prompt."""
+    backend = TorchBackend(engine_options(model_seed=SEED))
+    tokens_of(backend, greedy("first", PREFIX))
+    prompts = {"long": [(5 * k + 1) % 256 for k in range(120)], "a": PREFIX + [1], "b": PREFIX + [2, 3]}
+    for rid, prompt in prompts.items():
+        backend.add(greedy(rid, prompt))
+    scheduled = backend.scheduler.schedule()
+    assert [[s.num_new for s in group] for group in prefill_groups(scheduled.prefill)] == [[120], [10, 9]]
+    backend.scheduler.preempt_all()  # schedule again, inside the backend's step
+    expected = {rid: hf_greedy(reference, prompt, 10) for rid, prompt in prompts.items()}
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while backend.has_work():
+        for output in backend._step():
+            got[output.request_id] += output.new_tokens
+    assert got == expected
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_read_whole_from_the_cache_feeds_its_last_token_and_gives_transformers_tokens(
+    reference: object, overlap: bool
+) -> None:
+    """Two whole pages cached: the samples that follow feed one token each, whose keys go to
+    the scratch page, and leave the shared pages as they were for the next reader."""
+    backend = TorchBackend(engine_options(model_seed=SEED, overlap_steps=overlap))
+    prompt = PREFIX[:32]
+    expected = hf_greedy(reference, prompt, 10)
+    assert tokens_of(backend, greedy("first", prompt)) == {"first": expected}
+    cache = backend.runner.kv_cache
+    assert cache is not None
+    before = cache.clone()
+    assert tokens_of(backend, greedy("a", prompt), greedy("b", prompt)) == {"a": expected, "b": expected}
+    changed = (cache != before).any(dim=(0, 2, 3, 4, 5)).nonzero().flatten().tolist()
+    shared = backend.scheduler.blocks.match(Sequence.from_prompt("probe", prompt))
+    assert len(shared) == 2 and changed and not set(changed) & set(shared)  # the samples' own pages changed
+    assert tokens_of(backend, greedy("last", prompt)) == {"last": expected}
+    assert backend.prefix_cache_stats().hit_tokens == 3 * 31
 
 
 def test_a_follow_up_turn_reuses_the_generated_tokens_pages(reference: object) -> None:
@@ -103,13 +147,14 @@ def _mixed_requests(stop: str) -> list[GenerationRequest]:
 
 
 def test_overlapped_steps_give_the_same_outputs() -> None:
-    plain = TorchBackend(engine_options(model_seed=SEED, overlap_steps=False))
+    first = TorchBackend(engine_options(model_seed=SEED, overlap_steps=False))
     free = "".join(
         output.text
-        for output in run_to_end(plain, GenerationRequest("f", "Once upon a time", max_tokens=30, seed=4))["f"]
+        for output in run_to_end(first, GenerationRequest("f", "Once upon a time", max_tokens=30, seed=4))["f"]
     )
     start = next(i for i in range(6, len(free) - 1) if "\ufffd" not in free[i : i + 2])
     stop = free[start : start + 2]
+    plain = TorchBackend(engine_options(model_seed=SEED, overlap_steps=False))  # its cache cold, as the other's
     expected = run_to_end(plain, *_mixed_requests(stop))
     assert expected["stopped"][-1].finish_reason == "stop" and len(expected["stopped"]) < 30
     overlapped = TorchBackend(engine_options(model_seed=SEED, overlap_steps=True))

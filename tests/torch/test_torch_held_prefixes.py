@@ -173,6 +173,22 @@ def test_a_sibling_launched_ahead_waits_one_more_schedule_for_the_pages_in_fligh
     assert b.status is SequenceStatus.RUNNING and b.num_cached == 32
 
 
+def test_siblings_of_a_page_aligned_prompt_read_all_its_pages_and_feed_its_last_token() -> None:
+    """A prompt of whole pages (hashed to its last page, as a request carrying prefix hashes is):
+    the siblings wait for every page of it, then each feeds the last token alone."""
+    scheduler = Scheduler(BlockManager(64, PAGE), max_batch=8, max_prefill_tokens=4096)
+    prompt = list(range(2 * PAGE))
+    sequences = [Sequence.from_prompt(f"s{n}", prompt) for n in range(4)]
+    for sequence in sequences:
+        scheduler.blocks.hash_pages(sequence, 2)
+        scheduler.add(sequence)
+    assert scheduler.schedule().prefill == sequences[:1] and scheduler.num_deferred == 3
+    record_token(sequences[0], 0, scheduler.blocks)
+    second = scheduler.schedule()
+    assert second.prefill == sequences[1:] and all(s.num_new == 1 for s in sequences[1:])
+    assert scheduler.num_deferred == 3
+
+
 def test_prompts_sharing_no_page_are_admitted_together() -> None:
     scheduler = Scheduler(BlockManager(64, PAGE), max_batch=8, max_prefill_tokens=4096)
     sequences = [Sequence.from_prompt(f"s{n}", [n] * 40) for n in range(3)]

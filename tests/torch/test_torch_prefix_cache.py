@@ -52,15 +52,18 @@ def test_a_second_request_reuses_the_full_pages_of_the_first() -> None:
     assert 0.38 < stats.hit_rate < 0.39
 
 
-def test_the_last_token_is_always_fed() -> None:
+def test_a_prompt_read_whole_from_the_cache_feeds_its_last_token_alone() -> None:
     scheduler = make()
     prompt = list(range(8))  # exactly two pages
-    run_to_end(scheduler, Sequence.from_prompt("a", prompt))
+    first = Sequence.from_prompt("a", prompt)
+    run_to_end(scheduler, first)
     again = Sequence.from_prompt("b", prompt)
     scheduler.add(again)
     scheduler.schedule()
-    assert again.num_cached == 4 and again.num_new == 4  # the second page is recomputed into a page of its own
-    assert again.block_table[0] != again.block_table[1]
+    assert again.num_cached == 7 and again.num_new == 1  # its logits give the next token
+    assert again.num_committed == 2  # both pages shared: the fed token's keys go to the scratch page
+    stats = scheduler.blocks.stats()
+    assert (stats.queried_tokens, stats.hit_tokens) == (16, 7)
 
 
 def test_prompts_that_diverge_share_the_pages_before_the_divergence() -> None:
@@ -191,10 +194,11 @@ def test_reused_pages_always_hold_the_tokens_their_readers_expect(prompts: list[
         if action == "step":
             batch = scheduler.schedule()
             for sequence in batch.sequences:
-                assert sequence.num_cached % block_size == 0 or sequence in batch.decode
-                for position in range(sequence.num_cached):
+                assert sequence.num_cached % block_size == 0 or sequence in batch.decode or sequence.num_new == 1
+                shared = sequence.num_committed * block_size  # a fed token there goes to the scratch page
+                for position in range(max(sequence.num_cached, shared)):
                     assert contents.get(sequence.slot(position, block_size)) == sequence.token_ids[position]
-                for position in range(sequence.num_cached, len(sequence.token_ids)):
+                for position in range(max(sequence.num_cached, shared), len(sequence.token_ids)):
                     contents[sequence.slot(position, block_size)] = sequence.token_ids[position]
                 record_token(sequence, len(sequence.token_ids) % 3, scheduler.blocks)
         elif action == "add" and pending:
