@@ -23,6 +23,8 @@ Which coordinator counter feeds which metric:
   ``dpcoord_engines_silent_total``
 - every counter, by its name → ``dpcoord_coordinator_events_total{event}``, so counters added
   to the coordinator are exported without a change here
+
+The block index (``coordinator.blocks``) gives ``dpcoord_kv_index_{engines,entries,prefixes,predictions}``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from service.ops.metrics import codes_of, histogram_family, nats_families
 from service.protocol.state import CoordinatorState
 
 if TYPE_CHECKING:
+    from service.coordinator.block_index import BlockIndex
     from service.coordinator.coordinator import Coordinator
 
 
@@ -141,6 +144,8 @@ class CoordinatorCollector(Collector):
         yield per_engine
         yield capacity
 
+        yield from _kv_index_families(coordinator.blocks)
+
         state = GaugeMetricFamily(
             "dpcoord_coordinator_state", "1 for the coordinator's current state", labels=["state"]
         )
@@ -169,3 +174,24 @@ class CoordinatorCollector(Collector):
             coordinator.latency.first_token,
         )
         yield from nats_families(coordinator.nc)
+
+
+def _kv_index_families(index: BlockIndex) -> Iterator[Metric]:
+    """The block index's size against its bound (``kv_index_size``), for ``cache_aware`` routing."""
+    for name, text, count in (
+        ("dpcoord_kv_index_engines", "Engines whose KV events feed this coordinator's block index", len(index.engines)),
+        (
+            "dpcoord_kv_index_entries",
+            "(engine, prefix) pairs the block index holds from KV events; at most kv_index_size",
+            index.entries,
+        ),
+        ("dpcoord_kv_index_prefixes", "Prompt prefixes the block index knows, held or predicted", len(index)),
+        (
+            "dpcoord_kv_index_predictions",
+            "Routing's predictions alive: prompts counted as held on route",
+            index.predictions,
+        ),
+    ):
+        gauge = GaugeMetricFamily(name, text)
+        gauge.add_metric([], count)
+        yield gauge

@@ -25,6 +25,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from handlers import HANDLERS
 from service.client import DpcoordClient
 from service.coordinator.coordinator import Coordinator
+from service.coordinator.metrics import CoordinatorCollector
 from service.ops.settings import Settings
 from service.protocol.messages import SubmitEnvelope
 from service.protocol.prefix import TOKENS_PER_BLOCK, prefix_hashes
@@ -75,6 +76,32 @@ async def test_requests_go_where_the_kv_events_say_the_prefix_is(
     await doubles[1].hold(shared)
     await until(lambda: knows(coordinator, "kv1", shared))
     assert await served_by(settings, [prompt(64, 1, seed) for seed in range(4)]) == ["kv1"] * 4
+
+
+async def test_the_coordinators_metrics_give_the_block_index_size(
+    coordinator: Coordinator, doubles: list[KvEngineDouble]
+) -> None:
+    def gauges() -> dict[str, float]:
+        return {
+            family.name: family.samples[0].value
+            for family in CoordinatorCollector(coordinator).collect()
+            if family.name.startswith("dpcoord_kv_index_")
+        }
+
+    assert gauges() == dict.fromkeys(
+        ("dpcoord_kv_index_entries", "dpcoord_kv_index_prefixes", "dpcoord_kv_index_predictions"), 0
+    ) | {"dpcoord_kv_index_engines": 3}
+    shared = prompt(64, own=0)
+    await doubles[0].hold(shared)
+    await doubles[1].hold(shared)
+    await until(lambda: knows(coordinator, "kv0", shared) and knows(coordinator, "kv1", shared))
+    held = len(prefix_hashes(shared))
+    assert gauges() == {
+        "dpcoord_kv_index_engines": 3,
+        "dpcoord_kv_index_entries": 2 * held,
+        "dpcoord_kv_index_prefixes": held,
+        "dpcoord_kv_index_predictions": 0,
+    }
 
 
 async def test_a_gap_in_the_numbering_is_answered_by_a_snapshot(
