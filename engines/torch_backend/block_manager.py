@@ -112,6 +112,11 @@ class BlockManager:
             return 0
         return len(sequence.token_ids) // self.block_size
 
+    def cached_length(self, sequence: Sequence, hits: list[int]) -> int:
+        """The tokens of ``sequence`` its cached pages ``hits`` spare it feeding: all they hold
+        but its last token, which is always fed."""
+        return min(len(hits) * self.block_size, len(sequence.token_ids) - 1)
+
     def can_admit(self, sequence: Sequence, hits: list[int]) -> bool:
         """Whether a sequence without pages fits, reusing ``hits`` (a cached hit leaves the free pool)."""
         revived = sum(1 for page in hits if self._refs[page] == 0)
@@ -128,7 +133,7 @@ class BlockManager:
             self._refs[page] += 1
         sequence.block_table = list(hits)
         sequence.num_committed = len(hits)
-        sequence.num_cached = min(len(hits) * self.block_size, len(sequence.token_ids) - 1)
+        sequence.num_cached = self.cached_length(sequence, hits)
         self._queried_tokens += len(sequence.token_ids)
         self._hit_tokens += sequence.num_cached
         self.grow(sequence, len(sequence.token_ids))

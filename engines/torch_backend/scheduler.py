@@ -68,9 +68,8 @@ class Scheduler:
     def queued_tokens(self) -> int:
         """Tokens the waiting sequences will feed once admitted, less the prefix cached now."""
         blocks = self.blocks
-        page = blocks.block_size
         return sum(
-            len(sequence.token_ids) - min(len(blocks.match(sequence)) * page, len(sequence.token_ids) - 1)
+            len(sequence.token_ids) - blocks.cached_length(sequence, blocks.match(sequence))
             for sequence in self.waiting
         )
 
@@ -168,7 +167,7 @@ class Scheduler:
             ):
                 deferred.append(waiting.popleft())  # that page is being computed: read it next step
                 continue
-            if admitted and len(sequence.token_ids) - len(hits) * blocks.block_size > budget:
+            if admitted and len(sequence.token_ids) - blocks.cached_length(sequence, hits) > budget:
                 break
             if not blocks.can_admit(sequence, hits):
                 break
