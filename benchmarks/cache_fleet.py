@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
 import uuid
@@ -20,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from benchmarks.common import stop_processes
 from benchmarks.proc_cpu import cpu_seconds
 from service.bus.server import EmbeddedNatsServer
 from service.protocol.subjects import Subjects
@@ -60,8 +60,7 @@ class CacheFleet:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self._stop_coordinator()
-        for process in self._engines:
-            await _stop(process)
+        await stop_processes(self._engines, 30)
         if self._nc is not None:
             await self._nc.close()
         if self._server is not None:
@@ -146,15 +145,5 @@ class CacheFleet:
 
     async def _stop_coordinator(self) -> None:
         if self._coordinator is not None:
-            await _stop(self._coordinator)
+            await stop_processes([self._coordinator], 30)
             self._coordinator = None
-
-
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), 30)
-    except TimeoutError:
-        process.kill()
-        await process.wait()

@@ -1,13 +1,16 @@
 """What the benchmarks share: where their results go, the machine they ran on, the
-nearest-rank percentile of their latencies, and another revision's code to measure beside this
-checkout's."""
+nearest-rank percentile of their latencies, another revision's code to measure beside this
+checkout's, and how the processes they start are stopped."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import platform
+import signal
 import subprocess
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -52,3 +55,17 @@ def extract(revision: str, into: Path) -> Path:
     )
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into
+
+
+async def stop_processes(processes: Iterable[asyncio.subprocess.Process], timeout_s: float) -> None:
+    """SIGTERM to every one still running, then each waited for ``timeout_s`` and killed past it."""
+    processes = list(processes)
+    for process in processes:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            process.kill()
+            await process.wait()

@@ -39,6 +39,7 @@ import torch
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from benchmarks.common import stop_processes
 from benchmarks.engine_workloads import (
     greedy_requests,
     run_engine,
@@ -129,15 +130,7 @@ class Stack:
     async def _stop(self) -> None:
         if self.client is not None:
             await self.client.close()
-        for child in self.children.values():
-            if child.returncode is None:
-                child.terminate()
-        for child in self.children.values():
-            try:
-                await asyncio.wait_for(child.wait(), 30)
-            except TimeoutError:
-                child.kill()
-                await child.wait()
+        await stop_processes(self.children.values(), 30)
         self.server.stop()
 
     async def _connect(self) -> DpcoordClient:

@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from benchmarks.common import percentile
+from benchmarks.common import percentile, stop_processes
 from benchmarks.fleet_workload import Workload
 from benchmarks.load import Target, pipelined
 from benchmarks.offered_load import offer
@@ -150,14 +149,8 @@ class FleetBench:
 
     @staticmethod
     async def stop(fleet: RunningFleet) -> None:
-        for process in (fleet.host, fleet.coordinator):
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        for process in (fleet.host, fleet.coordinator):  # the engines first, one after the other
+            await stop_processes([process], 30)
 
     # ------------------------------------------------------------ measurements
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sys
 import time
 import uuid
@@ -19,6 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from benchmarks.common import stop_processes
 from benchmarks.http_load import wait_listening
 from benchmarks.raw_peers import Subjects as RawSubjects
 from service.bus.server import EmbeddedNatsServer
@@ -64,15 +64,7 @@ class BenchStack:
     async def __aexit__(self, *exc_info: object) -> None:
         if self._nc is not None:
             await self._nc.close()
-        for child in self._children:
-            if child.returncode is None:
-                child.send_signal(signal.SIGTERM)
-        for child in self._children:
-            try:
-                await asyncio.wait_for(child.wait(), 10)
-            except TimeoutError:
-                child.kill()
-                await child.wait()
+        await stop_processes(self._children, 10)
         if self.server is not None:
             self.server.close()
 

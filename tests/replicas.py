@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from benchmarks.common import stop_processes
 from service.coordinator.shared_state import bucket_name
 from service.ops.settings import Settings
 from service.protocol.state import ControlRecord
@@ -134,15 +135,7 @@ class ReplicaSet:
         return status, "\n".join(self.logs[coordinator_id])
 
     async def close(self) -> None:
-        for process in self.processes.values():
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                await asyncio.wait_for(process.wait(), 15)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_processes(self.processes.values(), 15)
         await asyncio.gather(*self._readers.values(), return_exceptions=True)
 
     # ------------------------------------------------------------ the bucket, read directly
@@ -183,12 +176,4 @@ class EngineSet:
         self.processes[engine_id].send_signal(signal.SIGKILL)
 
     async def close(self) -> None:
-        for process in self.processes.values():
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                await asyncio.wait_for(process.wait(), 15)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_processes(self.processes.values(), 15)
